@@ -1,0 +1,100 @@
+"""PisaConfig: the validated options of PISA attention and of the ``pisa`` backend."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+__all__ = ["PisaConfig"]
+
+LEAF_SCORINGS = ("pooled", "exact")
+KERNELS = ("auto", "triton", "reference")
+
+
+def _is_pow2(x: int) -> bool:
+    return x > 0 and (x & (x - 1)) == 0
+
+
+def _check_int(name: str, value: Any, lo: int, hi: Optional[int] = None, pow2: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"PisaConfig.{name} must be an int, got {type(value).__name__} {value!r}")
+    rng = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
+    if value < lo or (hi is not None and value > hi) or (pow2 and not _is_pow2(value)):
+        what = "a power of two in " + rng if pow2 else "in " + rng
+        raise ValueError(f"PisaConfig.{name} must be {what}, got {value}")
+
+
+@dataclass(frozen=True)
+class PisaConfig:
+    """Options of PISA (Pyramid Top-K Sparse Attention); see ``DESIGN.md``, "The algorithm".
+
+    Args:
+        block_size: keys per leaf block ``C`` (power of two, 4..1024). Default 64.
+        top_k: scored leaf blocks each query tile attends, on top of the forced blocks (>= 1).
+        branching: children per pyramid node ``g`` (2..16).
+        beam: nodes kept per pyramid level; ``None`` means ``top_k``. Must be >= ``top_k``.
+        sink_blocks: leading leaf blocks every tile attends (>= 0).
+        local_blocks: leaf blocks holding the tile's own positions, plus ``local_blocks - 1``
+            before them, always attended in self-attention (>= 0; causal needs >= 1).
+        query_tile: consecutive queries ``Tq`` that share one selection (power of two, 1..1024).
+            A tile has ``Tq * G`` rows (``G`` query heads per KV head).
+        leaf_scoring: ``"pooled"`` (``scale*q.mu + log n``) or ``"exact"`` (LSE over the
+            leaf's visible keys).
+        min_seq_len: below this many keys the op is plain SDPA (>= 0).
+        kernel: ``"auto"`` (Triton on CUDA, reference elsewhere), ``"triton"`` (also the
+            Triton interpreter on CPU, for tests) or ``"reference"`` (PyTorch only).
+
+    Raises:
+        ValueError: a field is out of range; the message names the field and the range.
+    """
+
+    block_size: int = 64
+    top_k: int = 16
+    branching: int = 2
+    beam: Optional[int] = None
+    sink_blocks: int = 1
+    local_blocks: int = 2
+    query_tile: int = 64
+    leaf_scoring: str = "pooled"
+    min_seq_len: int = 2048
+    kernel: str = "auto"
+
+    def __post_init__(self) -> None:
+        _check_int("block_size", self.block_size, 4, 1024, pow2=True)
+        _check_int("top_k", self.top_k, 1)
+        _check_int("branching", self.branching, 2, 16)
+        if self.beam is not None:
+            _check_int("beam", self.beam, 1)
+            if self.beam < self.top_k:
+                raise ValueError(
+                    f"PisaConfig.beam must be None or >= top_k ({self.top_k}), got {self.beam}"
+                )
+        _check_int("sink_blocks", self.sink_blocks, 0)
+        _check_int("local_blocks", self.local_blocks, 0)
+        _check_int("query_tile", self.query_tile, 1, 1024, pow2=True)
+        _check_int("min_seq_len", self.min_seq_len, 0)
+        if self.leaf_scoring not in LEAF_SCORINGS:
+            raise ValueError(
+                f"PisaConfig.leaf_scoring must be one of {LEAF_SCORINGS}, got {self.leaf_scoring!r}"
+            )
+        if self.kernel not in KERNELS:
+            raise ValueError(f"PisaConfig.kernel must be one of {KERNELS}, got {self.kernel!r}")
+
+    @property
+    def effective_beam(self) -> int:
+        """``beam``, with ``None`` resolved to ``top_k``."""
+        return self.top_k if self.beam is None else self.beam
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_options(cls, options: Optional[Mapping[str, Any]]) -> "PisaConfig":
+        """Build a config from the PISA keys of ``options``; other keys are ignored here."""
+        options = options or {}
+        return cls(**{k: v for k, v in options.items() if k in cls.field_names()})
+
+    def replace(self, **changes: Any) -> "PisaConfig":
+        return dataclasses.replace(self, **changes)

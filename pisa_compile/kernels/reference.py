@@ -1,0 +1,606 @@
+"""PISA in plain PyTorch: the oracle for every Triton kernel, and the CPU path.
+
+Follows DESIGN.md "The algorithm". Everything is computed in query-tile chunks, so memory
+grows as O(N * top_k * block_size) (plus the user's mask, if one is given), never O(N^2).
+
+Notation: ``B`` batch, ``Hq`` query heads, ``Hkv`` KV heads, ``G = Hq / Hkv``, ``Tq =
+query_tile``, ``C = block_size``, ``L = ceil(Nk / C)`` leaves, ``T = ceil(Nq / Tq)`` tiles,
+``R = G * Tq`` rows per tile, ``g = branching``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ..config import PisaConfig
+
+# Leaf states of one leaf for one tile.
+DEAD, NONE, PARTIAL, CLEAN = 0, 1, 2, 3
+# Elements of one chunk's largest temporary; bounds CPU memory per step.
+_CHUNK_ELEMS = 1 << 24
+
+
+def max_local_blocks(config: PisaConfig) -> int:
+    """Most local leaves one tile can force: ``local_blocks - 1`` plus the tile's span."""
+    if config.local_blocks == 0:
+        return 0
+    span = (config.query_tile + config.block_size - 2) // config.block_size + 1
+    return config.local_blocks - 1 + span
+
+
+def _acc_dtype(x: Tensor) -> torch.dtype:
+    """float32 accumulation, float64 for float64 inputs (the oracle must not lose precision)."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+# -- masks ----------------------------------------------------------------------------------
+
+def mask_parts(attn_mask: Optional[Tensor]) -> tuple[Optional[Tensor], Optional[Tensor]]:
+    """Split an SDPA mask into ``allowed`` (bool, True = attend) and a float ``bias``.
+
+    A float entry of ``-inf`` or at or below ``finfo.min / 2`` counts as masked (HF's way).
+    Shapes are kept as given (4-D, broadcastable to ``[B, Hq, Nq, Nk]``).
+    """
+    if attn_mask is None:
+        return None, None
+    if attn_mask.dtype == torch.bool:
+        return attn_mask, None
+    allowed = attn_mask > torch.finfo(attn_mask.dtype).min / 2
+    return allowed, attn_mask
+
+
+def _grouped(m: Tensor, B: int, Hkv: int, G: int) -> Tensor:
+    """A 4-D ``[Bm, Hm, Nq, Nk]`` mask as ``[B, h, gm, Nq, Nk]`` (a view; ``h*gm`` is 1 or Hq)."""
+    Bm, Hm = m.shape[0], m.shape[1]
+    m = m.expand(B, Hm, m.shape[2], m.shape[3])
+    if Hm == 1:
+        return m.unsqueeze(1)
+    return m.reshape(B, Hkv, G, m.shape[2], m.shape[3])
+
+
+@dataclass
+class _Problem:
+    """Shapes and the visibility rules of one call, shared by selection and attention."""
+
+    B: int
+    Hq: int
+    Hkv: int
+    G: int
+    Nq: int
+    Nk: int
+    D: int
+    C: int
+    Tq: int
+    T: int
+    L: int
+    is_causal: bool
+    allowed: Optional[Tensor]  # [B, h, gm, Nq, Nk] bool view, or None
+    bias: Optional[Tensor]  # same layout, float, or None
+    offset: Optional[int]  # query i sits at key position i + offset; None: no local blocks
+
+    @staticmethod
+    def make(q: Tensor, k: Tensor, attn_mask: Optional[Tensor], is_causal: bool,
+             config: PisaConfig) -> "_Problem":
+        B, Hq, Nq, D = q.shape
+        Hkv, Nk = k.shape[1], k.shape[2]
+        G = Hq // Hkv
+        allowed, bias = mask_parts(attn_mask)
+        if allowed is not None:
+            allowed = _grouped(allowed, B, Hkv, G)
+            bias = None if bias is None else _grouped(bias, B, Hkv, G)
+        if is_causal:
+            offset = 0
+        elif Nq <= Nk:
+            offset = Nk - Nq  # self-attention or a KV cache: queries are the last positions
+        else:
+            offset = None  # cross-attention: no local blocks
+        C, Tq = config.block_size, config.query_tile
+        return _Problem(B, Hq, Hkv, G, Nq, Nk, D, C, Tq, _cdiv(Nq, Tq), _cdiv(Nk, C),
+                        is_causal, allowed, bias, offset)
+
+    def visible(self, q_pos: Tensor, k_pos: Tensor, t0: int, t1: int) -> Tensor:
+        """Visibility ``[B, h, gm, tiles, Tq, n_keys]`` for tiles ``[t0, t1)``.
+
+        ``q_pos``: ``[tiles, Tq]`` query positions; ``k_pos``: ``[B, Hkv, tiles, n_keys]`` key
+        positions (-1 = padding). Positions beyond ``Nq``/``Nk`` are invisible.
+        """
+        kp = k_pos[:, :, :, None, :]
+        qp = q_pos[None, None, :, :, None]
+        ok = (kp >= 0) & (kp < self.Nk) & (qp < self.Nq)
+        if self.is_causal:
+            ok = ok & (kp <= qp)
+        ok = ok.unsqueeze(2)  # gm axis
+        if self.allowed is not None:
+            ok = ok & self._gather_mask(self.allowed, k_pos, t0, t1, False)
+        return ok
+
+    def bias_at(self, k_pos: Tensor, t0: int, t1: int) -> Optional[Tensor]:
+        if self.bias is None:
+            return None
+        return self._gather_mask(self.bias, k_pos, t0, t1, 0.0)
+
+    def _gather_mask(self, m: Tensor, k_pos: Tensor, t0: int, t1: int, fill) -> Tensor:
+        q0, q1 = t0 * self.Tq, min(t1 * self.Tq, self.Nq)
+        rows = m[:, :, :, q0:q1]  # [B, h, gm, nq, Nk]
+        pad = (t1 - t0) * self.Tq - (q1 - q0)
+        if pad:
+            rows = torch.cat([rows, rows.new_full(rows.shape[:3] + (pad, rows.shape[4]), fill)], 3)
+        B, h, gm = rows.shape[:3]
+        rows = rows.reshape(B, h, gm, t1 - t0, self.Tq, self.Nk)
+        rows = rows.expand(B, self.Hkv, gm, t1 - t0, self.Tq, self.Nk)  # a view when h == 1
+        idx = k_pos.clamp(0, self.Nk - 1)  # [B, Hkv, tiles, n]
+        idx = idx[:, :, None, :, None, :].expand(B, self.Hkv, gm, t1 - t0, self.Tq, idx.shape[-1])
+        return torch.gather(rows, 5, idx)
+
+
+# -- leaf states and the pyramid -------------------------------------------------------------
+
+def _tile_chunks(T: int, per_tile: int):
+    step = max(1, _CHUNK_ELEMS // max(1, per_tile))
+    for t0 in range(0, T, step):
+        yield t0, min(T, t0 + step)
+
+
+def leaf_states(p: _Problem) -> tuple[Tensor, Tensor]:
+    """Per tile and leaf, how the tile's rows see the leaf; and which keys are pooled.
+
+    Returns:
+        states: int8 ``[B, Hkv or 1, T, L]``: DEAD (no live key), NONE (live keys, none
+            visible to the tile), PARTIAL (some live key hidden from some valid row), CLEAN
+            (every live key visible to every valid row). A row is valid if it sees any key.
+        key_live: bool ``[B, Hkv or 1, Nk]``: keys some query may see (DESIGN.md "Leaves").
+    """
+    dev = p.allowed.device if p.allowed is not None else None
+    q_tile = torch.arange(p.T * p.Tq, device=dev).view(p.T, p.Tq)
+    leaf = torch.arange(p.L, device=dev)
+    if p.allowed is None:
+        # Analytic: no explicit mask, so visibility is the causal rule alone.
+        key_pos = torch.arange(p.Nk, device=dev)
+        key_live = (key_pos < p.Nq) if p.is_causal else torch.ones_like(key_pos, dtype=torch.bool)
+        first = leaf * p.C
+        last_live = torch.clamp(torch.minimum((leaf + 1) * p.C, torch.tensor(p.Nk)) - 1,
+                                max=(p.Nq - 1) if p.is_causal else p.Nk)
+        q0 = q_tile[:, 0].clamp(max=p.Nq - 1)[:, None]
+        q1 = (q_tile[:, -1].clamp(max=p.Nq - 1))[:, None]
+        dead = (first > last_live)[None, :]
+        if p.is_causal:
+            clean = last_live[None, :] <= q0
+            none = first[None, :] > q1
+        else:
+            clean = torch.ones(p.T, p.L, dtype=torch.bool)
+            none = torch.zeros(p.T, p.L, dtype=torch.bool)
+        states = torch.where(dead, DEAD, torch.where(clean, CLEAN, torch.where(none, NONE, PARTIAL)))
+        return states.to(torch.int8)[None, None], key_live[None, None]
+
+    a = p.allowed  # [B, h, gm, Nq, Nk]
+    B, h, gm = a.shape[:3]
+    key_live = a.any(3).any(2)  # [B, h, Nk]
+    pad_k = p.L * p.C - p.Nk
+    live_pad = torch.nn.functional.pad(key_live, (0, pad_k))
+    n_live = live_pad.view(B, h, p.L, p.C).sum(-1)  # [B, h, L]
+    states = torch.empty(B, h, p.T, p.L, dtype=torch.int8, device=a.device)
+    for t0, t1 in _tile_chunks(p.T, B * h * gm * p.Tq * (p.Nk + pad_k)):
+        q0, q1 = t0 * p.Tq, min(t1 * p.Tq, p.Nq)
+        rows = a[:, :, :, q0:q1]
+        rows = torch.nn.functional.pad(rows, (0, pad_k, 0, (t1 - t0) * p.Tq - (q1 - q0)))
+        rows = rows.view(B, h, gm, t1 - t0, p.Tq, p.L, p.C)
+        row_valid = rows.any(-1).any(-1)  # [B, h, gm, t, Tq]
+        vis = (rows & row_valid[..., None, None]).sum(-1).sum(4).sum(2)  # [B, h, t, L]
+        n_rows = row_valid.sum(4).sum(2)  # [B, h, t]
+        full = n_rows[..., None] * n_live[:, :, None, :]
+        st = torch.full_like(vis, PARTIAL)
+        st = torch.where(vis == full, CLEAN, st)
+        st = torch.where(vis == 0, NONE, st)
+        st = torch.where(n_live[:, :, None, :] == 0, DEAD, st)
+        states[:, :, t0:t1] = st.to(torch.int8)
+    return states, key_live
+
+
+def build_pyramid(k: Tensor, key_live: Tensor, config: PisaConfig) -> tuple[list[Tensor], list[Tensor]]:
+    """Leaf summaries and every level above, in float32 (DESIGN.md "Leaves and pyramid").
+
+    Args:
+        k: ``[B, Hkv, Nk, D]``. key_live: bool ``[B, Hkv or 1, Nk]``.
+
+    Returns:
+        ``mus[l]``: ``[B, Hkv, n_l, D]`` count-weighted mean keys of level ``l`` (0 = leaves);
+        ``counts[l]``: ``[B, Hkv, n_l]`` live keys under each node. The last level is the
+        finest one with at most ``branching * beam`` nodes.
+    """
+    B, Hkv, Nk, D = k.shape
+    C, g = config.block_size, config.branching
+    L = _cdiv(Nk, C)
+    w = key_live.expand(B, Hkv, Nk).to(torch.float32)
+    pad = L * C - Nk
+    kw = torch.nn.functional.pad(k.float() * w[..., None], (0, 0, 0, pad))
+    sums = kw.view(B, Hkv, L, C, D).sum(3)
+    n = torch.nn.functional.pad(w, (0, pad)).view(B, Hkv, L, C).sum(3)
+    mus, counts = [sums / n.clamp(min=1)[..., None]], [n]
+    while counts[-1].shape[-1] > g * config.effective_beam:
+        m = counts[-1].shape[-1]
+        pad = _cdiv(m, g) * g - m
+        s = torch.nn.functional.pad(mus[-1] * counts[-1][..., None], (0, 0, 0, pad))
+        s = s.view(B, Hkv, -1, g, D).sum(3)
+        c = torch.nn.functional.pad(counts[-1], (0, pad)).view(B, Hkv, -1, g).sum(3)
+        mus.append(s / c.clamp(min=1)[..., None])
+        counts.append(c)
+    return mus, counts
+
+
+# -- selection --------------------------------------------------------------------------------
+
+def _forced_ranges(p: _Problem, config: PisaConfig, t: Tensor) -> tuple[int, Tensor, Tensor]:
+    """Sink leaves ``[0, n_sink)`` and local leaves ``[lo, hi]`` per tile ``t`` (lo > hi: none)."""
+    n_sink = min(config.sink_blocks, p.L)
+    if p.offset is None or config.local_blocks == 0:
+        return n_sink, torch.full_like(t, p.L + 1), torch.full_like(t, -1)
+    q0 = t * p.Tq
+    q1 = torch.clamp((t + 1) * p.Tq, max=p.Nq) - 1
+    p0 = torch.clamp(q0 + p.offset, max=p.Nk - 1)
+    p1 = torch.clamp(q1 + p.offset, max=p.Nk - 1)
+    hi = p1 // p.C
+    lo = torch.clamp(p0 // p.C - (config.local_blocks - 1), min=0)
+    return n_sink, lo, hi
+
+
+def _node_flags(states: Tensor, g: int, levels: int) -> list[tuple[Tensor, Tensor]]:
+    """Per level, ``(any_visible, any_bad)`` over each node's leaves, ``[B, h, T, n_l]``."""
+    vis = (states == CLEAN) | (states == PARTIAL)
+    bad = (states == PARTIAL) | (states == NONE)
+    out = [(vis, bad)]
+    for _ in range(levels - 1):
+        v, b = out[-1]
+        m = v.shape[-1]
+        pad = _cdiv(m, g) * g - m
+        v = torch.nn.functional.pad(v, (0, pad)).view(*v.shape[:-1], -1, g).any(-1)
+        b = torch.nn.functional.pad(b, (0, pad)).view(*b.shape[:-1], -1, g).any(-1)
+        out.append((v, b))
+    return out
+
+
+def _lse_scores(qr: Tensor, mu: Tensor, cnt: Tensor, scale: float) -> Tensor:
+    """``scale * q . mu + log n`` for rows ``qr [..., R, D]`` and nodes ``mu [..., P, D]``."""
+    s = torch.matmul(qr, mu.transpose(-1, -2)) * scale
+    return s + torch.log(cnt).unsqueeze(-2)
+
+
+def select_blocks(q: Tensor, k: Tensor, attn_mask: Optional[Tensor], is_causal: bool, scale: float,
+                  config: PisaConfig) -> tuple[Tensor, Tensor]:
+    """Coarse-to-fine top-K leaf selection per query tile (DESIGN.md "Coarse-to-fine selection").
+
+    Args:
+        q: ``[B, Hq, Nq, D]``; k: ``[B, Hkv, Nk, D]``; attn_mask: 4-D bool/float or None.
+        scale: softmax scale (float). config: the PISA options.
+
+    Returns:
+        ``block_indices`` int32 ``[B, Hkv, T, M]`` (ascending, -1 padded; forced leaves
+        included) and ``block_counts`` int32 ``[B, Hkv, T]``.
+    """
+    from .dispatch import max_blocks  # the one definition of the output width
+
+    p = _Problem.make(q, k, attn_mask, is_causal, config)
+    g, beam, top_k = config.branching, config.effective_beam, config.top_k
+    dev = q.device
+    states, key_live = leaf_states(p)
+    states = states.to(dev)
+    mus, counts = build_pyramid(k, key_live.to(dev), config)
+    n_levels = len(mus)
+    flags = _node_flags(states, g, n_levels)
+    M = max_blocks(p.Nq, p.Nk, config)
+    n_forced = min(config.sink_blocks, p.L) + max_local_blocks(config)
+    e_max = n_forced + beam  # expanded nodes kept per level; past it the excess is dropped
+    P = g * (beam + e_max)
+    R = p.G * p.Tq
+
+    # Rows of each tile: [B, Hkv, T, R, D] with row r = (head g_, query i).
+    qp = torch.nn.functional.pad(q, (0, 0, 0, p.T * p.Tq - p.Nq))
+    q_rows = qp.view(p.B, p.Hkv, p.G, p.T, p.Tq, p.D).permute(0, 1, 3, 2, 4, 5).reshape(
+        p.B, p.Hkv, p.T, R, p.D)
+
+    block_indices = torch.full((p.B, p.Hkv, p.T, M), -1, dtype=torch.int32, device=dev)
+    block_counts = torch.zeros((p.B, p.Hkv, p.T), dtype=torch.int32, device=dev)
+    per_tile = R * P * (g + p.C) + P * p.C * p.D
+    for t0, t1 in _tile_chunks(p.T, p.B * p.Hkv * per_tile):
+        idx, cnt = _select_chunk(p, config, q_rows[:, :, t0:t1].float(), k, mus, counts, flags,
+                                 states, t0, t1, scale, P, e_max, M)
+        block_indices[:, :, t0:t1] = idx
+        block_counts[:, :, t0:t1] = cnt
+    return block_indices, block_counts
+
+
+def _row_valid(p: _Problem, t0: int, t1: int, dev) -> Tensor:
+    """``[B, Hkv, t, R]`` rows that exist (query < Nq) and see at least one key."""
+    q_pos = torch.arange(t0 * p.Tq, t1 * p.Tq, device=dev).view(t1 - t0, p.Tq)
+    ok = (q_pos < p.Nq)[None, None, :, None, :].expand(p.B, p.Hkv, t1 - t0, p.G, p.Tq)
+    if p.allowed is not None:
+        q0, q1 = t0 * p.Tq, min(t1 * p.Tq, p.Nq)
+        any_k = p.allowed[:, :, :, q0:q1].any(-1)  # [B, h, gm, nq]
+        any_k = torch.nn.functional.pad(any_k, (0, (t1 - t0) * p.Tq - (q1 - q0)))
+        any_k = any_k.view(p.B, any_k.shape[1], any_k.shape[2], t1 - t0, p.Tq).permute(0, 1, 3, 2, 4)
+        ok = ok & any_k
+    return ok.reshape(p.B, p.Hkv, t1 - t0, p.G * p.Tq)
+
+
+def _gather_nodes(x: Tensor, idx: Tensor) -> Tensor:
+    """``x [B, Hkv, n, ...]`` at ``idx [B, Hkv, t, P]`` (clamped) -> ``[B, Hkv, t, P, ...]``."""
+    B, H, t, P = idx.shape
+    flat = idx.clamp(min=0).reshape(B, H, t * P)
+    tail = x.shape[3:]
+    ix = flat.view(B, H, t * P, *([1] * len(tail))).expand(B, H, t * P, *tail)
+    return torch.gather(x, 2, ix).view(B, H, t, P, *tail)
+
+
+def _gather_tile_flags(f: Tensor, idx: Tensor) -> Tensor:
+    """Per-tile flags ``f [B, h, t, n]`` at node indices ``idx [B, Hkv, t, P]``."""
+    f = f.expand(idx.shape[0], idx.shape[1], idx.shape[2], f.shape[-1])
+    return torch.gather(f, 3, idx.clamp(min=0).long())
+
+
+def _select_chunk(p, config, q_rows, k, mus, counts, flags, states, t0, t1, scale, P, e_max, M):
+    g, beam, top_k = config.branching, config.effective_beam, config.top_k
+    dev = q_rows.device
+    nt = t1 - t0
+    t = torch.arange(t0, t1, device=dev)
+    n_sink, lo, hi = _forced_ranges(p, config, t)
+    row_ok = _row_valid(p, t0, t1, dev)  # [B, Hkv, nt, R]
+    level = len(mus) - 1
+    n_top = mus[level].shape[2]
+    pool = torch.arange(n_top, device=dev).expand(p.B, p.Hkv, nt, n_top)
+    pool = torch.nn.functional.pad(pool, (0, P - n_top), value=-1) if n_top < P else pool
+    lo_b, hi_b = lo.view(1, 1, nt, 1), hi.view(1, 1, nt, 1)
+    while True:
+        valid = pool >= 0
+        span = g ** level  # leaves under one node of this level
+        first, last = pool * span, pool * span + span - 1
+        forced_anc = valid & ((first < n_sink) | ((last >= lo_b) & (first <= hi_b)))
+        fl = states[..., t0:t1, :] if level == 0 else None
+        vis, bad = (_gather_tile_flags(flags[level][0][..., t0:t1, :], pool),
+                    _gather_tile_flags(flags[level][1][..., t0:t1, :], pool))
+        if level == 0:
+            st = _gather_tile_flags(fl, pool)
+            forced = valid & ((pool < n_sink) | ((pool >= lo_b) & (pool <= hi_b)))
+            cand = valid & ~forced & ((st == CLEAN) | (st == PARTIAL))
+            s = _leaf_scores(p, config, q_rows, k, mus[0], counts[0], pool, st, cand, t0, t1, scale)
+            picked = _top(s, cand, row_ok, top_k)
+            chosen = torch.where(picked | forced, pool, torch.full_like(pool, -1))
+            chosen = torch.sort(torch.where(chosen < 0, p.L, chosen), dim=-1).values
+            chosen = torch.where(chosen >= p.L, -1, chosen)
+            # Forced and picked leaves are distinct, so at most M are valid.
+            cnt = (chosen >= 0).sum(-1)
+            return chosen[..., :M].to(torch.int32), cnt.to(torch.int32)
+        expand = valid & (forced_anc | (vis & bad))
+        cand = valid & ~expand & vis
+        s = _internal_scores(q_rows, mus[level - 1], counts[level - 1], pool, g, scale)
+        kept = _top(s, cand, row_ok, beam)
+        keep_idx = _first_true(pool, kept, beam)
+        # Forced ancestors first: mixed nodes past the bound are dropped, forced ones never.
+        exp_idx = torch.cat([_first_true(pool, forced_anc, e_max - beam),
+                             _first_true(pool, expand & ~forced_anc, beam)], -1)
+        parents = torch.cat([keep_idx, exp_idx], -1)  # [B, Hkv, nt, beam + e_max]
+        kids = parents[..., None] * g + torch.arange(g, device=dev)
+        n_next = mus[level - 1].shape[2]
+        kids = torch.where((parents[..., None] >= 0) & (kids < n_next), kids, -1)
+        pool = torch.sort(torch.where(kids < 0, n_next, kids).flatten(-2), dim=-1).values
+        pool = torch.where(pool >= n_next, -1, pool)
+        level -= 1
+
+
+def _first_true(pool: Tensor, sel: Tensor, n: int) -> Tensor:
+    """The first ``n`` entries of ``pool`` where ``sel`` holds, -1 padded: ``[..., n]``."""
+    key = torch.where(sel, torch.arange(pool.shape[-1], device=pool.device), pool.shape[-1])
+    order = torch.sort(key, dim=-1).indices[..., :n]
+    out = torch.gather(pool, -1, order)
+    ok = torch.gather(sel, -1, order)
+    out = torch.where(ok, out, -1)
+    if out.shape[-1] < n:
+        out = torch.nn.functional.pad(out, (0, n - out.shape[-1]), value=-1)
+    return out
+
+
+def _top(s: Tensor, cand: Tensor, row_ok: Tensor, n: int) -> Tensor:
+    """Tile score ``S(a) = sum_r softmax_pool(s_r)(a)`` over valid rows; keep the best ``n``.
+
+    ``s``: ``[B, Hkv, t, R, P]`` per-row scores. Returns a bool ``[B, Hkv, t, P]`` of kept
+    candidates; ties go to the lower pool position (the pool is sorted by node index).
+    """
+    s = s.masked_fill(~cand[..., None, :], float("-inf"))
+    z = torch.logsumexp(s, -1, keepdim=True)
+    prob = torch.exp(s - z)
+    prob = torch.where(torch.isfinite(z) & row_ok[..., None], prob, 0.0)
+    S = prob.sum(-2)
+    key = torch.where(cand, S, -1.0)
+    order = torch.sort(key, dim=-1, descending=True, stable=True).indices[..., :n]
+    kept = torch.zeros_like(cand)
+    kept.scatter_(-1, order, torch.gather(cand, -1, order))
+    return kept
+
+
+def _internal_scores(q_rows, mu_child, cnt_child, pool, g, scale):
+    """``s_r(a) = LSE_c (scale q_r . mu_c + log n_c)`` over the children of pool nodes."""
+    B, H, nt, P = pool.shape
+    kids = pool[..., None] * g + torch.arange(g, device=pool.device)
+    n_child = mu_child.shape[2]
+    kid_ok = (pool[..., None] >= 0) & (kids < n_child)
+    kids = torch.where(kid_ok, kids, 0).view(B, H, nt, P * g)
+    mu = _gather_nodes(mu_child, kids)  # [B, H, nt, P*g, D]
+    cnt = _gather_nodes(cnt_child, kids) * kid_ok.view(B, H, nt, P * g)
+    s = _lse_scores(q_rows, mu, cnt, scale).view(B, H, nt, q_rows.shape[3], P, g)
+    return torch.logsumexp(s, -1)
+
+
+def _leaf_scores(p, config, q_rows, k, mu_leaf, cnt_leaf, pool, st, cand, t0, t1, scale):
+    """Leaf scores ``[B, Hkv, t, R, P]``: pooled, or exact LSE over visible keys.
+
+    Exact scoring is used for every leaf with ``leaf_scoring="exact"``, and always for
+    PARTIAL leaves, whose pooled summary would include keys hidden from some row.
+    """
+    B, H, nt, P = pool.shape
+    pooled = _lse_scores(q_rows, _gather_nodes(mu_leaf, pool), _gather_nodes(cnt_leaf, pool), scale)
+    exact_leaf = st == PARTIAL
+    if config.leaf_scoring == "exact":
+        exact_leaf = exact_leaf | (st == CLEAN)
+    if not bool((exact_leaf & cand).any()):
+        return pooled
+    k_pos = (pool.clamp(min=0)[..., None] * p.C + torch.arange(p.C, device=pool.device))
+    k_pos = torch.where(pool[..., None] >= 0, k_pos, -1).view(B, H, nt, P * p.C)
+    kk = _gather_nodes(torch.nn.functional.pad(k, (0, 0, 0, p.L * p.C - p.Nk)),
+                       k_pos.clamp(min=0))  # [B, H, nt, P*C, D]
+    s = torch.matmul(q_rows, kk.float().transpose(-1, -2)) * scale  # [B, H, nt, R, P*C]
+    s = s + _bias_rows(p, k_pos, t0, t1)
+    vis = _visible_rows(p, k_pos, t0, t1)
+    s = s.masked_fill(~vis, float("-inf")).view(B, H, nt, -1, P, p.C)
+    exact = torch.logsumexp(s, -1)
+    return torch.where(exact_leaf[..., None, :], exact, pooled)
+
+
+def _to_rows(x: Tensor, B: int, H: int, nt: int, G: int, Tq: int) -> Tensor:
+    """``[B, H|1, gm, nt, Tq, n]`` -> ``[B, H, nt, R, n]`` with rows ``(head, query)``."""
+    x = x.expand(B, H, G, nt, Tq, x.shape[-1]) if x.shape[2] == 1 else x.expand(B, H, *x.shape[2:])
+    return x.permute(0, 1, 3, 2, 4, 5).reshape(B, H, nt, G * Tq, x.shape[-1])
+
+
+def _visible_rows(p: _Problem, k_pos: Tensor, t0: int, t1: int) -> Tensor:
+    q_pos = torch.arange(t0 * p.Tq, t1 * p.Tq, device=k_pos.device).view(t1 - t0, p.Tq)
+    return _to_rows(p.visible(q_pos, k_pos, t0, t1), p.B, p.Hkv, t1 - t0, p.G, p.Tq)
+
+
+def _bias_rows(p: _Problem, k_pos: Tensor, t0: int, t1: int):
+    b = p.bias_at(k_pos, t0, t1)
+    if b is None:
+        return 0.0
+    b = _to_rows(b.to(_acc_dtype(b)), p.B, p.Hkv, t1 - t0, p.G, p.Tq)
+    return torch.where(torch.isfinite(b), b, 0.0)  # masked entries are dropped by `visible`
+
+
+# -- block-sparse attention ------------------------------------------------------------------
+
+def _block_keys(p: _Problem, block_indices: Tensor, t0: int, t1: int) -> Tensor:
+    """Key positions of the selected blocks: ``[B, Hkv, t, M*C]``, -1 where padding."""
+    bi = block_indices[:, :, t0:t1].long()
+    pos = bi[..., None] * p.C + torch.arange(p.C, device=bi.device)
+    pos = torch.where((bi[..., None] >= 0) & (pos < p.Nk), pos, -1)
+    return pos.flatten(-2)
+
+
+def _chunk_rows(x: Tensor, p: _Problem, t0: int, t1: int) -> Tensor:
+    """``[B, Hq, Nq, E]`` -> padded rows ``[B, Hkv, t, R, E]`` of tiles ``[t0, t1)``."""
+    q0, q1 = t0 * p.Tq, min(t1 * p.Tq, p.Nq)
+    x = torch.nn.functional.pad(x[:, :, q0:q1], (0, 0, 0, (t1 - t0) * p.Tq - (q1 - q0)))
+    x = x.view(p.B, p.Hkv, p.G, t1 - t0, p.Tq, x.shape[-1]).permute(0, 1, 3, 2, 4, 5)
+    return x.reshape(p.B, p.Hkv, t1 - t0, p.G * p.Tq, x.shape[-1])
+
+
+def _from_rows(x: Tensor, p: _Problem, t0: int, t1: int) -> Tensor:
+    """Inverse of :func:`_chunk_rows`: ``[B, Hkv, t, R, E]`` -> ``[B, Hq, n, E]`` unpadded."""
+    E = x.shape[-1]
+    x = x.view(p.B, p.Hkv, t1 - t0, p.G, p.Tq, E).permute(0, 1, 3, 2, 4, 5)
+    x = x.reshape(p.B, p.Hq, (t1 - t0) * p.Tq, E)
+    return x[:, :, : min(t1 * p.Tq, p.Nq) - t0 * p.Tq]
+
+
+def _chunk_logits(p, q, k, block_indices, t0, t1, scale):
+    """Scores ``[B, Hkv, t, R, M*C]`` (accumulation dtype, -inf where hidden) and gathered key positions."""
+    pos = _block_keys(p, block_indices, t0, t1)
+    acc = _acc_dtype(q)
+    qr = _chunk_rows(q, p, t0, t1).to(acc)
+    kk = _gather_nodes(k, pos.clamp(min=0)).to(acc)  # [B, Hkv, t, M*C, D]
+    s = torch.matmul(qr, kk.transpose(-1, -2)) * scale + _bias_rows(p, pos, t0, t1)
+    vis = _visible_rows(p, pos, t0, t1)
+    return s.masked_fill(~vis, float("-inf")), pos, qr, kk
+
+
+def sparse_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal: bool,
+                     scale: float, block_indices: Tensor, block_counts: Tensor,
+                     config: PisaConfig) -> tuple[Tensor, Tensor]:
+    """Block-sparse attention over the selected leaves, with the usual masks inside each block.
+
+    Returns ``out [B, Hq, Nq, Dv]`` (``q.dtype``; zero for rows with no visible key) and
+    ``lse [B, Hq, Nq]`` float32 (float64 for float64 inputs; natural log; ``-inf`` for such rows).
+    """
+    p = _Problem.make(q, k, attn_mask, is_causal, config)
+    M = block_indices.shape[-1]
+    out = q.new_empty(p.B, p.Hq, p.Nq, v.shape[-1])
+    lse = torch.empty(p.B, p.Hq, p.Nq, dtype=_acc_dtype(q), device=q.device)
+    per_tile = p.G * p.Tq * M * p.C * 3 + M * p.C * (p.D + v.shape[-1])
+    for t0, t1 in _tile_chunks(p.T, p.B * p.Hkv * per_tile):
+        s, pos, _, _ = _chunk_logits(p, q, k, block_indices, t0, t1, scale)
+        z = torch.logsumexp(s, -1, keepdim=True)
+        w = torch.where(torch.isfinite(z), torch.exp(s - z), 0.0)
+        vv = _gather_nodes(v, pos.clamp(min=0)).to(w.dtype)
+        o = torch.matmul(w, vv)
+        q0, q1 = t0 * p.Tq, min(t1 * p.Tq, p.Nq)
+        out[:, :, q0:q1] = _from_rows(o, p, t0, t1).to(q.dtype)
+        lse[:, :, q0:q1] = _from_rows(z, p, t0, t1)[..., 0]
+    return out, lse
+
+
+def sparse_attention_backward(grad_out, q, k, v, attn_mask, out, lse, block_indices, block_counts,
+                              is_causal, scale, config):
+    """Exact ``dq, dk, dv`` of :func:`sparse_attention` with the selection held fixed.
+
+    Uses the saved row ``lse``: ``P = exp(S - lse)``, ``dS = P * (dO V^T - rowsum(dO * O))``
+    (FlashAttention-2's backward). Gradients are accumulated in float32.
+    """
+    p = _Problem.make(q, k, attn_mask, is_causal, config)
+    M = block_indices.shape[-1]
+    dq = torch.empty_like(q)
+    acc = _acc_dtype(q)
+    dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+    dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+    delta = (grad_out.to(acc) * out.to(acc)).sum(-1, keepdim=True)
+    per_tile = p.G * p.Tq * M * p.C * 4 + M * p.C * (p.D + v.shape[-1]) * 3
+    for t0, t1 in _tile_chunks(p.T, p.B * p.Hkv * per_tile):
+        s, pos, qr, kk = _chunk_logits(p, q, k, block_indices, t0, t1, scale)
+        z = _chunk_rows(lse.unsqueeze(-1), p, t0, t1)
+        w = torch.where(torch.isfinite(z), torch.exp(s - z), 0.0)  # [B, Hkv, t, R, MC]
+        do = _chunk_rows(grad_out, p, t0, t1).to(acc)
+        vv = _gather_nodes(v, pos.clamp(min=0)).to(acc)
+        dp = torch.matmul(do, vv.transpose(-1, -2))
+        ds = w * (dp - _chunk_rows(delta, p, t0, t1))
+        dqr = torch.matmul(ds, kk) * scale
+        q0, q1 = t0 * p.Tq, min(t1 * p.Tq, p.Nq)
+        dq[:, :, q0:q1] = _from_rows(dqr, p, t0, t1).to(q.dtype)
+        dk_blk = torch.matmul(ds.transpose(-1, -2), qr) * scale  # [B, Hkv, t, MC, D]
+        dv_blk = torch.matmul(w.transpose(-1, -2), do)
+        # Padding positions carry zero weight, so clamping them onto key 0 adds nothing.
+        ix = pos.clamp(min=0).flatten(2)
+        dk.scatter_add_(2, ix[..., None].expand(-1, -1, -1, p.D), dk_blk.flatten(2, 3))
+        dv.scatter_add_(2, ix[..., None].expand(-1, -1, -1, v.shape[-1]), dv_blk.flatten(2, 3))
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
+
+
+# -- naive dense oracle -------------------------------------------------------------------------
+
+def dense_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None,
+                    is_causal: bool = False, scale: Optional[float] = None) -> Tensor:
+    """Naive dense attention in float64 (O(N^2) memory; tests only). Hidden rows give zero.
+
+    ``q [B, Hq, Nq, D]``, ``k [B, Hkv, Nk, D]``, ``v [B, Hkv, Nk, Dv]``; returns ``q.dtype``.
+    """
+    G = q.shape[1] // k.shape[1]
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    kk = k.double().repeat_interleave(G, 1)
+    vv = v.double().repeat_interleave(G, 1)
+    s = torch.matmul(q.double(), kk.transpose(-1, -2)) * scale
+    Nq, Nk = q.shape[2], k.shape[2]
+    allowed, bias = mask_parts(attn_mask)
+    vis = torch.ones(Nq, Nk, dtype=torch.bool, device=q.device)
+    if is_causal:
+        vis = torch.ones(Nq, Nk, dtype=torch.bool, device=q.device).tril()
+    if allowed is not None:
+        vis = vis & allowed
+    if bias is not None:
+        s = s + torch.where(allowed, bias.double(), 0.0)
+    s = s.masked_fill(~vis, float("-inf"))
+    z = torch.logsumexp(s, -1, keepdim=True)
+    w = torch.where(torch.isfinite(z), torch.exp(s - z), 0.0)
+    return torch.matmul(w, vv).to(q.dtype)

@@ -1,0 +1,269 @@
+"""The op boundary: ``torch.library`` ops ``pisa::*`` and the public functions over them.
+
+Everything above this file (the rewrite pass, user code) calls :func:`pisa_attention` or
+:func:`select_blocks`; everything below it (``kernels/``) is reached only from here.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .config import PisaConfig
+from .kernels import dispatch
+
+__all__ = ["pisa_attention", "select_blocks", "max_blocks", "uses_dense"]
+
+
+# -- shape helpers shared by the fake impls and the kernels (SymInt-safe) ---------------
+
+def max_blocks(n_queries, n_keys, config: PisaConfig):
+    """Width of ``block_indices``: the most leaf blocks one query tile can attend."""
+    return dispatch.max_blocks(n_queries, n_keys, config)
+
+
+def uses_dense(n_keys, config: PisaConfig) -> bool:
+    """True where the op is plain SDPA (exact regime by shape; DESIGN.md "Exact regime")."""
+    return dispatch.uses_dense(n_keys, config)
+
+
+def _cfg(block_size, top_k, branching, beam, sink_blocks, local_blocks, query_tile,
+         leaf_scoring, min_seq_len, kernel) -> PisaConfig:
+    return PisaConfig(block_size, top_k, branching, beam, sink_blocks, local_blocks,
+                      query_tile, leaf_scoring, min_seq_len, kernel)
+
+
+# -- pisa::select_blocks -------------------------------------------------------------------
+
+@torch.library.custom_op("pisa::select_blocks", mutates_args=())
+def _select_blocks_op(
+    q: Tensor, k: Tensor, attn_mask: Optional[Tensor], is_causal: bool, scale: float,
+    block_size: int, top_k: int, branching: int, beam: int, sink_blocks: int,
+    local_blocks: int, query_tile: int, leaf_scoring: str, min_seq_len: int, kernel: str,
+) -> tuple[Tensor, Tensor]:
+    cfg = _cfg(block_size, top_k, branching, beam, sink_blocks, local_blocks, query_tile,
+               leaf_scoring, min_seq_len, kernel)
+    return dispatch.select_blocks(q, k, attn_mask, is_causal, scale, cfg)
+
+
+@_select_blocks_op.register_fake
+def _(q, k, attn_mask, is_causal, scale, block_size, top_k, branching, beam, sink_blocks,
+      local_blocks, query_tile, leaf_scoring, min_seq_len, kernel):
+    cfg = _cfg(block_size, top_k, branching, beam, sink_blocks, local_blocks, query_tile,
+               leaf_scoring, min_seq_len, kernel)
+    B, Hkv, Nq, Nk = q.shape[0], k.shape[1], q.shape[2], k.shape[2]
+    n_tiles = (Nq + query_tile - 1) // query_tile
+    M = max_blocks(Nq, Nk, cfg)
+    return (q.new_empty((B, Hkv, n_tiles, M), dtype=torch.int32),
+            q.new_empty((B, Hkv, n_tiles), dtype=torch.int32))
+
+
+# -- pisa::attention -----------------------------------------------------------------------
+
+@torch.library.custom_op("pisa::attention", mutates_args=())
+def _attention_op(
+    q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal: bool, scale: float,
+    block_size: int, top_k: int, branching: int, beam: int, sink_blocks: int,
+    local_blocks: int, query_tile: int, leaf_scoring: str, min_seq_len: int, kernel: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    cfg = _cfg(block_size, top_k, branching, beam, sink_blocks, local_blocks, query_tile,
+               leaf_scoring, min_seq_len, kernel)
+    return dispatch.attention_forward(q, k, v, attn_mask, is_causal, scale, cfg)
+
+
+@_attention_op.register_fake
+def _(q, k, v, attn_mask, is_causal, scale, block_size, top_k, branching, beam, sink_blocks,
+      local_blocks, query_tile, leaf_scoring, min_seq_len, kernel):
+    block_indices, block_counts = _select_blocks_op(
+        q, k, attn_mask, is_causal, scale, block_size, top_k, branching, beam, sink_blocks,
+        local_blocks, query_tile, leaf_scoring, min_seq_len, kernel)
+    B, Hq, Nq = q.shape[:3]
+    out = q.new_empty((B, Hq, Nq, v.shape[-1]))
+    lse = q.new_empty((B, Hq, Nq), dtype=torch.promote_types(q.dtype, torch.float32))
+    return out, lse, block_indices, block_counts
+
+
+@torch.library.custom_op("pisa::attention_backward", mutates_args=())
+def _attention_backward_op(
+    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
+    out: Tensor, lse: Tensor, block_indices: Tensor, block_counts: Tensor,
+    is_causal: bool, scale: float,
+    block_size: int, top_k: int, branching: int, beam: int, sink_blocks: int,
+    local_blocks: int, query_tile: int, leaf_scoring: str, min_seq_len: int, kernel: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    cfg = _cfg(block_size, top_k, branching, beam, sink_blocks, local_blocks, query_tile,
+               leaf_scoring, min_seq_len, kernel)
+    return dispatch.attention_backward(grad_out, q, k, v, attn_mask, out, lse, block_indices,
+                                       block_counts, is_causal, scale, cfg)
+
+
+@_attention_backward_op.register_fake
+def _(grad_out, q, k, v, attn_mask, out, lse, block_indices, block_counts, *args):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+_CONFIG_ARGS = ("block_size", "top_k", "branching", "beam", "sink_blocks", "local_blocks",
+                "query_tile", "leaf_scoring", "min_seq_len", "kernel")
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, attn_mask, is_causal, scale, *config_args = inputs
+    out, lse, block_indices, block_counts = output
+    ctx.save_for_backward(q, k, v, attn_mask, out, lse, block_indices, block_counts)
+    ctx.is_causal, ctx.scale, ctx.config_args = is_causal, scale, config_args
+
+
+def _backward(ctx, grad_out, _grad_lse, _grad_indices, _grad_counts):
+    q, k, v, attn_mask, out, lse, block_indices, block_counts = ctx.saved_tensors
+    dq, dk, dv = _attention_backward_op(
+        grad_out.contiguous(), q, k, v, attn_mask, out, lse, block_indices, block_counts,
+        ctx.is_causal, ctx.scale, *ctx.config_args)
+    # The selection is fixed (DESIGN.md "Attention"): no gradient for the mask or the config.
+    return (dq, dk, dv) + (None,) * (3 + len(_CONFIG_ARGS))
+
+
+torch.library.register_autograd("pisa::attention", _backward, setup_context=_setup_context)
+
+
+# -- public API ----------------------------------------------------------------------------
+
+def _check_inputs(q: Tensor, k: Tensor, v: Optional[Tensor], attn_mask: Optional[Tensor],
+                  is_causal: bool, enable_gqa: bool, config: PisaConfig) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t is None:
+            continue
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D [B, H, N, D], got shape {tuple(t.shape)}")
+        if not t.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+        if t.dtype != q.dtype:
+            raise ValueError(f"{name}.dtype must equal q.dtype ({q.dtype}), got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name} must be on q's device ({q.device}), got {t.device}")
+    B, Hq, _, D = q.shape
+    if k.shape[0] != B or k.shape[3] != D:
+        raise ValueError(f"k must be [B={B}, Hkv, Nk, D={D}], got shape {tuple(k.shape)}")
+    if v is not None and (v.shape[0] != B or v.shape[1] != k.shape[1] or v.shape[2] != k.shape[2]):
+        raise ValueError(
+            f"v must be [B={B}, Hkv={k.shape[1]}, Nk={k.shape[2]}, Dv], got shape {tuple(v.shape)}")
+    Hkv = k.shape[1]
+    if Hq != Hkv and not enable_gqa:
+        raise ValueError(f"q has {Hq} heads but k has {Hkv}: pass enable_gqa=True for GQA")
+    if Hq % Hkv != 0:
+        raise ValueError(f"q heads ({Hq}) must be a multiple of k heads ({Hkv}) for GQA")
+    if attn_mask is not None:
+        if not isinstance(attn_mask, Tensor):
+            raise TypeError(f"attn_mask must be a Tensor or None, got {type(attn_mask).__name__}")
+        if attn_mask.device != q.device:
+            raise ValueError(f"attn_mask must be on q's device ({q.device}), got {attn_mask.device}")
+        if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+            raise ValueError(f"attn_mask must be bool or floating point, got dtype {attn_mask.dtype}")
+        if attn_mask.dim() > 4:
+            raise ValueError(f"attn_mask must have at most 4 dims, got shape {tuple(attn_mask.shape)}")
+        try:
+            torch.broadcast_shapes(attn_mask.shape, (B, Hq, q.shape[2], k.shape[2]))
+        except RuntimeError:
+            raise ValueError(
+                f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to "
+                f"[B, Hq, Nq, Nk] = {[B, Hq, q.shape[2], k.shape[2]]}") from None
+        if is_causal:
+            raise ValueError("attn_mask and is_causal=True cannot both be set (as in SDPA)")
+    if is_causal and config.local_blocks < 1 and not uses_dense(k.shape[2], config):
+        raise ValueError("is_causal=True needs PisaConfig.local_blocks >= 1")
+
+
+def _mask4(attn_mask: Optional[Tensor]) -> Optional[Tensor]:
+    if attn_mask is None:
+        return None
+    while attn_mask.dim() < 4:
+        attn_mask = attn_mask.unsqueeze(0)
+    return attn_mask
+
+
+def _op_args(config: PisaConfig) -> tuple:
+    return (config.block_size, config.top_k, config.branching, config.effective_beam,
+            config.sink_blocks, config.local_blocks, config.query_tile, config.leaf_scoring,
+            config.min_seq_len, config.kernel)
+
+
+def pisa_attention(
+    q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None, dropout_p: float = 0.0,
+    is_causal: bool = False, scale: Optional[float] = None, enable_gqa: bool = False, *,
+    config: Optional[PisaConfig] = None,
+) -> Tensor:
+    """Pyramid top-K sparse attention with the semantics of ``F.scaled_dot_product_attention``.
+
+    Each query tile (``config.query_tile`` queries times the ``G = Hq / Hkv`` heads of one KV
+    head) attends to its forced blocks plus the ``top_k`` leaf blocks chosen coarse-to-fine
+    over a key pyramid (PISA; DESIGN.md "The algorithm"). In the exact regime (every visible
+    leaf selected, or ``Nk < min_seq_len``) the result equals SDPA within dtype tolerance.
+
+    Args:
+        q: ``[B, Hq, Nq, D]`` float16, bfloat16, float32 or float64.
+        k: ``[B, Hkv, Nk, D]``, same dtype and device as ``q``.
+        v: ``[B, Hkv, Nk, Dv]``.
+        attn_mask: bool (True = attend) or additive float, broadcastable to
+            ``[B, Hq, Nq, Nk]``. A float entry of ``-inf`` or <= ``finfo.min / 2`` is masked.
+        dropout_p: must be 0.0 (PISA has no dropout).
+        is_causal: top-left causal mask as in SDPA; exclusive with ``attn_mask``.
+        scale: softmax scale; default ``1 / sqrt(D)``.
+        enable_gqa: allow ``Hq != Hkv`` (``Hq`` a multiple of ``Hkv``).
+        config: :class:`PisaConfig`; default ``PisaConfig()``.
+
+    Returns:
+        ``[B, Hq, Nq, Dv]`` in ``q.dtype``. Rows with no visible key are zero, as in SDPA.
+        Differentiable in ``q, k, v`` with the selection held fixed.
+
+    Raises:
+        TypeError, ValueError: a bad argument; the message names it and what was expected.
+    """
+    config = config or PisaConfig()
+    if not isinstance(config, PisaConfig):
+        raise TypeError(f"config must be a PisaConfig, got {type(config).__name__}")
+    if dropout_p != 0.0:
+        raise ValueError(f"dropout_p must be 0.0 (PISA kernels have no dropout), got {dropout_p}")
+    _check_inputs(q, k, v, attn_mask, is_causal, enable_gqa, config)
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    if attn_mask is not None and attn_mask.requires_grad:
+        raise ValueError("attn_mask must not require grad: PISA gives no gradient for the mask")
+    if uses_dense(k.shape[2], config):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
+                                              scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    out, _lse, _bi, _bc = _attention_op(q, k, v, _mask4(attn_mask), is_causal, float(scale),
+                                        *_op_args(config))
+    return out
+
+
+def select_blocks(
+    q: Tensor, k: Tensor, attn_mask: Optional[Tensor] = None, is_causal: bool = False,
+    scale: Optional[float] = None, enable_gqa: bool = False, *, config: Optional[PisaConfig] = None,
+) -> tuple[Tensor, Tensor]:
+    """The leaf blocks each query tile attends (forced blocks included); PISA selection.
+
+    Args: as :func:`pisa_attention` (``q`` ``[B, Hq, Nq, D]``, ``k`` ``[B, Hkv, Nk, D]``).
+        ``min_seq_len`` is ignored here: the selection is always computed.
+
+    Returns:
+        ``block_indices``: int32 ``[B, Hkv, n_tiles, max_blocks]``, ascending leaf indices
+        (leaf ``b`` holds keys ``[b*block_size, (b+1)*block_size)``), padded with -1.
+        ``block_counts``: int32 ``[B, Hkv, n_tiles]``, the valid entries per tile.
+        Tile ``t`` covers queries ``[t*query_tile, (t+1)*query_tile)``.
+
+    Raises:
+        TypeError, ValueError: a bad argument; the message names it and what was expected.
+    """
+    config = config or PisaConfig()
+    if not isinstance(config, PisaConfig):
+        raise TypeError(f"config must be a PisaConfig, got {type(config).__name__}")
+    config = config.replace(min_seq_len=0)
+    _check_inputs(q, k, None, attn_mask, is_causal, enable_gqa, config)
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    return _select_blocks_op(q, k, _mask4(attn_mask), is_causal, float(scale), *_op_args(config))

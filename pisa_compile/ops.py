@@ -103,7 +103,7 @@ def _attention_backward_op(
 
 @_attention_backward_op.register_fake
 def _(grad_out, q, k, v, attn_mask, out, lse, block_indices, block_counts, *args):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 _CONFIG_ARGS = ("block_size", "top_k", "branching", "beam", "sink_blocks", "local_blocks",

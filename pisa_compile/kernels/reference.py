@@ -552,7 +552,7 @@ def sparse_attention_backward(grad_out, q, k, v, attn_mask, out, lse, block_indi
     """
     p = _Problem.make(q, k, attn_mask, is_causal, config)
     M = block_indices.shape[-1]
-    dq = torch.empty_like(q)
+    dq = q.new_empty(q.shape)
     acc = _acc_dtype(q)
     dk = torch.zeros(k.shape, dtype=acc, device=k.device)
     dv = torch.zeros(v.shape, dtype=acc, device=v.device)

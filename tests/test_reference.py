@@ -1,0 +1,296 @@
+"""Properties of the PISA op on its reference path (DESIGN.md; issue 2, properties a-e, g)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from pisa_compile import PisaConfig, pisa_attention, select_blocks
+from pisa_compile.kernels import reference
+from pisa_compile.kernels.dispatch import max_blocks
+from tests.strategies import (Problem, oracle, problems, selection_mask, sparse_configs,
+                              tolerance)
+
+EXACT = PisaConfig(block_size=16, top_k=64, min_seq_len=0, kernel="reference")
+
+
+def _run(p: Problem, config: PisaConfig) -> torch.Tensor:
+    return pisa_attention(p.q, p.k, p.v, attn_mask=p.attn_mask, is_causal=p.is_causal,
+                          enable_gqa=True, config=config)
+
+
+def _select(p: Problem, config: PisaConfig):
+    return select_blocks(p.q, p.k, attn_mask=p.attn_mask, is_causal=p.is_causal,
+                         enable_gqa=True, config=config)
+
+
+def _has_key(p: Problem) -> torch.Tensor:
+    return p.visibility().expand(p.q.shape[0], p.q.shape[1], -1, -1).any(-1)
+
+
+# (a) exact regime ------------------------------------------------------------------------
+
+@settings(max_examples=40)
+@given(p=problems())
+def test_exact_regime_equals_sdpa(p: Problem):
+    """top_k covers every leaf: the sparse path must equal SDPA (and the float64 oracle)."""
+    out = _run(p, EXACT)
+    ref = oracle(p).to(p.q.dtype)
+    torch.testing.assert_close(out, ref, **tolerance(p.q.dtype))
+    sdpa = F.scaled_dot_product_attention(p.q, p.k, p.v, attn_mask=p.attn_mask,
+                                          is_causal=p.is_causal, enable_gqa=True)
+    # SDPA averages rows masked only by finfo.min; PISA (like SDPA with -inf) gives zeros there.
+    rows = _has_key(p)
+    torch.testing.assert_close(out[rows], sdpa[rows], **tolerance(p.q.dtype))
+
+
+@settings(max_examples=15)
+@given(p=problems(max_n=120))
+def test_short_sequences_are_sdpa(p: Problem):
+    """``Nk < min_seq_len`` is plain SDPA: bit-identical to it."""
+    cfg = PisaConfig(min_seq_len=p.k.shape[2] + 1)
+    sdpa = F.scaled_dot_product_attention(p.q, p.k, p.v, attn_mask=p.attn_mask,
+                                          is_causal=p.is_causal, enable_gqa=True)
+    assert torch.equal(_run(p, cfg), sdpa)
+
+
+# (b) sparse result = SDPA under the selection mask ---------------------------------------
+
+@settings(max_examples=60)
+@given(p=problems(), cfg=sparse_configs())
+def test_sparse_equals_masked_dense(p: Problem, cfg: PisaConfig):
+    out = _run(p, cfg)
+    bi, bc = _select(p, cfg)
+    sel = selection_mask(bi, p.q.shape[2], p.k.shape[2], cfg, p.G)
+    torch.testing.assert_close(out, oracle(p, sel).to(p.q.dtype), **tolerance(p.q.dtype))
+
+
+# (c) causality and masks: hidden keys change nothing -------------------------------------
+
+@settings(max_examples=40)
+@given(p=problems(dtypes=(torch.float32,), mask_kinds=("causal",), same_len=True),
+       cfg=sparse_configs(), data=st.data(), explicit=st.booleans())
+def test_future_keys_do_not_leak(p: Problem, cfg: PisaConfig, data, explicit: bool):
+    """Perturbing keys and values after position ``i`` leaves outputs ``<= i`` bit-identical,
+    for ``is_causal`` and for the same mask passed explicitly (as HF does)."""
+    N = p.q.shape[2]
+    i = data.draw(st.integers(0, N - 1))
+    if explicit:
+        p = Problem(p.q, p.k, p.v, torch.ones(N, N, dtype=torch.bool).tril(), False, "bool")
+    out = _run(p, cfg)
+    k2, v2 = p.k.clone(), p.v.clone()
+    k2[:, :, i + 1:] = torch.randn_like(k2[:, :, i + 1:]) * 10
+    v2[:, :, i + 1:] = torch.randn_like(v2[:, :, i + 1:]) * 10
+    out2 = _run(Problem(p.q, k2, v2, p.attn_mask, p.is_causal, p.mask_kind), cfg)
+    assert torch.equal(out[:, :, : i + 1], out2[:, :, : i + 1])
+
+
+@settings(max_examples=30)
+@given(p=problems(dtypes=(torch.float32,), mask_kinds=("key_padding", "bool")),
+       cfg=sparse_configs())
+def test_masked_keys_do_not_leak(p: Problem, cfg: PisaConfig):
+    """Keys that no row of a tile can see never change that tile's outputs."""
+    vis = p.visibility().expand(p.q.shape[0], p.q.shape[1], -1, -1)
+    hidden_everywhere = ~vis.any(2).any(1)  # [B, Nk]: masked for every query and head
+    k2, v2 = p.k.clone(), p.v.clone()
+    noise_k, noise_v = torch.randn_like(k2) * 10, torch.randn_like(v2) * 10
+    k2 = torch.where(hidden_everywhere[:, None, :, None], noise_k, k2)
+    v2 = torch.where(hidden_everywhere[:, None, :, None], noise_v, v2)
+    out = _run(p, cfg)
+    out2 = _run(Problem(p.q, k2, v2, p.attn_mask, p.is_causal, p.mask_kind), cfg)
+    assert torch.equal(out, out2)
+
+
+# (d) selection structure ------------------------------------------------------------------
+
+@settings(max_examples=60)
+@given(p=problems(dtypes=(torch.float32,)), cfg=sparse_configs())
+def test_selection_holds_forced_and_top_k(p: Problem, cfg: PisaConfig):
+    bi, bc = _select(p, cfg)
+    B, Hkv, T, M = bi.shape
+    Nq, Nk = p.q.shape[2], p.k.shape[2]
+    C, L = cfg.block_size, (Nk + cfg.block_size - 1) // cfg.block_size
+    assert bi.dtype == torch.int32 and bc.dtype == torch.int32
+    assert T == (Nq + cfg.query_tile - 1) // cfg.query_tile and M == max_blocks(Nq, Nk, cfg)
+    prob = reference._Problem.make(p.q, p.k, p.attn_mask, p.is_causal, cfg)
+    n_sink, lo, hi = reference._forced_ranges(prob, cfg, torch.arange(T))
+    # Leaves each tile's rows can see at all (dense, test-side).
+    vis = p.visibility().expand(B, p.q.shape[1], Nq, Nk)
+    vis = F.pad(vis, (0, L * C - Nk, 0, T * cfg.query_tile - Nq))
+    tile_sees = vis.view(B, Hkv, p.G, T, cfg.query_tile, L, C).any(-1).any(4).any(2)
+    for b in range(B):
+        for h in range(Hkv):
+            for t in range(T):
+                row = bi[b, h, t].tolist()
+                n = int(bc[b, h, t])
+                chosen = row[:n]
+                assert all(x == -1 for x in row[n:])
+                assert chosen == sorted(set(chosen)) and all(0 <= x < L for x in chosen)
+                forced = set(range(n_sink)) | set(range(int(lo[t]), int(hi[t]) + 1))
+                forced &= set(range(L))
+                assert forced <= set(chosen)
+                available = {x for x in range(L) if tile_sees[b, h, t, x]} - forced
+                others = set(chosen) - forced
+                assert others <= available
+                assert len(others) == min(cfg.top_k, len(available))
+
+
+# (e) gradients -----------------------------------------------------------------------------
+
+@settings(max_examples=30)
+@given(p=problems(max_n=120, dtypes=(torch.float64,)), cfg=sparse_configs())
+def test_gradients_match_masked_dense(p: Problem, cfg: PisaConfig):
+    q, k, v = (t.clone().requires_grad_() for t in (p.q, p.k, p.v))
+    bi, _ = _select(p, cfg)
+    sel = selection_mask(bi, p.q.shape[2], p.k.shape[2], cfg, p.G)
+    vis = p.visibility() & sel
+    go = torch.randn(p.q.shape[:3] + (p.v.shape[-1],), dtype=torch.float64)
+    out = pisa_attention(q, k, v, attn_mask=p.attn_mask, is_causal=p.is_causal,
+                         enable_gqa=True, config=cfg)
+    got = torch.autograd.grad(out, (q, k, v), go)
+    # Autograd through SDPA's math on the selection mask; hidden rows get zero grad_out.
+    allowed, bias = reference.mask_parts(p.attn_mask)
+    mask = vis if bias is None else torch.where(vis, bias, float("-inf"))
+    rows = vis.expand(p.q.shape[0], p.q.shape[1], -1, -1).any(-1, keepdim=True)
+    q2, k2, v2 = (t.clone().requires_grad_() for t in (p.q, p.k, p.v))
+    safe = torch.where(rows, mask, True) if bias is None else torch.where(rows, mask, 0.0)
+    ref = F.scaled_dot_product_attention(q2, k2, v2, attn_mask=safe, enable_gqa=True)
+    want = torch.autograd.grad(ref, (q2, k2, v2), go * rows)
+    for g1, g2 in zip(got, want):
+        torch.testing.assert_close(g1, g2, atol=1e-8, rtol=1e-7)
+
+
+# (g) bad inputs -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("case, match", [
+    ("heads", "multiple of k heads"),
+    ("gqa_flag", "enable_gqa"),
+    ("rank", "q must be 4-D"),
+    ("dtype", "k.dtype must equal q.dtype"),
+    ("int", "must be a floating-point"),
+    ("mask_shape", "attn_mask of shape"),
+    ("mask_dtype", "attn_mask must be bool or floating"),
+    ("causal_and_mask", "cannot both be set"),
+    ("dropout", "dropout_p must be 0.0"),
+    ("v_len", "v must be"),
+    ("config", "config must be a PisaConfig"),
+])
+def test_bad_inputs_name_the_argument(case, match):
+    q, k, v = torch.randn(1, 4, 8, 16), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16)
+    kwargs = dict(enable_gqa=True)
+    if case == "heads":
+        k, v = torch.randn(1, 3, 8, 16), torch.randn(1, 3, 8, 16)
+    elif case == "gqa_flag":
+        kwargs = {}
+    elif case == "rank":
+        q = torch.randn(4, 8, 16)
+    elif case == "dtype":
+        k = k.double()
+    elif case == "int":
+        q, k, v = (t.to(torch.int32) for t in (q, k, v))
+    elif case == "mask_shape":
+        kwargs["attn_mask"] = torch.ones(3, 5, dtype=torch.bool)
+    elif case == "mask_dtype":
+        kwargs["attn_mask"] = torch.ones(8, 8, dtype=torch.int64)
+    elif case == "causal_and_mask":
+        kwargs.update(attn_mask=torch.ones(8, 8, dtype=torch.bool), is_causal=True)
+    elif case == "dropout":
+        kwargs["dropout_p"] = 0.1
+    elif case == "v_len":
+        v = torch.randn(1, 2, 9, 16)
+    elif case == "config":
+        kwargs["config"] = {"top_k": 3}
+    with pytest.raises((ValueError, TypeError), match=match):
+        pisa_attention(q, k, v, **kwargs)
+
+
+def test_device_mix_is_rejected():
+    q, k, v = torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16)
+    with pytest.raises(ValueError, match="k must be on q's device"):
+        pisa_attention(q, k.to("meta"), v)
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("block_size", 48, "block_size must be a power of two"),
+    ("top_k", 0, "top_k must be in"),
+    ("branching", 1, "branching must be in"),
+    ("beam", 2, "beam must be None or >= top_k"),
+    ("query_tile", 3, "query_tile must be a power of two"),
+    ("leaf_scoring", "max", "leaf_scoring must be one of"),
+    ("kernel", "cuda", "kernel must be one of"),
+    ("min_seq_len", -1, "min_seq_len must be in"),
+    ("top_k", 2.5, "top_k must be an int"),
+])
+def test_config_errors_name_the_field(field, value, match):
+    with pytest.raises(ValueError, match=match):
+        PisaConfig(**{field: value})
+
+
+def test_causal_needs_a_local_block():
+    q = torch.randn(1, 1, 64, 16)
+    with pytest.raises(ValueError, match="local_blocks >= 1"):
+        pisa_attention(q, q, q, is_causal=True, config=PisaConfig(local_blocks=0, min_seq_len=0))
+
+
+# the op under torch.library and torch.compile ------------------------------------------------
+
+SPARSE = PisaConfig(block_size=8, top_k=2, query_tile=8, min_seq_len=0, kernel="reference")
+
+
+@pytest.mark.parametrize("mask", [None, "bool", "float"])
+def test_opcheck(mask):
+    from pisa_compile.ops import _attention_op, _op_args, _select_blocks_op
+    q = torch.randn(1, 4, 40, 16, requires_grad=True)
+    k = torch.randn(1, 2, 40, 16, requires_grad=True)
+    v = torch.randn(1, 2, 40, 8, requires_grad=True)
+    m, causal = None, mask is None
+    if mask == "bool":
+        m = torch.rand(1, 1, 40, 40) > 0.2
+    elif mask == "float":
+        m = torch.randn(1, 4, 40, 40).masked_fill(torch.rand(1, 4, 40, 40) > 0.8, float("-inf"))
+    torch.library.opcheck(_attention_op, (q, k, v, m, causal, 0.25, *_op_args(SPARSE)))
+    torch.library.opcheck(_select_blocks_op,
+                          (q.detach(), k.detach(), m, causal, 0.25, *_op_args(SPARSE)))
+
+
+def _attn(q, k, v):
+    return pisa_attention(q, k, v, is_causal=True, enable_gqa=True, config=SPARSE)
+
+
+def test_compile_fullgraph_matches_eager():
+    torch._dynamo.reset()
+    q, k, v = torch.randn(2, 4, 50, 16), torch.randn(2, 2, 50, 16), torch.randn(2, 2, 50, 16)
+    got = torch.compile(_attn, fullgraph=True)(q, k, v)
+    torch.testing.assert_close(got, _attn(q, k, v))
+
+
+def test_compile_dynamic_lengths():
+    torch._dynamo.reset()
+    from torch._dynamo.utils import counters
+    counters.clear()
+    f = torch.compile(_attn, dynamic=True, fullgraph=True)
+    for n in (40, 57, 90, 129, 200):
+        q, k, v = torch.randn(1, 4, n, 16), torch.randn(1, 2, n, 16), torch.randn(1, 2, n, 16)
+        torch.testing.assert_close(f(q, k, v), _attn(q, k, v))
+    assert counters["stats"]["unique_graphs"] <= 2
+
+
+def test_training_step_under_compile():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    proj = torch.nn.Linear(16, 48)
+
+    def step(x):
+        q, k, v = proj(x).view(1, 30, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        return pisa_attention(q, k, v, is_causal=True, config=SPARSE).square().mean()
+
+    x = torch.randn(1, 30, 16)
+    loss = torch.compile(step, fullgraph=True)(x)
+    loss.backward()
+    got = [p.grad.clone() for p in proj.parameters()]
+    proj.zero_grad()
+    step(x).backward()
+    for g1, g2 in zip(got, (p.grad for p in proj.parameters())):
+        torch.testing.assert_close(g1, g2, atol=1e-5, rtol=1e-4)

@@ -1,0 +1,26 @@
+"""``python -m pisa_compile <command>``; ``demo`` is the main job."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m pisa_compile",
+        description="PISA sparse attention for torch.compile (backend='pisa').")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("demo", help="MiniLM embeddings and a Llama-architecture LM on real "
+                                "standard-library text, dense against PISA (CPU, offline)")
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        from .demo import main as demo_main
+        return demo_main()
+    parser.error(f"unknown command {args.command!r}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

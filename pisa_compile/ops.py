@@ -235,7 +235,7 @@ def pisa_attention(
         raise ValueError("attn_mask must not require grad: PISA gives no gradient for the mask")
     if uses_dense(k.shape[2], config):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
-                                              scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+                                              scale=scale, enable_gqa=enable_gqa)
     out, _lse, _bi, _bc = _attention_op(q, k, v, _mask4(attn_mask), is_causal, float(scale),
                                         *_op_args(config))
     return out

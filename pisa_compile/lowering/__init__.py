@@ -1,5 +1,13 @@
-"""FX-graph side: the attention pattern catalogue, the rewrite pass and its report."""
+"""FX-graph side: the attention pattern catalogue, the rewrite pass and its report.
 
+- :mod:`.patterns`: named recognisers of the steps of an attention site, in their spellings.
+- :mod:`.rewrite`: :func:`rewrite_graph`, the pass the ``pisa`` backend runs.
+- :mod:`.report`: :class:`Site`, :class:`Report`, counters/logging, and :func:`explain`.
+"""
 
-def explain(model_or_fn, *args, options=None, **kwargs):  # replaced by the lowering work
-    raise NotImplementedError("explain() is not written yet")
+from .report import Report, Site, explain, record, register_torch_log
+from .rewrite import rewrite_graph
+
+__all__ = ["explain", "Report", "Site", "rewrite_graph", "record"]
+
+register_torch_log()

@@ -1,0 +1,168 @@
+"""The ``pisa`` torch.compile backend: rewrite dense attention into PISA, then Inductor.
+
+``torch.compile(model, backend="pisa")`` finds :func:`pisa_backend` through the
+``torch_dynamo_backends`` entry point in ``pyproject.toml``. It is a plain function on
+purpose: decorating it with ``register_backend`` as well makes torch >= 2.5 fail with
+"duplicate name" on first lookup (DESIGN.md, "Rewrite rules").
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import hashlib
+import logging
+import warnings
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence
+
+import torch
+
+from .config import PisaConfig
+
+__all__ = ["pisa_backend", "split_options"]
+
+log = logging.getLogger("pisa_compile")
+
+# The inserted call_function target, as AOTAutograd's cache names it.
+_OP_QUALNAME = "pisa_compile.ops.pisa_attention"
+_warned_pass_failure = False
+
+
+@functools.lru_cache(maxsize=None)
+def _source_fingerprint() -> str:
+    """Hash of the package sources behind the inserted op: a code change misses the caches."""
+    root = Path(__file__).resolve().parent
+    h = hashlib.sha256()
+    for p in sorted([root / "ops.py", root / "config.py", *sorted((root / "kernels").glob("*.py"))]):
+        try:
+            h.update(p.read_bytes())
+        except OSError:
+            pass
+    from . import __version__
+    return f"{__version__}+{h.hexdigest()[:16]}"
+
+
+def split_options(options: Optional[Mapping[str, Any]] = None,
+                  mode: Optional[str] = None) -> tuple[PisaConfig, dict]:
+    """Split ``torch.compile``'s ``options=``/``mode=`` into a config and Inductor patches.
+
+    Args:
+        options: PisaConfig keys (validated by :class:`PisaConfig`) and/or any
+            ``torch._inductor.config`` key (``-`` may stand for ``_``), as ``torch.compile``
+            passes them unvalidated.
+        mode: a ``torch.compile`` mode, mapped with ``torch._inductor.list_mode_options``.
+
+    Returns:
+        ``(PisaConfig, inductor_config_patches)``; explicit ``options`` override ``mode``.
+
+    Raises:
+        ValueError: an unknown key (the message lists the valid keys), an unknown mode, a bad
+            PisaConfig value (the message names the field) or an Inductor value of the
+            wrong type.
+    """
+    from torch._inductor import config as inductor_config, list_mode_options
+
+    if options is not None and not isinstance(options, Mapping):
+        raise TypeError(f"options must be a dict, got {type(options).__name__}")
+    patches: dict = {}
+    if mode is not None and mode != "default":
+        modes = list_mode_options()
+        if mode not in modes:
+            raise ValueError(f"unknown mode {mode!r} for backend 'pisa': valid modes are "
+                             f"{sorted(modes)}")
+        patches.update(list_mode_options(mode))
+    pisa_keys = PisaConfig.field_names()
+    known = inductor_config.get_config_copy()
+    pisa: dict = {}
+    for key, value in (options or {}).items():
+        if key in pisa_keys:
+            pisa[key] = value
+            continue
+        name = str(key).replace("-", "_")
+        if name not in known:
+            raise ValueError(
+                f"unknown option {key!r} for backend 'pisa'. Valid keys: the PISA keys "
+                f"{', '.join(pisa_keys)}; or any torch._inductor.config key (e.g. "
+                f"'max_autotune', 'triton.cudagraphs')")
+        expected = inductor_config.get_type(name)
+        if isinstance(expected, type) and not isinstance(value, expected):
+            raise ValueError(f"option {key!r} (torch._inductor.config) must be "
+                             f"{expected.__name__}, got {type(value).__name__} {value!r}")
+        patches[name] = value
+    return PisaConfig.from_options(pisa), patches
+
+
+def _copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
+    """A copy of ``graph``: new nodes, shallow-copied meta, and the extra attributes Dynamo
+    hangs on nodes (``_dynamo_source`` on placeholders, which AOTAutograd reads)."""
+    new = copy.deepcopy(graph)
+    for old_node, new_node in zip(graph.nodes, new.nodes):
+        extra = getattr(old_node, "__dict__", {})
+        for name, value in extra.items():
+            if name not in new_node.__dict__:
+                setattr(new_node, name, value)
+    return new
+
+
+def _warn_pass_failure(err: BaseException) -> None:
+    global _warned_pass_failure
+    log.warning("pisa rewrite pass failed; compiling the graph unchanged", exc_info=err)
+    if _warned_pass_failure:
+        return
+    _warned_pass_failure = True
+    warnings.warn(
+        f"pisa_compile: the attention rewrite pass failed ({type(err).__name__}: {err}); "
+        "the graph is compiled unchanged by Inductor (dense attention). Please report this "
+        "as a bug with the model that triggers it.", RuntimeWarning, stacklevel=2)
+
+
+def pisa_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
+                 options: Optional[Mapping[str, Any]] = None, mode: Optional[str] = None,
+                 **kwargs: Any):
+    """The ``pisa`` backend: rewrite attention sites of a Dynamo graph, compile with Inductor.
+
+    Args:
+        gm: the FX graph Dynamo captured (torch IR, before autograd).
+        example_inputs: its example inputs (fake tensors / SymInts), as Dynamo passes them.
+        options: ``torch.compile(options=...)``: PisaConfig keys and Inductor config keys.
+        mode: ``torch.compile(mode=...)``, mapped as Inductor maps it.
+
+    Returns:
+        The compiled callable from ``torch._inductor.compile_fx.compile_fx``.
+
+    Raises:
+        ValueError: bad ``options``/``mode`` (see :func:`split_options`).
+        TypeError: an unexpected keyword argument.
+
+    A failure inside the rewrite pass never fails the model: it warns once and compiles the
+    original graph. Each attention site is counted in
+    ``torch._dynamo.utils.counters["pisa"]`` and logged on the ``pisa_compile`` logger.
+    """
+    if kwargs:
+        raise TypeError(f"pisa_backend got unexpected keyword arguments {sorted(kwargs)}; "
+                        "it takes options= and mode=")
+    from torch._inductor.compile_fx import compile_fx
+    from .lowering import rewrite_graph, record
+
+    config, patches = split_options(options, mode)
+    original = gm.graph
+    try:
+        # Rewrite a copy (nodes and per-node meta copied), so a failure midway leaves the
+        # original graph intact to fall back on.
+        gm.graph = _copy_graph(original)
+        sites = rewrite_graph(gm, config)
+    except Exception as err:  # never fail a user's model because of the pass
+        gm.graph = original
+        gm.recompile()
+        _warn_pass_failure(err)
+        sites = []
+    record(sites)
+    if any(s.rewritten for s in sites):
+        # AOTAutograd's cache allows only known call_function targets; mark ours cacheable,
+        # keyed by a fingerprint of the sources behind it, so the caches are not bypassed.
+        marked = dict(torch._inductor.config.unsafe_marked_cacheable_functions)
+        marked.update(patches.get("unsafe_marked_cacheable_functions") or {})
+        marked[_OP_QUALNAME] = _source_fingerprint()
+        patches["unsafe_marked_cacheable_functions"] = marked
+    return compile_fx(gm, example_inputs, config_patches=patches or None)

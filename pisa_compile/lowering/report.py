@@ -1,0 +1,197 @@
+"""The rewrite report: one :class:`Site` per attention site, the :class:`Report` table, counters
+and logging (DESIGN.md, "Rewrite rules": every site is reported)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Iterator, Optional
+
+__all__ = ["Site", "Report", "record", "REWRITTEN", "LEFT_DENSE", "log"]
+
+log = logging.getLogger("pisa_compile")
+
+REWRITTEN = "rewritten"
+LEFT_DENSE = "left dense"
+
+
+@dataclass
+class Site:
+    """One attention site of one captured graph.
+
+    Attributes:
+        form: what it matched: ``"sdpa"``, ``"matmul-softmax-matmul"``, ``"bmm-softmax-bmm"``,
+            ``"einsum-softmax-einsum"``, with suffixes such as ``"+gqa(repeat_kv)"``.
+        q_shape, k_shape, v_shape: shapes as strings, symbolic (``s0``) where dynamic; ``k`` and
+            ``v`` as PISA sees them (un-repeated under GQA).
+        mask: ``"none"``, ``"causal"`` (``is_causal``), ``"bool"`` or ``"float"``; ``"bool(causal)"``
+            when the mask is built in the graph from ``tril``/``triu``.
+        decision: ``"rewritten"`` or ``"left dense"``.
+        reason: why it was left dense (empty when rewritten).
+        node: the FX node name of the site (the SDPA call or the softmax).
+        source: ``file:line`` of the user code, where Dynamo recorded it.
+        graph: index of the captured graph (graph breaks give several).
+    """
+
+    form: str
+    q_shape: str = "?"
+    k_shape: str = "?"
+    v_shape: str = "?"
+    mask: str = "none"
+    decision: str = LEFT_DENSE
+    reason: str = ""
+    node: str = ""
+    source: str = ""
+    graph: int = 0
+
+    @property
+    def rewritten(self) -> bool:
+        return self.decision == REWRITTEN
+
+    def line(self) -> str:
+        why = f" ({self.reason})" if self.reason else ""
+        return (f"pisa site {self.node} [{self.form}] q={self.q_shape} k={self.k_shape} "
+                f"v={self.v_shape} mask={self.mask}: {self.decision}{why}"
+                + (f" at {self.source}" if self.source else ""))
+
+
+_COLUMNS = (("graph", "graph"), ("node", "node"), ("form", "form"), ("q", "q_shape"),
+            ("k", "k_shape"), ("v", "v_shape"), ("mask", "mask"), ("decision", "decision"),
+            ("reason", "reason"), ("source", "source"))
+
+
+@dataclass
+class Report:
+    """Every attention site found in a model, from :func:`pisa_compile.explain`.
+
+    ``str(report)`` is an aligned table; ``report.sites`` is the list of :class:`Site`;
+    ``len(report)`` counts sites; ``report.rewritten`` / ``report.left_dense`` filter them.
+    """
+
+    sites: list[Site] = field(default_factory=list)
+    graphs: int = 0
+
+    def __len__(self) -> int:
+        return len(self.sites)
+
+    def __iter__(self) -> Iterator[Site]:
+        return iter(self.sites)
+
+    def __getitem__(self, i: int) -> Site:
+        return self.sites[i]
+
+    @property
+    def rewritten(self) -> list[Site]:
+        return [s for s in self.sites if s.rewritten]
+
+    @property
+    def left_dense(self) -> list[Site]:
+        return [s for s in self.sites if not s.rewritten]
+
+    def __str__(self) -> str:
+        head = (f"pisa_compile report: {len(self.sites)} attention site(s) in {self.graphs} "
+                f"graph(s): {len(self.rewritten)} rewritten, {len(self.left_dense)} left dense")
+        if not self.sites:
+            return head
+        rows = [[name for name, _ in _COLUMNS]]
+        rows += [[str(getattr(s, attr)) or "-" for _, attr in _COLUMNS] for s in self.sites]
+        widths = [max(len(r[i]) for r in rows) for i in range(len(_COLUMNS))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        return "\n".join([head, ""] + lines)
+
+    __repr__ = __str__
+
+
+def record(sites: list[Site], count: bool = True) -> None:
+    """Log each site on the ``pisa_compile`` logger and, with ``count``, bump
+    ``torch._dynamo.utils.counters["pisa"]["rewritten" | "left_dense"]``."""
+    from torch._dynamo.utils import counters
+
+    for s in sites:
+        if count:
+            counters["pisa"]["rewritten" if s.rewritten else "left_dense"] += 1
+        log.info("%s", s.line())
+
+
+def register_torch_log() -> None:
+    """Let ``torch._logging`` (``TORCH_LOGS``-style settings) know the ``pisa_compile`` logger.
+
+    Best effort: the registry is private API, so a failure here is ignored.
+    """
+    try:
+        from torch._logging._internal import register_log
+        register_log("pisa_compile", "pisa_compile")
+    except Exception:  # pragma: no cover - private API moved
+        pass
+
+
+def fmt_shape(v) -> str:
+    shape = getattr(v, "shape", None)
+    if shape is None:
+        return "?"
+    return "[" + ", ".join(str(d) for d in shape) + "]"
+
+
+def source_of(meta: dict) -> str:
+    """``file:line`` of the innermost user frame in an FX node's ``stack_trace``."""
+    st: Optional[str] = meta.get("stack_trace")
+    if not st:
+        return ""
+    frames = [ln.strip() for ln in st.splitlines() if ln.strip().startswith("File ")]
+    if not frames:
+        return ""
+    last = frames[-1]  # File "/path/x.py", line 12, in fn
+    try:
+        path = last.split('"')[1].rsplit("/", 1)[-1]
+        lineno = last.split("line ")[1].split(",")[0]
+        return f"{path}:{lineno}"
+    except IndexError:
+        return ""
+
+
+def explain(model_or_fn, *args, options=None, **kwargs) -> Report:
+    """Report every attention site of ``model_or_fn(*args, **kwargs)`` without compiling it.
+
+    Dynamo captures the graphs as ``torch.compile(model, backend="pisa")`` would; the rewrite
+    pass analyses each one (nothing is rewritten) and the graphs run eagerly.
+
+    Args:
+        model_or_fn: an ``nn.Module`` or a function.
+        *args, **kwargs: example inputs; the model is called once on them.
+        options: the ``torch.compile(options=...)`` the backend would get (validated the same
+            way; PisaConfig keys affect nothing here but are checked).
+
+    Returns:
+        A :class:`Report`: ``str(report)`` is a table of sites (form, shapes, mask kind,
+        decision, reason); ``report.sites``; ``len(report)``.
+
+    Raises:
+        ValueError: bad ``options`` (see :func:`pisa_compile.backend.split_options`).
+
+    Note: Dynamo's caches are reset before and after (``torch._dynamo.reset()``), so the
+    report is fresh and nothing stays compiled; the model itself is not modified.
+    """
+    import torch
+    from ..backend import split_options
+    from .rewrite import rewrite_graph
+
+    config, _ = split_options(options)
+    report = Report()
+
+    def analyse(gm, example_inputs):
+        index = report.graphs
+        report.graphs += 1
+        sites = rewrite_graph(gm, config, apply=False)
+        for s in sites:
+            s.graph = index
+        record(sites, count=False)
+        report.sites.extend(sites)
+        return gm.forward
+
+    torch._dynamo.reset()
+    try:
+        torch.compile(model_or_fn, backend=analyse)(*args, **kwargs)
+    finally:
+        torch._dynamo.reset()
+    return report

@@ -1,0 +1,581 @@
+"""The rewrite pass: find every attention site in a Dynamo graph, decide, and swap the
+rewritable ones for one ``pisa_compile.ops.pisa_attention`` call.
+
+A site is either an SDPA call or a softmax whose weights feed a matmul with the values
+(``softmax(q·kᵀ·scale + mask) @ v`` in any spelling the catalogue in :mod:`.patterns` knows).
+A site is rewritten only when the replacement is provably the same function of its inputs,
+up to the sparsity the config asks for; otherwise it is left dense and the report says why.
+
+Entry point: :func:`rewrite_graph`.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+from torch.fx import GraphModule, Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from ..config import PisaConfig
+from ..ops import pisa_attention
+from . import patterns as P
+from .report import LEFT_DENSE, REWRITTEN, Site, fmt_shape, source_of
+
+__all__ = ["rewrite_graph", "find_sites", "Dense"]
+
+# The inserted node carries the PisaConfig as a kwarg constant. FX prints constants with
+# repr() into the GraphModule's Python code, so the name must resolve there: register it
+# as an FX "custom builtin" (the mechanism FX uses for ``inf``, ``device``, ...).
+try:
+    from torch.fx.graph import _register_custom_builtin
+
+    _register_custom_builtin("PisaConfig", "from pisa_compile.config import PisaConfig",
+                             PisaConfig)
+except ImportError:  # pragma: no cover - private FX API moved; AOTAutograd still works
+    pass
+
+
+class Dense(Exception):
+    """Raised inside site analysis: leave this site dense, for the reason given."""
+
+
+@dataclass
+class _Plan:
+    """How to build the replacement of one site."""
+
+    anchor: Node                     # the node whose value the PISA call replaces
+    q: Node
+    k: Node
+    v: Node
+    q_perm: Optional[list] = None    # permute applied to q/k/v/out (None: as is)
+    k_perm: Optional[list] = None
+    v_perm: Optional[list] = None
+    out_perm: Optional[list] = None
+    mask: Optional[Node] = None
+    mask_ops: list = field(default_factory=list)   # ("invert",) | ("scale", factor, divide)
+    is_causal: bool = False
+    scale: Any = None                # None: SDPA's default 1/sqrt(D); else list of factors
+    enable_gqa: bool = False
+    rank3: bool = False              # [B*H, N, D] inputs: run as [1, B*H, N, D]
+    owned: list = field(default_factory=list)     # nodes the site consumes (erased if dead)
+
+
+# -- small helpers ---------------------------------------------------------------------------------
+
+def _identity(p: Optional[list]) -> bool:
+    return p is None or list(p) == list(range(len(p)))
+
+
+def _permuted_val(node: Node, perm: Optional[list]):
+    v = P.val(node)
+    if not isinstance(v, torch.Tensor):
+        raise Dense(f"no shape recorded for {node.name}")
+    return v if _identity(perm) else v.permute(*perm)
+
+
+def _eq(a, b) -> bool:
+    return statically_known_true(a == b)
+
+
+def _same_shape(a: Node, b: Node) -> bool:
+    va, vb = P.val(a), P.val(b)
+    return (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) and va.dim() == vb.dim()
+            and all(_eq(x, y) for x, y in zip(va.shape, vb.shape)))
+
+
+def _leads_to_matmul(node: Any, depth: int = 8) -> bool:
+    """Whether ``node`` is computed from a matmul-like node within ``depth`` steps."""
+    frontier = [node]
+    for _ in range(depth):
+        nxt = []
+        for n in frontier:
+            if not isinstance(n, Node):
+                continue
+            if P.matmul_kind(n):
+                return True
+            nxt.extend(n.all_input_nodes)
+        frontier = nxt
+    return False
+
+
+def _mask_kind(mask: Any, is_causal: bool) -> str:
+    if is_causal:
+        return "causal"
+    if mask is None:
+        return "none"
+    v = P.val(mask)
+    kind = "bool" if getattr(v, "dtype", None) == torch.bool else "float"
+    return kind + ("(causal)" if P.builds_causal(mask) else "")
+
+
+def _check_mask_tensor(mask: Any, bool_only: bool = False, float_only: bool = False) -> None:
+    v = P.val(mask)
+    if not isinstance(v, torch.Tensor):
+        raise Dense(f"unsupported mask: {P.describe(mask)} is not a tensor")
+    if v.dtype == torch.bool:
+        if float_only:
+            raise Dense("unsupported mask dtype torch.bool for an additive mask")
+    elif not v.is_floating_point() or bool_only:
+        raise Dense(f"unsupported mask dtype {v.dtype}")
+    if v.dim() > 4:
+        raise Dense(f"unsupported mask shape {fmt_shape(v)} (more than 4 dims)")
+
+
+def _strip_numeric_scales(node: Node, factors: list, owned: list) -> Node:
+    """Peel ``x * s`` / ``x / s`` (number or symbolic scalar) and ``.contiguous()`` off ``node``."""
+    while isinstance(node, Node):
+        sc = P.as_scale(node)
+        if sc is not None and not sc.is_tensor:
+            factors.append((sc.factor, sc.divide))
+            owned.append(node)
+            node = sc.input
+            continue
+        c = P.as_contiguous(node)
+        if c is not None:
+            owned.append(node)
+            node = c
+            continue
+        break
+    return node
+
+
+def _strip_views(node: Node, perm: list, factors: Optional[list], owned: list):
+    """Peel permutes (composing ``perm``), and numeric scales if ``factors`` is a list.
+
+    Returns ``(x, p)`` with the original value equal to ``x.permute(p)`` times the factors.
+    """
+    while isinstance(node, Node):
+        vp = P.as_view_perm(node)
+        if vp is not None:
+            src, p0 = vp
+            perm = [p0[i] for i in perm]
+            owned.append(node)
+            node = src
+            continue
+        if factors is not None:
+            sc = P.as_scale(node)
+            if sc is not None and not sc.is_tensor:
+                factors.append((sc.factor, sc.divide))
+                owned.append(node)
+                node = sc.input
+                continue
+        c = P.as_contiguous(node)
+        if c is not None:
+            owned.append(node)
+            node = c
+            continue
+        break
+    return node, perm
+
+
+def _strip_repeat(k: Node, v: Node, owned: list):
+    """Undo matching ``repeat_kv`` / ``repeat_interleave`` on both ``k`` and ``v``."""
+    rk, rv = P.as_repeat_kv(k), P.as_repeat_kv(v)
+    if rk is None or rv is None or rk.n_rep != rv.n_rep:
+        return k, v, None
+    for r, n in ((rk, k), (rv, v)):
+        owned.append(n)
+        owned.extend(x for x in n.all_input_nodes if x is not r.input)
+    return rk.input, rv.input, rk.form
+
+
+def _check_shapes(plan: _Plan) -> tuple:
+    """Shapes/dtypes as PISA will see them; ``Dense`` if they are not ``[B,H,N,D]``-compatible."""
+    q = _permuted_val(plan.q, plan.q_perm)
+    k = _permuted_val(plan.k, plan.k_perm)
+    v = _permuted_val(plan.v, plan.v_perm)
+    if not (q.dim() == k.dim() == v.dim()) or q.dim() not in (3, 4):
+        raise Dense(f"unsupported rank: q {fmt_shape(q)}, k {fmt_shape(k)}, v {fmt_shape(v)} "
+                    "(need 4-D [B, H, N, D] or 3-D [B*H, N, D])")
+    plan.rank3 = q.dim() == 3
+    if not (q.dtype == k.dtype == v.dtype) or not q.is_floating_point():
+        raise Dense(f"dtypes differ or are not floating: q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    if not (_eq(q.shape[0], k.shape[0]) and _eq(k.shape[0], v.shape[0])):
+        raise Dense("batch dims of q, k, v differ (broadcast matmul)")
+    if not plan.rank3:
+        hq, hk = q.shape[1], k.shape[1]
+        if not _eq(hk, v.shape[1]):
+            raise Dense("k and v head counts differ")
+        if plan.enable_gqa:
+            if not statically_known_true(hq % hk == 0):
+                raise Dense(f"q heads {hq} not a multiple of k heads {hk}")
+        elif not _eq(hq, hk):
+            raise Dense(f"q heads {hq} != k heads {hk}")
+    if not (_eq(q.shape[-1], k.shape[-1]) and _eq(k.shape[-2], v.shape[-2])):
+        raise Dense("q/k head dims or k/v lengths differ")
+    out = P.val(plan.anchor)
+    if isinstance(out, torch.Tensor) and out.dtype != q.dtype:
+        raise Dense(f"output dtype {out.dtype} differs from q dtype {q.dtype}")
+    return q, k, v
+
+
+# -- site analysis ---------------------------------------------------------------------------------
+
+def _analyze_sdpa(node: Node, site: Site) -> _Plan:
+    b = P.sdpa_args(node)
+    q, k, v, mask = b["query"], b["key"], b["value"], b["attn_mask"]
+    site.mask = _mask_kind(mask, b["is_causal"] is True)
+    dp = b["dropout_p"]
+    if not (isinstance(dp, (int, float)) and dp == 0):
+        raise Dense(f"dropout active in training (dropout_p={P.describe(dp)})")
+    scale = b["scale"]
+    if scale is not None and not P.is_number(scale):
+        raise Dense("the scale is a tensor" if P.is_tensor_node(scale)
+                    else f"unsupported scale {P.describe(scale)}")
+    if not isinstance(b["is_causal"], bool) or not isinstance(b["enable_gqa"], bool):
+        raise Dense("is_causal / enable_gqa are not constants")
+    if mask is not None:
+        _check_mask_tensor(mask)
+    plan = _Plan(anchor=node, q=q, k=k, v=v, mask=mask, is_causal=b["is_causal"],
+                 enable_gqa=b["enable_gqa"], owned=[node])
+    plan.scale = None if scale is None else [(scale, False)]
+    kk, vv, form = _strip_repeat(k, v, plan.owned)
+    if form is not None:
+        plan.k, plan.v, plan.enable_gqa = kk, vv, True
+        site.form += f"+gqa({form})"
+    return plan
+
+
+def _forward_chain(sm: Node):
+    """From the softmax to the matmul with ``v``: ``(pv, chain, used_elsewhere, dropout)``."""
+    cur, chain, elsewhere, dropout = sm, [], False, None
+    while True:
+        nxt = pv = None
+        for u in cur.users:
+            kind = P.matmul_kind(u)
+            if kind:
+                a, b = P.matmul_operands(u)
+                if a is cur or (kind == "einsum" and b is cur):
+                    pv = pv or u
+                    continue
+            d = P.as_dropout(u)
+            if (P.as_cast(u) is cur or P.as_contiguous(u) is cur
+                    or (d is not None and d.input is cur)):
+                nxt = nxt or u
+        if pv is None and nxt is None:
+            return None
+        if len(cur.users) > 1:
+            elsewhere = True
+        if pv is not None:
+            return pv, chain, elsewhere, dropout
+        d = P.as_dropout(nxt)
+        if d is not None and d.active:
+            dropout = d
+        chain.append(nxt)
+        cur = nxt
+
+
+def _analyze_softmax(sm: Node, site: Site) -> tuple[Optional[_Plan], Optional[str]]:
+    """Plan for a hand-written site, or ``(None, None)`` when ``sm`` is not attention at all."""
+    fwd = _forward_chain(sm)
+    if fwd is None:
+        return None, None
+    pv, fchain, elsewhere, dropout = fwd
+    site.node = sm.name
+    site.form = f"?-softmax-{P.matmul_kind(pv)}"
+    x, dim, _dtype = P.softmax_input(sm)
+    owned = [pv, *fchain, sm]
+
+    # Backward from the softmax input to q·kᵀ: casts, scales, at most one mask.
+    factors, post_mask = [], []
+    mask_op: Optional[P.MaskOp] = None
+    s = x
+    reasons = []
+    while True:
+        if not isinstance(s, Node):
+            raise Dense("the softmax input is not computed from a matmul")
+        if P.matmul_kind(s):
+            break
+        if len(s.users) > 1:
+            elsewhere = True
+        owned.append(s)
+        c = P.as_cast(s)
+        if c is None:
+            c = P.as_contiguous(s)
+        if c is not None:
+            s = c
+            continue
+        sc = P.as_scale(s, allow_inplace=True)
+        if sc is not None and _leads_to_matmul(sc.input):
+            if sc.is_tensor:
+                reasons.append("the scale is a tensor")
+            factors.append((sc.factor, sc.divide))
+            if mask_op is None:
+                post_mask.append((sc.factor, sc.divide))
+            s = sc.input
+            continue
+        m = P.as_masked_fill(s)
+        if m is None:
+            for cand in s.all_input_nodes:
+                if _leads_to_matmul(cand):
+                    m = P.as_where(s, cand) or P.as_mask_add(s, cand)
+                    if m is not None:
+                        break
+        if m is not None:
+            if mask_op is not None:
+                raise Dense("more than one mask op on the scores")
+            if not _same_shape(s, m.scores):
+                raise Dense("the mask broadcasts the scores to a larger shape")
+            mask_op = m
+            site.mask = _mask_kind(m.mask, False)
+            s = m.scores
+            continue
+        raise Dense(f"score transform {P.describe(s)} between matmul and softmax")
+    qk = s
+    owned.append(qk)
+
+    kind1, kind2 = P.matmul_kind(qk), P.matmul_kind(pv)
+    site.form = (f"{kind1}-softmax-{kind2}" if kind1 != kind2 or kind1 != "matmul"
+                 else "matmul-softmax-matmul")
+    if kind1 == kind2 and kind1 != "matmul":
+        site.form = f"{kind1}-softmax-{kind1}"
+
+    # Layouts: q as [.., Nq, D], k as [.., Nk, D] after a permute; the scores as [.., Nq, Nk].
+    a, b = P.matmul_operands(qk)
+    if kind1 == "einsum":
+        eq = P.parse_einsum(qk)
+        if eq is None or len(eq.out) < 3:
+            raise Dense(f"unsupported einsum {qk.args[0]!r}")
+        batch, i, j = eq.out[:-2], eq.out[-2], eq.out[-1]
+        contr = [c for c in eq.a if c in eq.b and c not in eq.out]
+        if len(contr) != 1 or sorted(eq.a) != sorted(batch + i + contr[0]) or \
+                sorted(eq.b) != sorted(batch + j + contr[0]):
+            raise Dense(f"unsupported einsum {qk.args[0]!r}")
+        c = contr[0]
+        q_perm = [eq.a.index(ch) for ch in batch + i + c]
+        k_perm = [eq.b.index(ch) for ch in batch + j + c]
+        scores_letters = eq.out
+    else:
+        rank = P.val(b).dim() if P.is_tensor_node(b) else 0
+        if rank < 2:
+            raise Dense("unsupported matmul operand ranks")
+        q_perm = None
+        k_perm = list(range(rank))
+        k_perm[-2], k_perm[-1] = k_perm[-1], k_perm[-2]
+        scores_letters = None
+
+    q = _strip_numeric_scales(a, factors, owned)
+    k, k_perm = _strip_views(b, k_perm, factors, owned)
+
+    # v side: weights @ v (or einsum with the weights' letters).
+    w_in = fchain[-1] if fchain else sm
+    a2, b2 = P.matmul_operands(pv)
+    out_perm = None
+    if kind2 == "einsum":
+        eq2 = P.parse_einsum(pv)
+        if eq2 is None:
+            raise Dense(f"unsupported einsum {pv.args[0]!r}")
+        wl, vl = (eq2.a, eq2.b) if a2 is w_in else (eq2.b, eq2.a)
+        v_node = b2 if a2 is w_in else a2
+        if len(wl) < 3:
+            raise Dense(f"unsupported einsum {pv.args[0]!r}")
+        batch2, i2, j2 = wl[:-2], wl[-2], wl[-1]
+        e = [ch for ch in vl if ch not in wl]
+        if len(e) != 1 or sorted(vl) != sorted(batch2 + j2 + e[0]) or \
+                sorted(eq2.out) != sorted(batch2 + i2 + e[0]):
+            raise Dense(f"unsupported einsum {pv.args[0]!r}")
+        v_perm = [vl.index(ch) for ch in batch2 + j2 + e[0]]
+        layout = batch2 + i2 + e[0]
+        out_perm = [layout.index(ch) for ch in eq2.out]
+        if scores_letters is not None and len(scores_letters) != len(wl):
+            raise Dense("einsum ranks differ")
+    else:
+        if a2 is not w_in:
+            raise Dense("the weights are not the left operand of the matmul with v")
+        v_node = b2
+        rank = P.val(v_node).dim() if P.is_tensor_node(v_node) else 0
+        v_perm = list(range(rank))
+    v, v_perm = _strip_views(v_node, v_perm, None, owned)
+
+    plan = _Plan(anchor=pv, q=q, k=k, v=v, q_perm=q_perm, k_perm=k_perm, v_perm=v_perm,
+                 out_perm=None if _identity(out_perm) else out_perm, owned=owned)
+    if _identity(plan.k_perm) and _identity(plan.v_perm):
+        kk, vv, form = _strip_repeat(k, v, owned)
+        if form is not None:
+            plan.k, plan.v, plan.enable_gqa = kk, vv, True
+            site.form += f"+gqa({form})"
+
+    if mask_op is not None:
+        if mask_op.kind == "add":
+            _check_mask_tensor(mask_op.mask, float_only=True)
+            for f, div in post_mask:     # (s + m) * c == s*c + m*c
+                plan.mask_ops.append(("scale", f, div))
+        else:
+            _check_mask_tensor(mask_op.mask, bool_only=True)
+            sv = P.val(mask_op.scores)
+            if not P.is_masking_fill(mask_op.fill, sv.dtype):
+                raise Dense(f"mask fill value {P.describe(mask_op.fill)} is not -inf or "
+                            f"<= finfo({sv.dtype}).min/2")
+            for f, _div in post_mask:   # -inf * c stays -inf only for c > 0
+                if not (isinstance(f, (int, float)) and f > 0):
+                    raise Dense("a scale after the mask is not a positive constant")
+            plan.mask_ops.append(("attend_if", mask_op.attend_if))
+        plan.mask = mask_op.mask
+    plan.scale = factors
+
+    # Refusals that need the whole site seen first.
+    sdim = P.val(x).dim() if P.is_tensor_node(x) else None
+    if not (isinstance(dim, int) and sdim is not None and dim % sdim == sdim - 1):
+        raise Dense(f"softmax over dim {dim}, not the key dim")
+    if elsewhere:
+        raise Dense("the attention weights are used elsewhere (returned, stored or reused)")
+    if dropout is not None:
+        raise Dense(f"dropout active in training (p={P.describe(dropout.p)})")
+    if reasons:
+        raise Dense(reasons[0])
+    return plan, None
+
+
+# -- graph editing ---------------------------------------------------------------------------------
+
+def _fake_mode(nodes):
+    from torch._guards import detect_fake_mode
+    vals = [P.val(n) for n in nodes if isinstance(n, Node)]
+    return detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
+
+
+class _Emitter:
+    """Inserts nodes before ``anchor``, recording example values (fake) for later passes."""
+
+    def __init__(self, graph, anchor: Node):
+        self.graph, self.anchor = graph, anchor
+        self.fake = _fake_mode(anchor.all_input_nodes)
+        self.meta = {k: anchor.meta[k] for k in ("stack_trace", "nn_module_stack")
+                     if k in anchor.meta}
+
+    def __call__(self, op: str, target, args, kwargs=None) -> Node:
+        with self.graph.inserting_before(self.anchor):
+            node = self.graph.create_node(op, target, tuple(args), dict(kwargs or {}))
+        node.meta.update(self.meta)
+        self._set_val(node)
+        return node
+
+    def _set_val(self, node: Node) -> None:
+        if self.fake is None:
+            return
+        a = torch.fx.node.map_arg(node.args, P.val)
+        kw = torch.fx.node.map_arg(node.kwargs, P.val)
+        try:
+            with self.fake:
+                if node.op == "call_method":
+                    out = getattr(a[0], node.target)(*a[1:], **kw)
+                else:
+                    out = node.target(*a, **kw)
+            node.meta["example_value"] = out
+        except Exception:  # meta is a courtesy; AOTAutograd retraces anyway
+            pass
+
+
+def _apply(gm: GraphModule, plan: _Plan, config: PisaConfig) -> Node:
+    emit = _Emitter(gm.graph, plan.anchor)
+
+    def perm(n, p):
+        return n if _identity(p) else emit("call_method", "permute", (n, *p))
+
+    q, k, v = perm(plan.q, plan.q_perm), perm(plan.k, plan.k_perm), perm(plan.v, plan.v_perm)
+    mask = plan.mask
+    for op in plan.mask_ops:
+        if op[0] == "attend_if" and not op[1]:          # masked_fill: True = masked
+            inner = P.invert_target(mask)
+            mask = inner if inner is not None else emit("call_function", operator.invert,
+                                                         (mask,))
+        elif op[0] == "scale":
+            mask = emit("call_function", operator.truediv if op[2] else operator.mul,
+                        (mask, op[1]))
+    scale = plan.scale
+    if scale is not None:
+        num, sym = 1.0, []
+        for f, div in scale:
+            if isinstance(f, (int, float)):
+                num = num / f if div else num * f
+            else:
+                sym.append((f, div))
+        scale = num
+        for f, div in sym:
+            scale = emit("call_function", operator.truediv if div else operator.mul, (scale, f))
+    if plan.rank3:
+        q, k, v = (emit("call_method", "unsqueeze", (t, 0)) for t in (q, k, v))
+    out = emit("call_function", pisa_attention, (q, k, v),
+               dict(attn_mask=mask, dropout_p=0.0, is_causal=plan.is_causal, scale=scale,
+                    enable_gqa=plan.enable_gqa, config=config))
+    if plan.rank3:
+        out = emit("call_method", "squeeze", (out, 0))
+    out = perm(out, plan.out_perm)
+    plan.anchor.replace_all_uses_with(out)
+    _erase_dead(gm.graph, plan.owned)
+    return out
+
+
+def _erase_dead(graph, owned: list) -> None:
+    """Erase the site's own nodes that no longer have users (never placeholders)."""
+    owned_set = {n for n in owned if n.op in ("call_function", "call_method")}
+    changed = True
+    while changed:
+        changed = False
+        for n in list(owned_set):
+            if not n.users:
+                graph.erase_node(n)
+                owned_set.discard(n)
+                changed = True
+
+
+# -- the pass --------------------------------------------------------------------------------------
+
+def find_sites(gm: GraphModule) -> list[Node]:
+    """Candidate anchors in graph order: SDPA calls and softmax nodes."""
+    return [n for n in gm.graph.nodes if P.sdpa_args(n) is not None or P.is_softmax(n)]
+
+
+def rewrite_graph(gm: GraphModule, config: PisaConfig, apply: bool = True) -> list[Site]:
+    """Rewrite every provable attention site of ``gm`` in place; return one :class:`Site` each.
+
+    Args:
+        gm: a Dynamo-captured ``GraphModule`` (torch IR, before autograd), with
+            ``example_value`` metadata on its nodes.
+        config: the :class:`PisaConfig` the inserted ``pisa_attention`` calls carry.
+        apply: False only analyses (for :func:`explain`); the graph is untouched.
+
+    Returns:
+        The sites in graph order, each ``"rewritten"`` or ``"left dense"`` with a reason.
+    """
+    sites: list[Site] = []
+    for node in find_sites(gm):
+        if node.graph is not gm.graph or node not in node.graph.nodes:
+            continue  # erased by an earlier site
+        is_sdpa = P.sdpa_args(node) is not None
+        site = Site(form="sdpa" if is_sdpa else "softmax", node=node.name,
+                    source=source_of(node.meta))
+        try:
+            if is_sdpa:
+                plan = _analyze_sdpa(node, site)
+            else:
+                plan, _ = _analyze_softmax(node, site)
+                if plan is None:
+                    continue  # a softmax that does not feed a matmul: not attention
+            q, k, v = _check_shapes(plan)
+            site.q_shape, site.k_shape, site.v_shape = fmt_shape(q), fmt_shape(k), fmt_shape(v)
+            if apply:
+                _apply(gm, plan, config)
+            site.decision, site.reason = REWRITTEN, ""
+        except Dense as why:
+            site.decision, site.reason = LEFT_DENSE, str(why)
+            if site.q_shape == "?":
+                _fill_shapes_best_effort(node, site)
+        sites.append(site)
+    if apply and any(s.rewritten for s in sites):
+        gm.graph.lint()
+        gm.recompile()
+    return sites
+
+
+def _fill_shapes_best_effort(node: Node, site: Site) -> None:
+    b = P.sdpa_args(node)
+    if b is not None:
+        site.q_shape, site.k_shape, site.v_shape = (fmt_shape(P.val(b[n]))
+                                                    for n in ("query", "key", "value"))
+    else:
+        site.q_shape = "scores " + fmt_shape(P.val(P.softmax_input(node)[0]))
+        site.k_shape = site.v_shape = "-"

@@ -1,0 +1,215 @@
+"""The ``pisa`` backend: options/mode handling, fullgraph, dynamic shapes, training, the
+pass-failure fallback, the entry point, caches, and the sparse path after a rewrite."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+
+import pisa_compile
+from pisa_compile import backend as backend_mod
+from pisa_compile.backend import split_options
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def _qkv(b=2, h=4, n=24, d=16, seed=0, requires_grad=False):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(b, h, n, d, generator=g).requires_grad_(requires_grad)
+                 for _ in range(3))
+
+
+def hand_attention(q, k, v):
+    s = (q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))
+    causal = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
+    s = s.masked_fill(~causal, float("-inf"))
+    return F.softmax(s, dim=-1) @ v
+
+
+def sdpa(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+# -- options and mode ---------------------------------------------------------------------------
+
+def test_split_options_routes_keys():
+    cfg, patches = split_options({"top_k": 4, "block_size": 32, "max_autotune": False,
+                                  "triton.cudagraphs": False})
+    assert cfg.top_k == 4 and cfg.block_size == 32
+    assert patches == {"max_autotune": False, "triton.cudagraphs": False}
+
+
+def test_unknown_key_lists_valid_keys():
+    with pytest.raises(ValueError) as err:
+        split_options({"topk": 4})
+    msg = str(err.value)
+    assert "'topk'" in msg and "top_k" in msg and "block_size" in msg
+    assert "torch._inductor.config" in msg
+
+
+def test_bad_pisa_value_names_field():
+    with pytest.raises(ValueError, match="block_size"):
+        split_options({"block_size": 3})
+
+
+def test_bad_inductor_type_and_mode():
+    with pytest.raises(ValueError, match="max_autotune"):
+        split_options({"max_autotune": "yes"})
+    with pytest.raises(ValueError, match="unknown mode"):
+        split_options(None, mode="fastest")
+    assert split_options(None, mode="max-autotune-no-cudagraphs")[1]["max_autotune"] is True
+
+
+def test_unknown_key_through_torch_compile():
+    f = torch.compile(sdpa, backend="pisa", options={"nope": 1})
+    with pytest.raises(Exception, match="Valid keys"):
+        f(*_qkv())
+
+
+@pytest.mark.parametrize("kw", [
+    {"options": {"max_autotune": False, "top_k": 2}},
+    {"mode": "reduce-overhead"},
+    {"mode": "max-autotune-no-cudagraphs"},
+], ids=["inductor-key", "reduce-overhead", "max-autotune-no-cudagraphs"])
+def test_options_and_modes_accepted(kw):
+    args = _qkv()
+    out = torch.compile(hand_attention, backend="pisa", **kw)(*args)
+    torch.testing.assert_close(out, hand_attention(*args), rtol=1e-4, atol=1e-5)
+    assert counters["pisa"]["rewritten"] == 1
+
+
+def test_backend_rejects_unknown_kwargs():
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        backend_mod.pisa_backend(None, [], bogus=1)
+
+
+# -- compile modes --------------------------------------------------------------------------------
+
+def test_fullgraph():
+    args = _qkv()
+    out = torch.compile(hand_attention, backend="pisa", fullgraph=True)(*args)
+    torch.testing.assert_close(out, hand_attention(*args), rtol=1e-4, atol=1e-5)
+    assert counters["pisa"]["rewritten"] == 1
+
+
+@pytest.mark.parametrize("fn", [hand_attention, sdpa], ids=["hand", "sdpa"])
+def test_dynamic(fn):
+    f = torch.compile(fn, backend="pisa", dynamic=True)
+    for n in (24, 40):
+        args = _qkv(n=n, seed=n)
+        torch.testing.assert_close(f(*args), fn(*args), rtol=1e-4, atol=1e-5)
+    assert counters["pisa"]["rewritten"] >= 1 and counters["pisa"]["left_dense"] == 0
+
+
+def test_training_step_grads_match_eager():
+    torch.manual_seed(0)
+    proj = torch.nn.Linear(16, 16)
+
+    def step(q, k, v):
+        return proj(hand_attention(q, k, v)).square().mean()
+
+    args = _qkv(requires_grad=True)
+    torch.compile(step, backend="pisa")(*args).backward()
+    got = [a.grad.clone() for a in args] + [proj.weight.grad.clone()]
+    for a in args:
+        a.grad = None
+    proj.weight.grad = None
+    step(*args).backward()
+    want = [a.grad for a in args] + [proj.weight.grad]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+    assert counters["pisa"]["rewritten"] == 1
+
+
+def test_caches_not_bypassed():
+    torch.compile(hand_attention, backend="pisa")(*_qkv())
+    assert counters["pisa"]["rewritten"] == 1
+    assert counters["inductor"]["fxgraph_cache_bypass"] == 0
+    assert counters["aot_autograd"]["autograd_cache_bypass"] == 0
+
+
+# -- the pass-failure fallback --------------------------------------------------------------------
+
+def test_pass_failure_falls_back_and_warns_once(monkeypatch):
+    import pisa_compile.lowering as lowering
+    real = lowering.rewrite_graph
+
+    def broken(gm, config, apply=True):
+        real(gm, config, apply)  # mutate first: the fallback must restore the original graph
+        raise RuntimeError("boom in the pass")
+
+    monkeypatch.setattr(lowering, "rewrite_graph", broken)
+    monkeypatch.setattr(backend_mod, "_warned_pass_failure", False)
+    args = _qkv()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = torch.compile(hand_attention, backend="pisa")(*args)
+        torch._dynamo.reset()
+        torch.compile(sdpa, backend="pisa")(*args)
+    torch.testing.assert_close(out, hand_attention(*args), rtol=1e-4, atol=1e-5)
+    ours = [w for w in caught if "rewrite pass failed" in str(w.message)]
+    assert len(ours) == 1 and "boom in the pass" in str(ours[0].message)
+    assert "bug" in str(ours[0].message)
+    assert counters["pisa"]["rewritten"] == 0
+
+
+# -- entry point -------------------------------------------------------------------------------------
+
+def test_entry_point_without_import():
+    code = (
+        "import sys, torch\n"
+        "f = torch.compile(lambda q, k, v: torch.nn.functional.scaled_dot_product_attention("
+        "q, k, v), backend='pisa')\n"
+        "q = torch.randn(1, 2, 8, 16)\n"
+        "torch.testing.assert_close(f(q, q, q), "
+        "torch.nn.functional.scaled_dot_product_attention(q, q, q))\n"
+        "from torch._dynamo.utils import counters\n"
+        "assert counters['pisa']['rewritten'] == 1, dict(counters['pisa'])\n"
+        "print('ok', 'pisa_compile' in sys.modules)\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.strip().endswith("ok True")
+
+
+def test_backend_is_plain_function():
+    assert not hasattr(backend_mod.pisa_backend, "_torchdynamo_orig_backend")
+    from torch._dynamo.backends.registry import lookup_backend
+    assert lookup_backend("pisa") is backend_mod.pisa_backend
+
+
+# -- the sparse path after a rewrite (needs the reference kernels) -----------------------------------
+
+def test_rewrite_reaches_sparse_op():
+    """With ``min_seq_len=0`` the rewritten graph runs ``torch.ops.pisa.attention``.
+
+    Fails (does not skip) until ``pisa_compile.kernels.reference`` implements the op.
+    """
+    opts = {"min_seq_len": 0, "block_size": 16, "top_k": 1, "query_tile": 16}
+    cfg = pisa_compile.PisaConfig.from_options(opts)
+    q, k, v = _qkv(b=1, h=2, n=128, d=16, seed=3)
+
+    def fn(q, k, v):
+        s = q @ k.mT * 0.25
+        return s.softmax(-1) @ v
+
+    out = torch.compile(fn, backend="pisa", options=opts)(q, k, v)
+    assert counters["pisa"]["rewritten"] == 1
+    dense = fn(q, k, v)
+    want = pisa_compile.pisa_attention(q, k, v, scale=0.25, config=cfg)
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(out, dense, atol=1e-3), "sparse path gave the dense result"

@@ -23,7 +23,8 @@ test: $(STAMP)
 
 # GPU only: pytest-benchmark suite, PISA beside its dense baselines in one process.
 bench: $(STAMP)
-	$(PY) -m pytest -q tests/benchmarks --benchmark-enable --benchmark-json=profiles/bench.json
+	$(PY) -m pytest -q tests/benchmarks -o python_files='bench_*.py' --benchmark-enable \
+		--benchmark-json=profiles/bench.json
 
 clean:
 	rm -rf $(VENV) .hypothesis .pytest_cache

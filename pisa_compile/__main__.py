@@ -8,12 +8,21 @@ from typing import Optional
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["profile"]:
+        # `profile` owns its flags and its usage errors (which show an example), so hand it
+        # the rest of the command line rather than letting the top-level parser reject them.
+        from .profiling_cli import main as profile_main
+        return profile_main(argv[1:])
     parser = argparse.ArgumentParser(
         prog="python -m pisa_compile",
         description="PISA sparse attention for torch.compile (backend='pisa').")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("demo", help="MiniLM embeddings and a Llama-architecture LM on real "
                                 "standard-library text, dense against PISA (CPU, offline)")
+    sub.add_parser("profile", add_help=False,
+                   help="profile PISA against Inductor dense per stage: tables, summary.json, "
+                        "plots, TensorBoard/Perfetto traces (see `profile --help`)")
     args = parser.parse_args(argv)
     if args.command == "demo":
         from .demo import main as demo_main

@@ -7,6 +7,7 @@ Everything above this file (the rewrite pass, user code) calls :func:`pisa_atten
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Optional
 
 import torch
@@ -16,7 +17,7 @@ from torch import Tensor
 from .config import PisaConfig
 from .kernels import dispatch
 
-__all__ = ["pisa_attention", "select_blocks", "max_blocks", "uses_dense"]
+__all__ = ["pisa_attention", "select_blocks", "kernel_for", "max_blocks", "uses_dense"]
 
 
 # -- shape helpers shared by the fake impls and the kernels (SymInt-safe) ---------------
@@ -37,24 +38,16 @@ def _cfg(block_size, top_k, branching, beam, sink_blocks, local_blocks, query_ti
                       query_tile, leaf_scoring, min_seq_len, kernel)
 
 
-# -- pisa::select_blocks -------------------------------------------------------------------
+# -- ops ------------------------------------------------------------------------------------
+# Two implementations of one contract: `pisa::*` are opaque custom ops over the PyTorch
+# reference (any device); `pisa::*_triton` are `triton_op`s whose bodies launch Triton kernels
+# through `wrap_triton`, so Inductor sees (and can fuse around) the kernels.
+# Selection and attention are separate ops: the selection carries no gradient.
 
-@torch.library.custom_op("pisa::select_blocks", mutates_args=())
-def _select_blocks_op(
-    q: Tensor, k: Tensor, attn_mask: Optional[Tensor], is_causal: bool, scale: float,
-    block_size: int, top_k: int, branching: int, beam: int, sink_blocks: int,
-    local_blocks: int, query_tile: int, leaf_scoring: str, min_seq_len: int, kernel: str,
-) -> tuple[Tensor, Tensor]:
+def _select_fake(q, k, is_causal, block_size, top_k, branching, beam, sink_blocks, local_blocks,
+                 query_tile, leaf_scoring):
     cfg = _cfg(block_size, top_k, branching, beam, sink_blocks, local_blocks, query_tile,
-               leaf_scoring, min_seq_len, kernel)
-    return dispatch.select_blocks(q, k, attn_mask, is_causal, scale, cfg)
-
-
-@_select_blocks_op.register_fake
-def _(q, k, attn_mask, is_causal, scale, block_size, top_k, branching, beam, sink_blocks,
-      local_blocks, query_tile, leaf_scoring, min_seq_len, kernel):
-    cfg = _cfg(block_size, top_k, branching, beam, sink_blocks, local_blocks, query_tile,
-               leaf_scoring, min_seq_len, kernel)
+               leaf_scoring, 0, "auto")
     B, Hkv, Nq, Nk = q.shape[0], k.shape[1], q.shape[2], k.shape[2]
     n_tiles = (Nq + query_tile - 1) // query_tile
     M = max_blocks(Nq, Nk, cfg)
@@ -62,43 +55,67 @@ def _(q, k, attn_mask, is_causal, scale, block_size, top_k, branching, beam, sin
             q.new_empty((B, Hkv, n_tiles), dtype=torch.int32))
 
 
-# -- pisa::attention -----------------------------------------------------------------------
+@torch.library.custom_op("pisa::select_blocks", mutates_args=())
+def _select_blocks_op(
+    q: Tensor, k: Tensor, attn_mask: Optional[Tensor], is_causal: bool, scale: float,
+    block_size: int, top_k: int, branching: int, beam: int, sink_blocks: int,
+    local_blocks: int, query_tile: int, leaf_scoring: str,
+) -> tuple[Tensor, Tensor]:
+    cfg = _cfg(block_size, top_k, branching, beam, sink_blocks, local_blocks, query_tile,
+               leaf_scoring, 0, "reference")
+    return dispatch.select_blocks(q, k, attn_mask, is_causal, scale, cfg, "reference")
+
+
+@_select_blocks_op.register_fake
+def _(q, k, attn_mask, is_causal, scale, block_size, top_k, branching, beam, sink_blocks,
+      local_blocks, query_tile, leaf_scoring):
+    return _select_fake(q, k, is_causal, block_size, top_k, branching, beam, sink_blocks,
+                        local_blocks, query_tile, leaf_scoring)
+
+
+@torch.library.triton_op("pisa::select_blocks_triton", mutates_args=())
+def _select_blocks_triton_op(
+    q: Tensor, k: Tensor, is_causal: bool, scale: float,
+    block_size: int, top_k: int, branching: int, beam: int, sink_blocks: int,
+    local_blocks: int, query_tile: int, leaf_scoring: str,
+) -> tuple[Tensor, Tensor]:
+    # No attn_mask: masked selection needs the mask's leaf states (the reference op does it).
+    cfg = _cfg(block_size, top_k, branching, beam, sink_blocks, local_blocks, query_tile,
+               leaf_scoring, 0, "triton")
+    return dispatch.select_blocks(q, k, None, is_causal, scale, cfg, "triton")
+
+
+def _attn_cfg(block_size: int, query_tile: int) -> PisaConfig:
+    return PisaConfig(block_size=block_size, query_tile=query_tile)
+
 
 @torch.library.custom_op("pisa::attention", mutates_args=())
 def _attention_op(
-    q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal: bool, scale: float,
-    block_size: int, top_k: int, branching: int, beam: int, sink_blocks: int,
-    local_blocks: int, query_tile: int, leaf_scoring: str, min_seq_len: int, kernel: str,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    cfg = _cfg(block_size, top_k, branching, beam, sink_blocks, local_blocks, query_tile,
-               leaf_scoring, min_seq_len, kernel)
-    return dispatch.attention_forward(q, k, v, attn_mask, is_causal, scale, cfg)
+    q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], block_indices: Tensor,
+    block_counts: Tensor, is_causal: bool, scale: float, block_size: int, query_tile: int,
+) -> tuple[Tensor, Tensor]:
+    return dispatch.attention_forward(q, k, v, attn_mask, is_causal, scale, block_indices,
+                                      block_counts, _attn_cfg(block_size, query_tile),
+                                      "reference")
 
 
 @_attention_op.register_fake
-def _(q, k, v, attn_mask, is_causal, scale, block_size, top_k, branching, beam, sink_blocks,
-      local_blocks, query_tile, leaf_scoring, min_seq_len, kernel):
-    block_indices, block_counts = _select_blocks_op(
-        q, k, attn_mask, is_causal, scale, block_size, top_k, branching, beam, sink_blocks,
-        local_blocks, query_tile, leaf_scoring, min_seq_len, kernel)
+def _(q, k, v, attn_mask, block_indices, block_counts, is_causal, scale, block_size, query_tile):
     B, Hq, Nq = q.shape[:3]
     out = q.new_empty((B, Hq, Nq, v.shape[-1]))
     lse = q.new_empty((B, Hq, Nq), dtype=torch.promote_types(q.dtype, torch.float32))
-    return out, lse, block_indices, block_counts
+    return out, lse
 
 
 @torch.library.custom_op("pisa::attention_backward", mutates_args=())
 def _attention_backward_op(
     grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
     out: Tensor, lse: Tensor, block_indices: Tensor, block_counts: Tensor,
-    is_causal: bool, scale: float,
-    block_size: int, top_k: int, branching: int, beam: int, sink_blocks: int,
-    local_blocks: int, query_tile: int, leaf_scoring: str, min_seq_len: int, kernel: str,
+    is_causal: bool, scale: float, block_size: int, query_tile: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    cfg = _cfg(block_size, top_k, branching, beam, sink_blocks, local_blocks, query_tile,
-               leaf_scoring, min_seq_len, kernel)
     return dispatch.attention_backward(grad_out, q, k, v, attn_mask, out, lse, block_indices,
-                                       block_counts, is_causal, scale, cfg)
+                                       block_counts, is_causal, scale,
+                                       _attn_cfg(block_size, query_tile), "reference")
 
 
 @_attention_backward_op.register_fake
@@ -106,27 +123,49 @@ def _(grad_out, q, k, v, attn_mask, out, lse, block_indices, block_counts, *args
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
-_CONFIG_ARGS = ("block_size", "top_k", "branching", "beam", "sink_blocks", "local_blocks",
-                "query_tile", "leaf_scoring", "min_seq_len", "kernel")
+@torch.library.triton_op("pisa::attention_triton", mutates_args=())
+def _attention_triton_op(
+    q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], block_indices: Tensor,
+    block_counts: Tensor, is_causal: bool, scale: float, block_size: int, query_tile: int,
+) -> tuple[Tensor, Tensor]:
+    return dispatch.attention_forward(q, k, v, attn_mask, is_causal, scale, block_indices,
+                                      block_counts, _attn_cfg(block_size, query_tile), "triton")
+
+
+@torch.library.triton_op("pisa::attention_triton_backward", mutates_args=())
+def _attention_triton_backward_op(
+    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
+    out: Tensor, lse: Tensor, block_indices: Tensor, block_counts: Tensor,
+    is_causal: bool, scale: float, block_size: int, query_tile: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    return dispatch.attention_backward(grad_out, q, k, v, attn_mask, out, lse, block_indices,
+                                       block_counts, is_causal, scale,
+                                       _attn_cfg(block_size, query_tile), "triton")
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, attn_mask, is_causal, scale, *config_args = inputs
-    out, lse, block_indices, block_counts = output
+    q, k, v, attn_mask, block_indices, block_counts, is_causal, scale, *shape_args = inputs
+    out, lse = output
     ctx.save_for_backward(q, k, v, attn_mask, out, lse, block_indices, block_counts)
-    ctx.is_causal, ctx.scale, ctx.config_args = is_causal, scale, config_args
+    ctx.is_causal, ctx.scale, ctx.shape_args = is_causal, scale, shape_args
 
 
-def _backward(ctx, grad_out, _grad_lse, _grad_indices, _grad_counts):
-    q, k, v, attn_mask, out, lse, block_indices, block_counts = ctx.saved_tensors
-    dq, dk, dv = _attention_backward_op(
-        grad_out.contiguous(), q, k, v, attn_mask, out, lse, block_indices, block_counts,
-        ctx.is_causal, ctx.scale, *ctx.config_args)
-    # The selection is fixed (DESIGN.md "Attention"): no gradient for the mask or the config.
-    return (dq, dk, dv) + (None,) * (3 + len(_CONFIG_ARGS))
+def _make_backward(backward_op):
+    def backward(ctx, grad_out, _grad_lse):
+        q, k, v, attn_mask, out, lse, block_indices, block_counts = ctx.saved_tensors
+        dq, dk, dv = backward_op(grad_out.contiguous(), q, k, v, attn_mask, out, lse,
+                                 block_indices, block_counts, ctx.is_causal, ctx.scale,
+                                 *ctx.shape_args)
+        # The selection is fixed (DESIGN.md "Attention"): no gradient for it or the mask.
+        return dq, dk, dv, None, None, None, None, None, None, None
+    return backward
 
 
-torch.library.register_autograd("pisa::attention", _backward, setup_context=_setup_context)
+torch.library.register_autograd("pisa::attention", _make_backward(_attention_backward_op),
+                                setup_context=_setup_context)
+torch.library.register_autograd("pisa::attention_triton",
+                                _make_backward(_attention_triton_backward_op),
+                                setup_context=_setup_context)
 
 
 # -- public API ----------------------------------------------------------------------------
@@ -187,9 +226,56 @@ def _mask4(attn_mask: Optional[Tensor]) -> Optional[Tensor]:
 
 
 def _op_args(config: PisaConfig) -> tuple:
+    """The selection ops' config arguments, in schema order."""
     return (config.block_size, config.top_k, config.branching, config.effective_beam,
-            config.sink_blocks, config.local_blocks, config.query_tile, config.leaf_scoring,
-            config.min_seq_len, config.kernel)
+            config.sink_blocks, config.local_blocks, config.query_tile, config.leaf_scoring)
+
+
+_warned: set[str] = set()
+
+
+def _fall_back(reason: str) -> str:
+    if reason not in _warned:
+        _warned.add(reason)
+        warnings.warn(f"pisa_compile: {reason}; using the PyTorch reference kernels instead "
+                      "(correct, slower)", stacklevel=3)
+    return "reference"
+
+
+def kernel_for(q: Tensor, v: Tensor, config: PisaConfig) -> str:
+    """``"triton"`` or ``"reference"``: which implementation runs these inputs.
+
+    ``kernel="auto"`` takes Triton on CUDA for float16/bfloat16 with head dims <= 256 on a GPU
+    Triton targets (compute capability >= 8.0); other CUDA cases fall back to the reference
+    with one warning that says why. ``kernel="triton"`` on the CPU runs Triton's interpreter
+    (``TRITON_INTERPRET=1`` must be set before Triton is imported; tests only).
+    """
+    if config.kernel == "reference" or (q.device.type != "cuda" and config.kernel == "auto"):
+        return "reference"
+    if not dispatch.triton_available():
+        return _fall_back("Triton is not installed")
+    if q.device.type != "cuda":
+        if not dispatch.triton_interpreting():
+            return _fall_back("kernel='triton' on a CPU tensor needs TRITON_INTERPRET=1 set "
+                              "before Triton is imported")
+        if q.dtype not in (torch.float16, torch.float32):
+            return _fall_back(f"Triton's interpreter is unreliable for {q.dtype}")
+        return "triton"
+    if q.dtype not in (torch.float16, torch.bfloat16) and not (
+            config.kernel == "triton" and q.dtype == torch.float32):
+        return _fall_back(f"{q.dtype} inputs (the Triton kernels take float16/bfloat16)")
+    if max(q.shape[-1], v.shape[-1]) > dispatch.MAX_HEAD_DIM:
+        return _fall_back(f"head dim {max(q.shape[-1], v.shape[-1])} > {dispatch.MAX_HEAD_DIM}")
+    if torch.cuda.get_device_capability(q.device) < (8, 0):
+        return _fall_back("a GPU older than compute capability 8.0")
+    return "triton"
+
+
+def _select(q: Tensor, k: Tensor, attn_mask: Optional[Tensor], is_causal: bool, scale: float,
+            config: PisaConfig, impl: str) -> tuple[Tensor, Tensor]:
+    if impl == "triton" and attn_mask is None:
+        return _select_blocks_triton_op(q, k, is_causal, scale, *_op_args(config))
+    return _select_blocks_op(q, k, attn_mask, is_causal, scale, *_op_args(config))
 
 
 def pisa_attention(
@@ -236,8 +322,12 @@ def pisa_attention(
     if uses_dense(k.shape[2], config):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
                                               scale=scale, enable_gqa=enable_gqa)
-    out, _lse, _bi, _bc = _attention_op(q, k, v, _mask4(attn_mask), is_causal, float(scale),
-                                        *_op_args(config))
+    attn_mask, scale = _mask4(attn_mask), float(scale)
+    impl = kernel_for(q, v, config)
+    block_indices, block_counts = _select(q, k, attn_mask, is_causal, scale, config, impl)
+    op = _attention_triton_op if impl == "triton" else _attention_op
+    out, _lse = op(q, k, v, attn_mask, block_indices, block_counts, is_causal, scale,
+                   config.block_size, config.query_tile)
     return out
 
 
@@ -266,4 +356,5 @@ def select_blocks(
     _check_inputs(q, k, None, attn_mask, is_causal, enable_gqa, config)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    return _select_blocks_op(q, k, _mask4(attn_mask), is_causal, float(scale), *_op_args(config))
+    return _select(q, k, _mask4(attn_mask), is_causal, float(scale), config,
+                   kernel_for(q, q, config))

@@ -61,7 +61,7 @@ def make_mask(kind: str, B: int, Hq: int, Nq: int, Nk: int, dtype: torch.dtype,
     if kind == "key_padding":
         lengths = torch.randint(1, Nk + 1, (B,), generator=gen)
         keep = torch.arange(Nk)[None, :] < lengths[:, None]
-        return keep[:, None, None, :].expand(B, 1, Nq, Nk), False
+        return keep[:, None, None, :], False  # HF's [B, 1, 1, Nk] layout
     if kind == "fully_masked_rows":
         m = torch.ones(B, 1, Nq, Nk, dtype=torch.bool).tril(diagonal=Nk - Nq)
         dead = torch.rand(B, 1, Nq, 1, generator=gen) < 0.3

@@ -250,9 +250,11 @@ def test_opcheck(mask):
         m = torch.rand(1, 1, 40, 40) > 0.2
     elif mask == "float":
         m = torch.randn(1, 4, 40, 40).masked_fill(torch.rand(1, 4, 40, 40) > 0.8, float("-inf"))
-    torch.library.opcheck(_attention_op, (q, k, v, m, causal, 0.25, *_op_args(SPARSE)))
-    torch.library.opcheck(_select_blocks_op,
-                          (q.detach(), k.detach(), m, causal, 0.25, *_op_args(SPARSE)))
+    sel_args = (q.detach(), k.detach(), m, causal, 0.25, *_op_args(SPARSE))
+    torch.library.opcheck(_select_blocks_op, sel_args)
+    bi, bc = _select_blocks_op(*sel_args)
+    torch.library.opcheck(_attention_op, (q, k, v, m, bi, bc, causal, 0.25, SPARSE.block_size,
+                                          SPARSE.query_tile))
 
 
 def _attn(q, k, v):

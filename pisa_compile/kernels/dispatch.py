@@ -1,7 +1,16 @@
-"""Device dispatch: Triton kernels on CUDA (or the interpreter when asked), reference elsewhere."""
+"""The one place that picks a kernel: the Triton kernels or the PyTorch reference.
+
+``pisa_compile.ops`` decides which implementation a call uses (``ops.kernel_for``) and calls
+these functions with ``impl="triton"`` or ``impl="reference"``. Each stage runs inside a
+``torch.profiler`` range named in :data:`STAGES` (in eager execution; a compiled graph
+shows the Triton kernels by name instead).
+"""
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
+import os
 from typing import Optional
 
 import torch
@@ -12,16 +21,18 @@ from . import reference
 
 # Profiler ranges, one per PISA stage (pisa_compile.profile tabulates them by these names).
 STAGES = ("pisa.pyramid", "pisa.select", "pisa.attention_fwd", "pisa.attention_bwd", "pisa.decode")
-_range = torch.profiler.record_function
+MAX_HEAD_DIM = 256
+# Up to this many queries attend through the split-K decode kernel (flash-decoding style).
+DECODE_MAX_QUERIES = 16
 
 
 def max_blocks(n_queries, n_keys, config: PisaConfig):
     """Width of ``block_indices``: forced blocks plus ``top_k``, capped at the leaf count."""
     n_leaves = (n_keys + config.block_size - 1) // config.block_size
     bound = config.sink_blocks + config.top_k + reference.max_local_blocks(config)
-    if isinstance(n_leaves, int):
-        return min(n_leaves, bound)
-    return torch.sym_min(n_leaves, bound)
+    # Python's min, not sym_min: a symbolic length then costs one range guard and the width
+    # stays a plain int, which the kernels need as a compile-time tile size.
+    return min(n_leaves, bound)
 
 
 def uses_dense(n_keys, config: PisaConfig) -> bool:
@@ -29,30 +40,64 @@ def uses_dense(n_keys, config: PisaConfig) -> bool:
     return n_keys < config.min_seq_len
 
 
-def _backend(t: Tensor, config: PisaConfig):
-    # Triton kernels arrive with the kernels issue; until then every device uses the reference.
-    return reference
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def triton_interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _tracing(t: Tensor) -> bool:
+    # Profiler ranges cannot be traced into a graph (triton_op bodies are traced by AOT).
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+    return isinstance(t, (FakeTensor, FunctionalTensor)) or torch.compiler.is_compiling()
+
+
+def stage_range(name: str, t: Tensor):
+    """A profiler range for one PISA stage (a no-op while a graph is being traced)."""
+    return contextlib.nullcontext() if _tracing(t) else torch.profiler.record_function(name)
 
 
 def select_blocks(q: Tensor, k: Tensor, attn_mask: Optional[Tensor], is_causal: bool,
-                  scale: float, config: PisaConfig) -> tuple[Tensor, Tensor]:
-    # The reference builds its pyramid inside the selection: one range covers both.
-    with _range("pisa.select"):
-        return _backend(q, config).select_blocks(q, k, attn_mask, is_causal, scale, config)
+                  scale: float, config: PisaConfig, impl: str) -> tuple[Tensor, Tensor]:
+    """``(block_indices, block_counts)`` of :func:`reference.select_blocks`; the pyramid is
+    built inside the selection, so one range covers both."""
+    with stage_range("pisa.select", q):
+        if impl == "triton":
+            from . import triton_select
+            return triton_select.select_blocks(q, k, attn_mask, is_causal, scale, config)
+        return reference.select_blocks(q, k, attn_mask, is_causal, scale, config)
 
 
-def attention_forward(q, k, v, attn_mask, is_causal, scale, config):
-    impl = _backend(q, config)
-    block_indices, block_counts = select_blocks(q, k, attn_mask, is_causal, scale, config)
-    with _range("pisa.attention_fwd"):
-        out, lse = impl.sparse_attention(q, k, v, attn_mask, is_causal, scale, block_indices,
-                                         block_counts, config)
-    return out, lse, block_indices, block_counts
+def attention_forward(q, k, v, attn_mask, is_causal, scale, block_indices, block_counts,
+                      config: PisaConfig, impl: str) -> tuple[Tensor, Tensor]:
+    """``(out, lse)`` of :func:`reference.sparse_attention`; few queries take the decode kernel."""
+    if impl == "triton":
+        if q.shape[2] <= DECODE_MAX_QUERIES:
+            from .triton_decode import decode_attention
+            with stage_range("pisa.decode", q):
+                return decode_attention(q, k, v, attn_mask, is_causal, scale, block_indices,
+                                        block_counts, config)
+        from .triton_attention import sparse_attention
+        with stage_range("pisa.attention_fwd", q):
+            return sparse_attention(q, k, v, attn_mask, is_causal, scale, block_indices,
+                                    block_counts, config)
+    with stage_range("pisa.attention_fwd", q):
+        return reference.sparse_attention(q, k, v, attn_mask, is_causal, scale, block_indices,
+                                          block_counts, config)
 
 
 def attention_backward(grad_out, q, k, v, attn_mask, out, lse, block_indices, block_counts,
-                       is_causal, scale, config):
-    with _range("pisa.attention_bwd"):
-        return _backend(q, config).sparse_attention_backward(
-            grad_out, q, k, v, attn_mask, out, lse, block_indices, block_counts, is_causal,
-            scale, config)
+                       is_causal, scale, config: PisaConfig, impl: str):
+    """``(dq, dk, dv)`` of :func:`reference.sparse_attention_backward`."""
+    with stage_range("pisa.attention_bwd", q):
+        if impl == "triton":
+            from .triton_attention import sparse_attention_backward
+            return sparse_attention_backward(grad_out, q, k, v, attn_mask, out, lse,
+                                             block_indices, block_counts, is_causal, scale,
+                                             config)
+        return reference.sparse_attention_backward(grad_out, q, k, v, attn_mask, out, lse,
+                                                   block_indices, block_counts, is_causal,
+                                                   scale, config)

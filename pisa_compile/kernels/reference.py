@@ -58,10 +58,11 @@ def mask_parts(attn_mask: Optional[Tensor]) -> tuple[Optional[Tensor], Optional[
     return allowed, attn_mask
 
 
-def _grouped(m: Tensor, B: int, Hkv: int, G: int) -> Tensor:
-    """A 4-D ``[Bm, Hm, Nq, Nk]`` mask as ``[B, h, gm, Nq, Nk]`` (a view; ``h*gm`` is 1 or Hq)."""
-    Bm, Hm = m.shape[0], m.shape[1]
-    m = m.expand(B, Hm, m.shape[2], m.shape[3])
+def _grouped(m: Tensor, B: int, Hkv: int, G: int, Nq: int, Nk: int) -> Tensor:
+    """A 4-D mask broadcastable to ``[B, Hq, Nq, Nk]`` as a ``[B, h, gm, Nq, Nk]`` view
+    (``h * gm`` is 1 or Hq; HF's key-padding masks arrive as ``[B, 1, 1, Nk]``)."""
+    Hm = m.shape[1]
+    m = m.expand(B, Hm, Nq, Nk)
     if Hm == 1:
         return m.unsqueeze(1)
     return m.reshape(B, Hkv, G, m.shape[2], m.shape[3])
@@ -95,8 +96,8 @@ class _Problem:
         G = Hq // Hkv
         allowed, bias = mask_parts(attn_mask)
         if allowed is not None:
-            allowed = _grouped(allowed, B, Hkv, G)
-            bias = None if bias is None else _grouped(bias, B, Hkv, G)
+            allowed = _grouped(allowed, B, Hkv, G, Nq, Nk)
+            bias = None if bias is None else _grouped(bias, B, Hkv, G, Nq, Nk)
         if is_causal:
             offset = 0
         elif Nq <= Nk:
@@ -292,7 +293,9 @@ def select_blocks(q: Tensor, k: Tensor, attn_mask: Optional[Tensor], is_causal: 
     dev = q.device
     states, key_live = leaf_states(p)
     states = states.to(dev)
-    mus, counts = build_pyramid(k, key_live.to(dev), config)
+    from .dispatch import stage_range
+    with stage_range("pisa.pyramid", k):
+        mus, counts = build_pyramid(k, key_live.to(dev), config)
     n_levels = len(mus)
     flags = _node_flags(states, g, n_levels)
     M = max_blocks(p.Nq, p.Nk, config)

@@ -32,6 +32,7 @@ __all__ = [
     "SDPA_TARGETS", "val", "is_tensor_node", "arg", "is_softmax", "softmax_input",
     "matmul_kind", "as_scale", "as_cast", "as_dropout", "as_view_perm", "as_contiguous",
     "as_repeat_kv", "as_mask_add", "as_masked_fill", "as_where", "parse_einsum", "describe",
+    "constant_of", "is_softcap", "as_noop_cast",
 ]
 
 # -- node helpers ----------------------------------------------------------------------------
@@ -202,17 +203,47 @@ def as_scale(node: Node, allow_inplace: bool = False) -> Optional[Scale]:
     a, b = node.args
     ta, tb = is_tensor_node(a), is_tensor_node(b)
     if ta and tb:
-        # Both tensors: a scale only if one side is a one-element tensor (then a tensor scale).
+        # Both tensors: a scale only if one side is a one-element tensor. A constant built in
+        # the graph (GPT-2's ``torch.full([], value.size(-1) ** 0.5)``) is its number;
+        # anything else is a tensor scale (which the rewrite refuses).
         if _is_scalar_tensor(b) and not _is_scalar_tensor(a):
-            return Scale(a, b, divide)
+            c = constant_of(b)
+            return Scale(a, b if c is None else c, divide)
         if not divide and _is_scalar_tensor(a) and not _is_scalar_tensor(b):
-            return Scale(b, a, False)
+            c = constant_of(a)
+            return Scale(b, a if c is None else c, False)
         return None
     if ta and is_number(b):
         return Scale(a, b, divide)
     if tb and is_number(a) and not divide:
         return Scale(b, a, False)
     return None
+
+
+def constant_of(x: Any) -> Any:
+    """The number held by ``x``: a Python number or symbolic scalar as is, or a one-element
+    tensor built from one in the graph (``torch.full([], c)``, ``torch.full((1,), c)``,
+    ``torch.tensor(c)``, ``torch.scalar_tensor(c)``); else ``None``."""
+    if is_number(x):
+        return x
+    if not isinstance(x, Node):
+        return None
+    if _fn(x, torch.full):
+        size, value = arg(x, 0, "size"), arg(x, 1, "fill_value")
+        if isinstance(size, int):
+            size = (size,)
+        if (isinstance(size, (list, tuple)) and all(d == 1 for d in size)
+                and is_number(value)):
+            return value
+        return None
+    if _fn(x, torch.tensor, torch.scalar_tensor, torch.as_tensor) and x.args:
+        return x.args[0] if is_number(x.args[0]) else None
+    return None
+
+
+def is_softcap(node: Node) -> bool:
+    """``tanh`` on the scores: Gemma-2 / Grok logit softcapping, ``c * tanh(s / c)``."""
+    return _fn(node, torch.tanh, F.tanh) or _meth(node, "tanh")
 
 
 def _is_scalar_tensor(node: Any) -> bool:
@@ -223,6 +254,18 @@ def _is_scalar_tensor(node: Any) -> bool:
 
 
 # -- casts, dropout, views -------------------------------------------------------------------------
+
+def as_noop_cast(node: Node) -> Optional[Node]:
+    """A cast (:func:`as_cast`) whose output dtype equals its input's: ``v.to(w.dtype)``
+    where they already agree (Inductor's fp16 patterns 7-10 write it on ``v``)."""
+    src = as_cast(node)
+    if src is None:
+        return None
+    a, b = val(src), val(node)
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype:
+        return src
+    return None
+
 
 def as_cast(node: Node) -> Optional[Node]:
     """A dtype cast that keeps values: ``.float()``, ``.half()``, ``.to(dtype)``, ``.type_as(t)``."""
@@ -429,6 +472,7 @@ def is_masking_fill(value: Any, dtype: torch.dtype) -> bool:
 
     That is the threshold PISA itself uses for float masks (DESIGN.md, "The algorithm").
     """
+    value = constant_of(value)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return False
     if value == -math.inf:

@@ -54,12 +54,14 @@ class _Plan:
     k_perm: Optional[list] = None
     v_perm: Optional[list] = None
     out_perm: Optional[list] = None
-    mask: Optional[Node] = None
-    mask_ops: list = field(default_factory=list)   # ("invert",) | ("scale", factor, divide)
+    mask: Optional[Node] = None      # an SDPA call's attn_mask, as is
+    masks: list = field(default_factory=list)     # hand-written: ("add", m, factors) |
+                                                  # ("bool", m, attend_if)
     is_causal: bool = False
     scale: Any = None                # None: SDPA's default 1/sqrt(D); else list of factors
     enable_gqa: bool = False
     rank3: bool = False              # [B*H, N, D] inputs: run as [1, B*H, N, D]
+    dtype: Any = None                # q's dtype (float masks are cast to it)
     owned: list = field(default_factory=list)     # nodes the site consumes (erased if dead)
 
 
@@ -124,6 +126,27 @@ def _check_mask_tensor(mask: Any, bool_only: bool = False, float_only: bool = Fa
         raise Dense(f"unsupported mask shape {fmt_shape(v)} (more than 4 dims)")
 
 
+def _check_mask_grad(mask: Any) -> None:
+    v = P.val(mask)
+    if isinstance(v, torch.Tensor) and v.requires_grad:
+        raise Dense("the mask requires grad (a learned bias, e.g. T5's relative position "
+                    "bias, in training): PISA gives no gradient for the mask")
+
+
+def _matmul_distance(node: Any, depth: int = 8) -> int:
+    """Steps from ``node`` back to the nearest matmul-like node (``depth + 1`` if none)."""
+    frontier = [node]
+    for d in range(depth):
+        nxt = []
+        for n in frontier:
+            if isinstance(n, Node):
+                if P.matmul_kind(n):
+                    return d
+                nxt.extend(n.all_input_nodes)
+        frontier = nxt
+    return depth + 1
+
+
 def _strip_numeric_scales(node: Node, factors: list, owned: list) -> Node:
     """Peel ``x * s`` / ``x / s`` (number or symbolic scalar) and ``.contiguous()`` off ``node``."""
     while isinstance(node, Node):
@@ -134,6 +157,8 @@ def _strip_numeric_scales(node: Node, factors: list, owned: list) -> Node:
             node = sc.input
             continue
         c = P.as_contiguous(node)
+        if c is None:
+            c = P.as_noop_cast(node)
         if c is not None:
             owned.append(node)
             node = c
@@ -163,6 +188,8 @@ def _strip_views(node: Node, perm: list, factors: Optional[list], owned: list):
                 node = sc.input
                 continue
         c = P.as_contiguous(node)
+        if c is None:
+            c = P.as_noop_cast(node)
         if c is not None:
             owned.append(node)
             node = c
@@ -191,6 +218,7 @@ def _check_shapes(plan: _Plan) -> tuple:
         raise Dense(f"unsupported rank: q {fmt_shape(q)}, k {fmt_shape(k)}, v {fmt_shape(v)} "
                     "(need 4-D [B, H, N, D] or 3-D [B*H, N, D])")
     plan.rank3 = q.dim() == 3
+    plan.dtype = q.dtype
     if not (q.dtype == k.dtype == v.dtype) or not q.is_floating_point():
         raise Dense(f"dtypes differ or are not floating: q {q.dtype}, k {k.dtype}, v {v.dtype}")
     if not (_eq(q.shape[0], k.shape[0]) and _eq(k.shape[0], v.shape[0])):
@@ -229,6 +257,7 @@ def _analyze_sdpa(node: Node, site: Site) -> _Plan:
         raise Dense("is_causal / enable_gqa are not constants")
     if mask is not None:
         _check_mask_tensor(mask)
+        _check_mask_grad(mask)
     plan = _Plan(anchor=node, q=q, k=k, v=v, mask=mask, is_causal=b["is_causal"],
                  enable_gqa=b["enable_gqa"], owned=[node])
     plan.scale = None if scale is None else [(scale, False)]
@@ -279,9 +308,12 @@ def _analyze_softmax(sm: Node, site: Site) -> tuple[Optional[_Plan], Optional[st
     x, dim, _dtype = P.softmax_input(sm)
     owned = [pv, *fchain, sm]
 
-    # Backward from the softmax input to q·kᵀ: casts, scales, at most one mask.
-    factors, post_mask = [], []
-    mask_op: Optional[P.MaskOp] = None
+    # Backward from the softmax input to q·kᵀ: casts, scales, masks. Any number of additive
+    # float masks (T5: position bias, then the padding/causal mask) and at most one bool
+    # mask (masked_fill / where); each mask is recorded with the scale factors applied
+    # after it (seen so far on the way back), which scale the mask too.
+    factors = []
+    masks: list[tuple[P.MaskOp, list]] = []
     s = x
     reasons = []
     while True:
@@ -303,27 +335,31 @@ def _analyze_softmax(sm: Node, site: Site) -> tuple[Optional[_Plan], Optional[st
             if sc.is_tensor:
                 reasons.append("the scale is a tensor")
             factors.append((sc.factor, sc.divide))
-            if mask_op is None:
-                post_mask.append((sc.factor, sc.divide))
             s = sc.input
             continue
         m = P.as_masked_fill(s)
         if m is None:
-            for cand in s.all_input_nodes:
+            for cand in sorted(s.all_input_nodes, key=_matmul_distance):
                 if _leads_to_matmul(cand):
                     m = P.as_where(s, cand) or P.as_mask_add(s, cand)
                     if m is not None:
                         break
         if m is not None:
-            if mask_op is not None:
-                raise Dense("more than one mask op on the scores")
+            if m.kind == "bool" and any(o.kind == "bool" for o, _ in masks):
+                raise Dense("more than one bool mask op on the scores")
             if not _same_shape(s, m.scores):
                 raise Dense("the mask broadcasts the scores to a larger shape")
-            mask_op = m
+            masks.append((m, list(factors)))
             site.mask = _mask_kind(m.mask, False)
             s = m.scores
             continue
+        if P.is_softcap(s):
+            raise Dense(f"score transform {P.describe(s)} between matmul and softmax "
+                        "(logit softcapping, c*tanh(s/c): PISA has no softcap)")
         raise Dense(f"score transform {P.describe(s)} between matmul and softmax")
+    if masks:
+        kinds = {"bool" if o.kind == "bool" else _mask_kind(o.mask, False) for o, _ in masks}
+        site.mask = "+".join(sorted(kinds))
     qk = s
     owned.append(qk)
 
@@ -398,22 +434,22 @@ def _analyze_softmax(sm: Node, site: Site) -> tuple[Optional[_Plan], Optional[st
             plan.k, plan.v, plan.enable_gqa = kk, vv, True
             site.form += f"+gqa({form})"
 
-    if mask_op is not None:
+    for mask_op, post in masks:
         if mask_op.kind == "add":
             _check_mask_tensor(mask_op.mask, float_only=True)
-            for f, div in post_mask:     # (s + m) * c == s*c + m*c
-                plan.mask_ops.append(("scale", f, div))
+            # (s + m) * c == s*c + m*c
+            plan.masks.append(("add", mask_op.mask, post))
         else:
             _check_mask_tensor(mask_op.mask, bool_only=True)
             sv = P.val(mask_op.scores)
             if not P.is_masking_fill(mask_op.fill, sv.dtype):
                 raise Dense(f"mask fill value {P.describe(mask_op.fill)} is not -inf or "
                             f"<= finfo({sv.dtype}).min/2")
-            for f, _div in post_mask:   # -inf * c stays -inf only for c > 0
+            for f, _div in post:   # -inf * c stays -inf only for c > 0
                 if not (isinstance(f, (int, float)) and f > 0):
                     raise Dense("a scale after the mask is not a positive constant")
-            plan.mask_ops.append(("attend_if", mask_op.attend_if))
-        plan.mask = mask_op.mask
+            plan.masks.append(("bool", mask_op.mask, mask_op.attend_if))
+        _check_mask_grad(mask_op.mask)
     plan.scale = factors
 
     # Refusals that need the whole site seen first.
@@ -477,14 +513,25 @@ def _apply(gm: GraphModule, plan: _Plan, config: PisaConfig) -> Node:
 
     q, k, v = perm(plan.q, plan.q_perm), perm(plan.k, plan.k_perm), perm(plan.v, plan.v_perm)
     mask = plan.mask
-    for op in plan.mask_ops:
-        if op[0] == "attend_if" and not op[1]:          # masked_fill: True = masked
-            inner = P.invert_target(mask)
-            mask = inner if inner is not None else emit("call_function", operator.invert,
-                                                         (mask,))
-        elif op[0] == "scale":
-            mask = emit("call_function", operator.truediv if op[2] else operator.mul,
-                        (mask, op[1]))
+    float_terms, bool_term = [], None
+    for kind, m, extra in plan.masks:
+        if kind == "add":
+            for f, div in extra:
+                m = emit("call_function", operator.truediv if div else operator.mul, (m, f))
+            mv = P.val(m)
+            if isinstance(mv, torch.Tensor) and mv.dtype != plan.dtype:
+                m = emit("call_method", "to", (m, plan.dtype))
+            float_terms.append(m)
+        else:
+            if not extra:                                # masked_fill: True = masked
+                inner = P.invert_target(m)
+                m = inner if inner is not None else emit("call_function", operator.invert, (m,))
+            bool_term = m
+    for m in float_terms:
+        mask = m if mask is None else emit("call_function", operator.add, (mask, m))
+    if bool_term is not None:
+        mask = bool_term if mask is None else emit(
+            "call_function", torch.where, (bool_term, mask, float("-inf")))
     scale = plan.scale
     if scale is not None:
         num, sym = 1.0, []

@@ -1,0 +1,718 @@
+"""Triton block-sparse attention for PISA: forward, backward and the transposed block index.
+
+The kernels follow FlashAttention-2 (Dao, 2023) and Triton's fused-attention tutorial (online
+softmax in base 2, ``dS = P * (dP - rowsum(dO * O))``), restricted to the leaf blocks that PISA
+selected per query tile (DESIGN.md "Attention"). They compute exactly what
+:func:`pisa_compile.kernels.reference.sparse_attention` and
+:func:`~pisa_compile.kernels.reference.sparse_attention_backward` compute.
+
+Layout of one program's rows. A query tile ``t`` is ``Tq`` queries times the ``G`` query heads
+of one KV head, so the kernel packs its rows as ``r = g * Tqe + i`` (head ``g``, query
+``t * Tq + i``; ``Tqe = min(Tq, Nq)`` so a short decode batch wastes no rows). That makes the
+``M`` side of every ``tl.dot`` ``G * Tqe`` rows sharing one K/V tile: the same trick as GQA-packed
+FlashAttention. A tile with more than ``BLOCK_M`` (128) rows is split into row sub-blocks that
+walk the same block list. Key tiles are ``BLOCK_N`` keys of one leaf (``BLOCK_N = C`` up to 32
+for fp16/bf16, 64 otherwise; larger leaves are walked in chunks, leaves under 16 keys are packed
+several to a tile).
+
+Backward: ``dk, dv`` come from a transposed index (leaf -> tiles that chose it); a leaf chosen
+by more than ``SEG_TILES`` tiles (the sink leaf is chosen by all) is split over several
+programs whose fp32 partials are added in a fixed order, so the sums stay deterministic.
+
+Masks are applied only where a key tile needs them: a causal tile whose keys all lie at or
+before the sub-block's first query, and that has no key past ``Nk``, skips the mask. An explicit
+``attn_mask`` is read (through its strides; stride 0 for broadcast dims) on every tile.
+
+Dtypes: float16 and bfloat16 (``tl.dot`` in the input dtype, fp32 accumulation) and float32
+(``tl.dot`` in TF32 on GPU: expect ~1e-3 relative error; exact in the interpreter). float64 is
+not supported (the dispatcher keeps it on the reference). Head dims up to 256 (64 and 128 are the
+tuned ones); ``Dv`` may differ from ``D``.
+
+Every launch goes through ``torch.library.wrap_triton`` so callers can wrap these functions in
+``torch.library.triton_op``; nothing here syncs with the host or has data-dependent shapes, so
+the functions can be captured in CUDA graphs.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ..config import PisaConfig
+
+__all__ = ["sparse_attention", "sparse_attention_backward", "transposed_index", "tile_params"]
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+MAX_HEAD_DIM = 256
+# Most query tiles one dk/dv program walks for one leaf; longer lists are split (sink leaves).
+SEG_TILES = 128
+# Benchmark sweeps may set tile choices here (keys of :func:`tile_params`); empty in normal use.
+TUNE_OVERRIDES: dict = {}
+
+
+def _wrap(kernel):
+    """``wrap_triton(kernel)`` so a ``triton_op`` caller can trace the launch."""
+    return torch.library.wrap_triton(kernel)
+
+
+def _pow2(x: int, lo: int = 16) -> int:
+    return max(lo, triton.next_power_of_2(int(x)))
+
+
+# -- device helpers ---------------------------------------------------------------------------
+
+@triton.jit
+def _rows(t, sub, hkv, Nq, G: tl.constexpr, TQ: tl.constexpr, TQE: tl.constexpr,
+          BLOCK_M: tl.constexpr):
+    """Rows of sub-block ``sub`` of tile ``t``: query head, query position, validity."""
+    rr = sub * BLOCK_M + tl.arange(0, BLOCK_M)
+    g = rr // TQE
+    qi = t * TQ + rr % TQE
+    row_ok = (rr < G * TQE) & (qi < Nq)
+    head = hkv * G + tl.where(row_ok, g, 0)
+    qi = tl.where(row_ok, qi, 0)
+    return head, qi, row_ok
+
+
+@triton.jit
+def _keys(bi_row, e0, e1, it, Nk, C: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key positions of iteration ``it`` over block-list entries ``[e0, e1)``."""
+    offs = tl.arange(0, BLOCK_N)
+    if C >= BLOCK_N:
+        # A leaf is C // BLOCK_N key tiles: entry it // NCH, chunk it % NCH.
+        blk = tl.load(bi_row + e0 + it // (C // BLOCK_N))
+        kpos = blk * C + (it % (C // BLOCK_N)) * BLOCK_N + offs
+        kvalid = kpos < Nk
+    else:
+        # Leaves shorter than a key tile: BLOCK_N // C leaves per tile.
+        e = e0 + it * (BLOCK_N // C) + offs // C
+        ok = e < e1
+        blk = tl.load(bi_row + e, mask=ok, other=-1)
+        kpos = blk * C + offs % C
+        kvalid = ok & (blk >= 0) & (kpos < Nk)
+    return tl.where(kvalid, kpos, 0), kvalid
+
+
+@triton.jit
+def _n_iters(e0, e1, C: tl.constexpr, BLOCK_N: tl.constexpr):
+    if C >= BLOCK_N:
+        return (e1 - e0) * (C // BLOCK_N)
+    else:
+        return (e1 - e0 + BLOCK_N // C - 1) // (BLOCK_N // C)
+
+
+@triton.jit
+def _need_mask(kpos, kvalid, q_lo, IS_CAUSAL: tl.constexpr):
+    """True when a key tile has a padding key, or (causal) a key after the first row's query."""
+    need = tl.min(kvalid.to(tl.int32), 0) == 0
+    if IS_CAUSAL:
+        need = need | (tl.max(tl.where(kvalid, kpos, 0), 0) > q_lo)
+    return need
+
+
+@triton.jit
+def _apply_mask(s, b, head, qi, row_ok, kpos, kvalid, Mask, smb, smh, smq, smk, mask_thr,
+                IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr):
+    """Scores ``s [BLOCK_M, BLOCK_N]`` (log2 units) with hidden keys at -inf, float bias added."""
+    vis = kvalid[None, :] & row_ok[:, None]
+    if IS_CAUSAL:
+        vis = vis & (kpos[None, :] <= qi[:, None])
+    if HAS_MASK:
+        mp = (Mask + b.to(tl.int64) * smb + head[:, None].to(tl.int64) * smh
+              + qi[:, None].to(tl.int64) * smq + kpos[None, :].to(tl.int64) * smk)
+        mv = tl.load(mp, mask=vis, other=0)
+        if MASK_BOOL:
+            vis = vis & (mv != 0)
+        else:
+            mf = mv.to(tl.float32)
+            vis = vis & (mf > mask_thr)  # HF's convention: <= finfo.min / 2 is masked
+            s = s + tl.where(vis, mf, 0.0) * 1.4426950408889634
+    return tl.where(vis, s, float("-inf"))
+
+
+# -- forward ----------------------------------------------------------------------------------
+
+@triton.jit
+def _fwd_kernel(
+    Q, K, V, Mask, BI, BC, Out, Lse, OPart, LPart,
+    sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
+    smb, smh, smq, smk, sob, soh, son, sod, slb, slh, sln,
+    sib, sih, sit, scb, sch, sct,
+    Hkv, Nq, Nk, qk_scale, mask_thr, EPS, part_stride_o, part_stride_l,
+    G: tl.constexpr, TQ: tl.constexpr, TQE: tl.constexpr, C: tl.constexpr,
+    D: tl.constexpr, DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    N_SUB: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
+    """One program: one row sub-block of one query tile of one (batch, KV head)[, one split].
+
+    ``SPLIT``: write a partial (normalised out, base-2 lse) in fp32 for entries
+    ``[split * EPS, (split + 1) * EPS)`` of the block list (flash-decoding); else the final
+    ``out``/``lse``.
+    """
+    pid0 = tl.program_id(0)
+    bh = tl.program_id(1)
+    t = pid0 // N_SUB
+    sub = pid0 % N_SUB
+    b = bh // Hkv
+    hkv = bh % Hkv
+    head, qi, row_ok = _rows(t, sub, hkv, Nq, G, TQ, TQE, BLOCK_M)
+
+    count = tl.load(BC + b * scb + hkv * sch + t * sct)
+    if SPLIT:
+        e0 = tl.program_id(2) * EPS
+        e1 = tl.minimum(count, e0 + EPS)
+    else:
+        e0 = 0
+        e1 = count
+    bi_row = BI + b * sib + hkv * sih + t * sit
+
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_dv = tl.arange(0, HEAD_DIM_V)
+    b64 = b.to(tl.int64)
+    q_ptrs = (Q + b64 * sqb + head[:, None].to(tl.int64) * sqh + qi[:, None].to(tl.int64) * sqn
+              + offs_d[None, :] * sqd)
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+    q_lo = tl.min(tl.where(row_ok, qi, Nq), 0)
+    k_base = K + b64 * skb + hkv.to(tl.int64) * skh
+    v_base = V + b64 * svb + hkv.to(tl.int64) * svh
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_V], tl.float32)
+    n_it = _n_iters(e0, e1, C, BLOCK_N)
+    for it in range(0, n_it):
+        kpos, kvalid = _keys(bi_row, e0, e1, it, Nk, C, BLOCK_N)
+        kt = tl.load(k_base + kpos[None, :].to(tl.int64) * skn + offs_d[:, None] * skd,
+                     mask=kvalid[None, :] & (offs_d[:, None] < D), other=0.0)
+        s = tl.dot(q, kt) * qk_scale
+        if HAS_MASK:
+            s = _apply_mask(s, b, head, qi, row_ok, kpos, kvalid, Mask, smb, smh, smq, smk,
+                            mask_thr, IS_CAUSAL, HAS_MASK, MASK_BOOL)
+        else:
+            if _need_mask(kpos, kvalid, q_lo, IS_CAUSAL):
+                s = _apply_mask(s, b, head, qi, row_ok, kpos, kvalid, Mask, smb, smh, smq, smk,
+                                mask_thr, IS_CAUSAL, HAS_MASK, MASK_BOOL)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row that has seen no visible key yet keeps m = -inf; subtract 0 instead (no NaN).
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        vt = tl.load(v_base + kpos[:, None].to(tl.int64) * svn + offs_dv[None, :] * svd,
+                     mask=kvalid[:, None] & (offs_dv[None, :] < DV), other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+        m_i = m_new
+
+    l_ok = l_i > 0.0
+    out = acc / tl.where(l_ok, l_i, 1.0)[:, None]
+    out = tl.where(l_ok[:, None], out, 0.0)
+    if SPLIT:
+        # Partials in the natural [B, Hq, Nq] row order, contiguous, one slab per split.
+        row = (b64 * (Hkv * G) + head.to(tl.int64)) * Nq + qi
+        lse2 = tl.where(l_ok, m_i + tl.math.log2(tl.where(l_ok, l_i, 1.0)), float("-inf"))
+        sp = tl.program_id(2).to(tl.int64)
+        tl.store(LPart + sp * part_stride_l + row, lse2, mask=row_ok)
+        tl.store(OPart + sp * part_stride_o + row[:, None] * DV + offs_dv[None, :], out,
+                 mask=row_ok[:, None] & (offs_dv[None, :] < DV))
+    else:
+        lse = tl.where(l_ok, (m_i + tl.math.log2(tl.where(l_ok, l_i, 1.0))) * 0.6931471805599453,
+                       float("-inf"))
+        tl.store(Lse + b64 * slb + head.to(tl.int64) * slh + qi * sln, lse, mask=row_ok)
+        o_ptrs = (Out + b64 * sob + head[:, None].to(tl.int64) * soh
+                  + qi[:, None].to(tl.int64) * son + offs_dv[None, :] * sod)
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty),
+                 mask=row_ok[:, None] & (offs_dv[None, :] < DV))
+
+
+# -- backward ---------------------------------------------------------------------------------
+
+@triton.jit
+def _bwd_delta_kernel(O, DO, Delta, Hq, Nq,
+                      sob, soh, son, sod, sdb, sdh, sdn, sdd,
+                      DV: tl.constexpr, HEAD_DIM_V: tl.constexpr, ROWS: tl.constexpr):
+    """``delta = rowsum(dO * O)`` in fp32, ``[B, Hq, Nq]`` contiguous (FlashAttention-2)."""
+    n = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    bh = tl.program_id(1)
+    b = (bh // Hq).to(tl.int64)
+    h = (bh % Hq).to(tl.int64)
+    d = tl.arange(0, HEAD_DIM_V)
+    msk = (n[:, None] < Nq) & (d[None, :] < DV)
+    o = tl.load(O + b * sob + h * soh + n[:, None].to(tl.int64) * son + d[None, :] * sod,
+                mask=msk, other=0.0).to(tl.float32)
+    do = tl.load(DO + b * sdb + h * sdh + n[:, None].to(tl.int64) * sdn + d[None, :] * sdd,
+                 mask=msk, other=0.0).to(tl.float32)
+    tl.store(Delta + bh.to(tl.int64) * Nq + n, tl.sum(o * do, 1), mask=n < Nq)
+
+
+@triton.jit
+def _bwd_dq_kernel(
+    Q, K, V, Mask, BI, BC, DO, Lse, Delta, DQ,
+    sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
+    smb, smh, smq, smk, sdob, sdoh, sdon, sdod, slb, slh, sln,
+    sdqb, sdqh, sdqn, sdqd, sib, sih, sit, scb, sch, sct,
+    Hkv, Nq, Nk, qk_scale, sm_scale, mask_thr,
+    G: tl.constexpr, TQ: tl.constexpr, TQE: tl.constexpr, C: tl.constexpr,
+    D: tl.constexpr, DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    N_SUB: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
+):
+    """``dq`` of one row sub-block of one tile: loop over the tile's blocks (no atomics)."""
+    pid0 = tl.program_id(0)
+    bh = tl.program_id(1)
+    t = pid0 // N_SUB
+    sub = pid0 % N_SUB
+    b = bh // Hkv
+    hkv = bh % Hkv
+    head, qi, row_ok = _rows(t, sub, hkv, Nq, G, TQ, TQE, BLOCK_M)
+    count = tl.load(BC + b * scb + hkv * sch + t * sct)
+    bi_row = BI + b * sib + hkv * sih + t * sit
+
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_dv = tl.arange(0, HEAD_DIM_V)
+    b64 = b.to(tl.int64)
+    h64 = head[:, None].to(tl.int64)
+    q64 = qi[:, None].to(tl.int64)
+    q = tl.load(Q + b64 * sqb + h64 * sqh + q64 * sqn + offs_d[None, :] * sqd,
+                mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+    do = tl.load(DO + b64 * sdob + h64 * sdoh + q64 * sdon + offs_dv[None, :] * sdod,
+                 mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+    row = (b64 * (Hkv * G) + head.to(tl.int64)) * Nq + qi
+    lse = tl.load(Lse + b64 * slb + head.to(tl.int64) * slh + qi * sln, mask=row_ok,
+                  other=float("inf"))
+    # Rows with no visible key (lse = -inf) get +inf so that P = exp2(S - lse) = 0.
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    delta = tl.load(Delta + row, mask=row_ok, other=0.0)
+    q_lo = tl.min(tl.where(row_ok, qi, Nq), 0)
+    k_base = K + b64 * skb + hkv.to(tl.int64) * skh
+    v_base = V + b64 * svb + hkv.to(tl.int64) * svh
+
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    n_it = _n_iters(0, count, C, BLOCK_N)
+    for it in range(0, n_it):
+        kpos, kvalid = _keys(bi_row, 0, count, it, Nk, C, BLOCK_N)
+        k = tl.load(k_base + kpos[:, None].to(tl.int64) * skn + offs_d[None, :] * skd,
+                    mask=kvalid[:, None] & (offs_d[None, :] < D), other=0.0)
+        v = tl.load(v_base + kpos[:, None].to(tl.int64) * svn + offs_dv[None, :] * svd,
+                    mask=kvalid[:, None] & (offs_dv[None, :] < DV), other=0.0)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        if HAS_MASK:
+            s = _apply_mask(s, b, head, qi, row_ok, kpos, kvalid, Mask, smb, smh, smq, smk,
+                            mask_thr, IS_CAUSAL, HAS_MASK, MASK_BOOL)
+        else:
+            if _need_mask(kpos, kvalid, q_lo, IS_CAUSAL):
+                s = _apply_mask(s, b, head, qi, row_ok, kpos, kvalid, Mask, smb, smh, smq, smk,
+                                mask_thr, IS_CAUSAL, HAS_MASK, MASK_BOOL)
+        p = tl.math.exp2(s - lse2[:, None])
+        dp = tl.dot(do, tl.trans(v))
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k)
+    dq = dq * sm_scale
+    tl.store(DQ + b64 * sdqb + h64 * sdqh + q64 * sdqn + offs_d[None, :] * sdqd,
+             dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < D))
+
+
+@triton.jit
+def _bwd_dkdv_kernel(
+    Q, K, V, Mask, Offsets, Tiles, Work, SlotBase, DO, Lse, Delta, DK, DV_, PartK, PartV,
+    sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
+    smb, smh, smq, smk, sdob, sdoh, sdon, sdod, slb, slh, sln,
+    sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd,
+    Hkv, Nq, Nk, L, BHL, TM, SEG, qk_scale, sm_scale, mask_thr,
+    G: tl.constexpr, TQ: tl.constexpr, TQE: tl.constexpr, C: tl.constexpr,
+    D: tl.constexpr, DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    N_SUB: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
+):
+    """``dk, dv`` of one key tile of one leaf, over one segment of the tiles that chose it.
+
+    Program ``pid0 < B*Hkv*L`` takes segment 0 of leaf ``pid0``; the others take the extra
+    segments listed in ``Work`` (``(leaf, segment)`` pairs): a leaf chosen by more than ``SEG``
+    tiles, such as the sink, is split so that no program walks a long list alone. A leaf with
+    one segment writes ``dk, dv`` directly; otherwise each segment writes an fp32 partial to
+    its slot and :func:`_bwd_reduce_kernel` adds them in segment order. The tile lists come from
+    :func:`transposed_index` in tile order and each program owns its keys: deterministic sums,
+    no atomics.
+    """
+    pid0 = tl.program_id(0)
+    ch = tl.program_id(1)
+    is_x = pid0 >= BHL
+    wi = tl.where(is_x, pid0 - BHL, 0).to(tl.int64)
+    f_x = tl.load(Work + 2 * wi)  # Work has >= 2 entries (a dummy when there is no split)
+    s_x = tl.load(Work + 2 * wi + 1)
+    f = tl.where(is_x, f_x, pid0)
+    seg = tl.where(is_x, s_x, 0)
+    active = f < BHL
+    f = tl.where(active, f, 0)
+    bh = f // L
+    blk = f % L
+    b = bh // Hkv
+    hkv = bh % Hkv
+
+    o_base = Offsets + bh.to(tl.int64) * (L + 1) + blk
+    first = tl.load(o_base)
+    last = tl.load(o_base + 1)
+    multi = (last - first) > SEG
+    start = first + seg * SEG
+    end = tl.where(active, tl.minimum(last, start + SEG), start)
+
+    offs_n = ch * BLOCK_N + tl.arange(0, BLOCK_N)
+    kpos = blk * C + offs_n
+    kvalid = (offs_n < C) & (kpos < Nk)
+    kpos = tl.where(kvalid, kpos, 0)
+    # Scalar flags broadcast as int vectors: the interpreter turns bool-vector & bool-scalar
+    # into int32, which tl.load then refuses as a mask.
+    zero_n = offs_n * 0
+    kload = kvalid & ((zero_n + active.to(tl.int32)) != 0)  # idle programs read nothing
+    multi_n = (zero_n + multi.to(tl.int32)) != 0
+
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_dv = tl.arange(0, HEAD_DIM_V)
+    b64 = b.to(tl.int64)
+    hk64 = hkv.to(tl.int64)
+    k = tl.load(K + b64 * skb + hk64 * skh + kpos[:, None].to(tl.int64) * skn
+                + offs_d[None, :] * skd, mask=kload[:, None] & (offs_d[None, :] < D), other=0.0)
+    v = tl.load(V + b64 * svb + hk64 * svh + kpos[:, None].to(tl.int64) * svn
+                + offs_dv[None, :] * svd,
+                mask=kload[:, None] & (offs_dv[None, :] < DV), other=0.0)
+    any_pad = tl.min(kvalid.to(tl.int32), 0) == 0
+    k_hi = tl.max(tl.where(kvalid, kpos, 0), 0)
+
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM_V], tl.float32)
+    tiles_row = Tiles + bh.to(tl.int64) * TM
+    for e in range(start, end):
+        t = tl.load(tiles_row + e)
+        for sub in range(0, N_SUB):
+            head, qi, row_ok = _rows(t, sub, hkv, Nq, G, TQ, TQE, BLOCK_M)
+            h64 = head[:, None].to(tl.int64)
+            q64 = qi[:, None].to(tl.int64)
+            q = tl.load(Q + b64 * sqb + h64 * sqh + q64 * sqn + offs_d[None, :] * sqd,
+                        mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+            do = tl.load(DO + b64 * sdob + h64 * sdoh + q64 * sdon + offs_dv[None, :] * sdod,
+                         mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+            lse = tl.load(Lse + b64 * slb + head.to(tl.int64) * slh + qi * sln, mask=row_ok,
+                          other=float("inf"))
+            lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+            row = (b64 * (Hkv * G) + head.to(tl.int64)) * Nq + qi
+            delta = tl.load(Delta + row, mask=row_ok, other=0.0)
+            s = tl.dot(q, tl.trans(k)) * qk_scale
+            if HAS_MASK:
+                s = _apply_mask(s, b, head, qi, row_ok, kpos, kvalid, Mask, smb, smh, smq, smk,
+                                mask_thr, IS_CAUSAL, HAS_MASK, MASK_BOOL)
+            else:
+                q_lo = tl.min(tl.where(row_ok, qi, Nq), 0)
+                need = any_pad
+                if IS_CAUSAL:
+                    need = need | (k_hi > q_lo)
+                if need:
+                    s = _apply_mask(s, b, head, qi, row_ok, kpos, kvalid, Mask, smb, smh, smq,
+                                    smk, mask_thr, IS_CAUSAL, HAS_MASK, MASK_BOOL)
+            p = tl.math.exp2(s - lse2[:, None])
+            dv += tl.dot(tl.trans(p.to(do.dtype)), do)
+            dp = tl.dot(do, tl.trans(v))
+            ds = p * (dp - delta[:, None])
+            dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+    dk = dk * sm_scale
+    final = kload & (multi_n == 0)
+    tl.store(DK + b64 * sdkb + hk64 * sdkh + kpos[:, None].to(tl.int64) * sdkn
+             + offs_d[None, :] * sdkd, dk.to(DK.dtype.element_ty),
+             mask=final[:, None] & (offs_d[None, :] < D))
+    tl.store(DV_ + b64 * sdvb + hk64 * sdvh + kpos[:, None].to(tl.int64) * sdvn
+             + offs_dv[None, :] * sdvd, dv.to(DV_.dtype.element_ty),
+             mask=final[:, None] & (offs_dv[None, :] < DV))
+    part = kload & multi_n
+    slot = (tl.load(SlotBase + f) + seg).to(tl.int64)  # garbage unless multi: stores masked
+    tl.store(PartK + (slot * C + offs_n[:, None]) * D + offs_d[None, :], dk,
+             mask=part[:, None] & (offs_d[None, :] < D))
+    tl.store(PartV + (slot * C + offs_n[:, None]) * DV + offs_dv[None, :], dv,
+             mask=part[:, None] & (offs_dv[None, :] < DV))
+
+
+@triton.jit
+def _bwd_reduce_kernel(Offsets, SlotBase, PartK, PartV, DK, DV_,
+                       sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd,
+                       Hkv, Nk, L, SEG,
+                       C: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr,
+                       HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr):
+    """Sum the fp32 partials of each multi-segment leaf in segment order; store dk, dv."""
+    f = tl.program_id(0)
+    ch = tl.program_id(1)
+    bh = f // L
+    blk = f % L
+    o_base = Offsets + bh.to(tl.int64) * (L + 1) + blk
+    cnt = tl.load(o_base + 1) - tl.load(o_base)
+    n_seg = tl.where(cnt > SEG, (cnt + SEG - 1) // SEG, 0)
+    base = tl.load(SlotBase + f).to(tl.int64)
+    offs_n = ch * BLOCK_N + tl.arange(0, BLOCK_N)
+    kpos = blk * C + offs_n
+    ok = (offs_n < C) & (kpos < Nk) & ((offs_n * 0 + n_seg) > 0)
+    kpos = tl.where(ok, kpos, 0)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_dv = tl.arange(0, HEAD_DIM_V)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM_V], tl.float32)
+    for s in range(0, n_seg):
+        slot = base + s
+        dk += tl.load(PartK + (slot * C + offs_n[:, None]) * D + offs_d[None, :],
+                      mask=ok[:, None] & (offs_d[None, :] < D), other=0.0)
+        dv += tl.load(PartV + (slot * C + offs_n[:, None]) * DV + offs_dv[None, :],
+                      mask=ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+    b64 = (bh // Hkv).to(tl.int64)
+    hk64 = (bh % Hkv).to(tl.int64)
+    tl.store(DK + b64 * sdkb + hk64 * sdkh + kpos[:, None].to(tl.int64) * sdkn
+             + offs_d[None, :] * sdkd, dk.to(DK.dtype.element_ty),
+             mask=ok[:, None] & (offs_d[None, :] < D))
+    tl.store(DV_ + b64 * sdvb + hk64 * sdvh + kpos[:, None].to(tl.int64) * sdvn
+             + offs_dv[None, :] * sdvd, dv.to(DV_.dtype.element_ty),
+             mask=ok[:, None] & (offs_dv[None, :] < DV))
+
+
+# -- transposed index -------------------------------------------------------------------------
+
+@triton.jit
+def _hist_kernel(BI, BC, Counts, T, L, M, BLOCK: tl.constexpr):
+    """Per (batch, KV head): how many tiles chose each leaf (integer atomics: order-free)."""
+    t = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    j = tl.arange(0, BLOCK)
+    cnt = tl.load(BC + bh * T + t)
+    ok = j < tl.minimum(cnt, M)
+    blk = tl.load(BI + (bh * T + t) * M + j, mask=ok, other=-1)
+    ok = ok & (blk >= 0) & (blk < L)
+    tl.atomic_add(Counts + bh * L + tl.where(ok, blk, 0), 1, mask=ok)
+
+
+def transposed_index(block_indices: Tensor, block_counts: Tensor,
+                     n_leaves: int) -> tuple[Tensor, Tensor]:
+    """Leaf -> tiles that chose it (CSR), for the dk/dv pass.
+
+    Args:
+        block_indices: int32 ``[B, Hkv, T, M]`` (-1 padded). block_counts: int32 ``[B, Hkv, T]``.
+        n_leaves: ``L = ceil(Nk / block_size)``.
+
+    Returns:
+        ``offsets`` int32 ``[B, Hkv, L + 1]`` and ``tiles`` int32 ``[B, Hkv, T * M]``: the tiles
+        of leaf ``l`` are ``tiles[..., offsets[l]:offsets[l+1]]`` in ascending order.
+
+    A counting sort: a Triton histogram (integer atomics, so the counts do not depend on
+    order), ``torch.cumsum`` for the offsets, and a stable radix sort of the flattened
+    (tile-major) entries by leaf as the scatter, which keeps each leaf's tiles in tile order.
+    Deterministic, no host sync, static shapes.
+    """
+    B, H, T, M = block_indices.shape
+    bi = block_indices.contiguous()
+    bc = block_counts.contiguous()
+    counts = torch.zeros(B, H, n_leaves, dtype=torch.int32, device=bi.device)
+    _wrap(_hist_kernel)[(T, B * H)](bi, bc, counts, T, n_leaves, M, BLOCK=_pow2(M, 2))
+    offsets = torch.zeros(B, H, n_leaves + 1, dtype=torch.int32, device=bi.device)
+    offsets[..., 1:] = torch.cumsum(counts, -1, dtype=torch.int32)
+    j = torch.arange(M, device=bi.device, dtype=torch.int32)
+    valid = (bi >= 0) & (j < bc[..., None])
+    key = torch.where(valid, bi, n_leaves).view(B, H, T * M)
+    order = torch.sort(key, dim=-1, stable=True).indices
+    tiles = torch.div(order, M, rounding_mode="floor").to(torch.int32)
+    return offsets, tiles
+
+
+# -- host side --------------------------------------------------------------------------------
+
+def tile_params(G: int, tq_eff: int, D: int, Dv: int, C: int, dtype: torch.dtype) -> dict:
+    """Compile-time tiles of the attention kernels for one problem shape.
+
+    ``BLOCK_M`` rows (``G * Tqe`` padded to a power of two >= 16, at most 128, 64 for head dims
+    over 128 or fp32), ``BLOCK_N`` keys (the leaf size clamped to 16..32 for fp16/bf16, 16..64
+    otherwise), padded head dims, warps and pipeline stages.
+    """
+    hd, hdv = _pow2(D), _pow2(Dv)
+    big = max(hd, hdv) > 128 or dtype == torch.float32
+    rows = G * tq_eff
+    block_m = min(64 if big else 128, _pow2(rows))
+    if big:
+        block_n = min(max(C, 16), 32 if max(hd, hdv) > 128 else 64)
+        num_warps, num_stages = (8 if block_m * max(hd, hdv) >= 128 * 128 else 4), 2
+    else:
+        # H200 sweep, bf16 D=128 C=64 (profiles/attention_gpu.json): 32-key tiles, 4 warps and
+        # 3 stages beat 64-key tiles with 8 warps by ~15% forward and ~10% forward+backward.
+        block_n = min(max(C, 16), 32)
+        num_warps, num_stages = 4, 3
+    n_sub = -(-rows // block_m)
+    p = dict(BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=hd, HEAD_DIM_V=hdv, N_SUB=n_sub,
+             num_warps=num_warps, num_stages=num_stages)
+    p.update(TUNE_OVERRIDES)
+    p["N_SUB"] = -(-rows // p["BLOCK_M"])
+    return p
+
+
+def _check(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, block_counts: Tensor,
+           config: PisaConfig) -> None:
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"Triton PISA attention supports float16/bfloat16/float32, got {q.dtype}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if max(q.shape[-1], v.shape[-1]) > MAX_HEAD_DIM:
+        raise ValueError(
+            f"head dims must be <= {MAX_HEAD_DIM}, got D={q.shape[-1]}, Dv={v.shape[-1]}")
+    if q.shape[1] % k.shape[1] != 0:
+        raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of k heads ({k.shape[1]})")
+    T = -(-q.shape[2] // config.query_tile)
+    if tuple(block_indices.shape[:3]) != (q.shape[0], k.shape[1], T):
+        raise ValueError(
+            f"block_indices must be [B, Hkv, T={T}, M], got {tuple(block_indices.shape)}")
+    if block_indices.dtype != torch.int32 or block_counts.dtype != torch.int32:
+        raise ValueError("block_indices and block_counts must be int32")
+
+
+def _mask_args(attn_mask: Optional[Tensor], q: Tensor, Nk: int):
+    """``(tensor, strides, has_mask, is_bool, threshold)`` of a mask, as ``[B, Hq, Nq, Nk]``.
+
+    Broadcast dims get stride 0; bool masks are read as uint8; a float entry ``<= threshold``
+    (``finfo.min / 2``, -inf included) is masked, others are an additive bias.
+    """
+    if attn_mask is None:
+        return q, (0, 0, 0, 0), False, False, 0.0
+    if attn_mask.dim() != 4:
+        raise ValueError(f"attn_mask must be 4-D here, got shape {tuple(attn_mask.shape)}")
+    m = attn_mask.expand(q.shape[0], q.shape[1], q.shape[2], Nk)
+    if m.dtype == torch.bool:
+        return m.view(torch.uint8), m.stride(), True, True, 0.0
+    if not m.is_floating_point():
+        raise ValueError(f"attn_mask must be bool or floating point, got {m.dtype}")
+    thr = max(torch.finfo(m.dtype).min / 2, torch.finfo(torch.float32).min)
+    return m, m.stride(), True, False, float(thr)
+
+
+def _common(q, k, v, attn_mask, is_causal, scale, block_indices, block_counts, config):
+    _check(q, k, v, block_indices, block_counts, config)
+    B, Hq, Nq, D = q.shape
+    Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    G = Hq // Hkv
+    Tq = config.query_tile
+    tqe = min(Tq, Nq)
+    tp = tile_params(G, tqe, D, Dv, config.block_size, q.dtype)
+    mask, mstr, has_mask, mask_bool, thr = _mask_args(attn_mask, q, Nk)
+    bi = block_indices.contiguous()
+    bc = block_counts.contiguous()
+    meta = dict(G=G, TQ=Tq, TQE=tqe, C=config.block_size, D=D, DV=Dv, IS_CAUSAL=bool(is_causal),
+                HAS_MASK=has_mask, MASK_BOOL=mask_bool, **tp)
+    return B, Hq, Hkv, Nq, Nk, D, Dv, bi, bc, mask, mstr, thr, meta
+
+
+def sparse_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal: bool,
+                     scale: float, block_indices: Tensor, block_counts: Tensor,
+                     config: PisaConfig) -> tuple[Tensor, Tensor]:
+    """Block-sparse attention forward; same contract as ``reference.sparse_attention``.
+
+    Args:
+        q: ``[B, Hq, Nq, D]``; k: ``[B, Hkv, Nk, D]``; v: ``[B, Hkv, Nk, Dv]`` (fp16/bf16/fp32,
+            one dtype, any strides). attn_mask: None or 4-D bool/float broadcastable to
+            ``[B, Hq, Nq, Nk]``. is_causal: top-left. scale: softmax scale.
+        block_indices: int32 ``[B, Hkv, T, M]`` ascending, -1 padded. block_counts: int32
+            ``[B, Hkv, T]``. config: ``query_tile`` and ``block_size`` are used.
+
+    Returns:
+        ``out [B, Hq, Nq, Dv]`` in ``q.dtype`` (zero rows where no key is visible) and
+        ``lse [B, Hq, Nq]`` float32 (natural log, ``-inf`` for such rows).
+
+    Raises:
+        ValueError: unsupported dtype, head dim > 256, or mismatched selection shape.
+    """
+    B, Hq, Hkv, Nq, Nk, D, Dv, bi, bc, mask, mstr, thr, meta = _common(
+        q, k, v, attn_mask, is_causal, scale, block_indices, block_counts, config)
+    out = torch.empty(B, Hq, Nq, Dv, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, Hq, Nq, dtype=torch.float32, device=q.device)
+    T = bi.shape[2]
+    grid = (T * meta["N_SUB"], B * Hkv, 1)
+    _wrap(_fwd_kernel)[grid](
+        q, k, v, mask, bi, bc, out, lse, out, lse,
+        *q.stride(), *k.stride(), *v.stride(), *mstr, *out.stride(), *lse.stride(),
+        *bi.stride()[:3], *bc.stride(),
+        Hkv, Nq, Nk, float(scale) * LOG2E, thr, 0, 0, 0,
+        SPLIT=False, **meta)
+    return out, lse
+
+
+def sparse_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor,
+                              attn_mask: Optional[Tensor], out: Tensor, lse: Tensor,
+                              block_indices: Tensor, block_counts: Tensor, is_causal: bool,
+                              scale: float, config: PisaConfig) -> tuple[Tensor, Tensor, Tensor]:
+    """``dq, dk, dv`` of :func:`sparse_attention` with the selection fixed (FlashAttention-2).
+
+    Three passes: ``delta = rowsum(dO * O)``; ``dq`` per query tile (loop over its blocks);
+    ``dk, dv`` per key tile from :func:`transposed_index` (loop over the tiles that chose the
+    leaf, in tile order). Deterministic; fp32 accumulation; returns q/k/v dtypes.
+
+    Args: as :func:`sparse_attention`, plus ``grad_out [B, Hq, Nq, Dv]``, the forward's ``out``
+    and ``lse`` (float32 ``[B, Hq, Nq]``).
+    """
+    B, Hq, Hkv, Nq, Nk, D, Dv, bi, bc, mask, mstr, thr, meta = _common(
+        q, k, v, attn_mask, is_causal, scale, block_indices, block_counts, config)
+    T = bi.shape[2]
+    C = config.block_size
+    L = -(-Nk // C)
+    delta = torch.empty(B, Hq, Nq, dtype=torch.float32, device=q.device)
+    rows = 64 if meta["HEAD_DIM_V"] <= 128 else 32
+    _wrap(_bwd_delta_kernel)[(triton.cdiv(Nq, rows), B * Hq)](
+        out, grad_out, delta, Hq, Nq, *out.stride(), *grad_out.stride(),
+        DV=Dv, HEAD_DIM_V=meta["HEAD_DIM_V"], ROWS=rows)
+    lse = lse.float()
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    qk_scale = float(scale) * LOG2E
+    _wrap(_bwd_dq_kernel)[(T * meta["N_SUB"], B * Hkv)](
+        q, k, v, mask, bi, bc, grad_out, lse, delta, dq,
+        *q.stride(), *k.stride(), *v.stride(), *mstr, *grad_out.stride(), *lse.stride(),
+        *dq.stride(), *bi.stride()[:3], *bc.stride(),
+        Hkv, Nq, Nk, qk_scale, float(scale), thr, **meta)
+    offsets, tiles = transposed_index(bi, bc, L)
+    nch = -(-C // meta["BLOCK_N"])
+    seg = SEG_TILES
+    M = bi.shape[3]
+    BHL = B * Hkv * L
+    W = (B * Hkv * T * M) // seg if T > seg else 0  # static bound on extra segments
+    if W:
+        work, slot_base = _segment_plan(offsets, seg, W)
+        part_k = torch.empty(2 * W, C, D, dtype=torch.float32, device=q.device)
+        part_v = torch.empty(2 * W, C, Dv, dtype=torch.float32, device=q.device)
+    else:
+        work = slot_base = part_k = part_v = offsets  # unused: no leaf has two segments
+    _wrap(_bwd_dkdv_kernel)[(BHL + W, nch)](
+        q, k, v, mask, offsets, tiles, work, slot_base, grad_out, lse, delta, dk, dv,
+        part_k, part_v,
+        *q.stride(), *k.stride(), *v.stride(), *mstr, *grad_out.stride(), *lse.stride(),
+        *dk.stride(), *dv.stride(),
+        Hkv, Nq, Nk, L, BHL, tiles.shape[-1], seg, qk_scale, float(scale), thr, **meta)
+    if W:
+        _wrap(_bwd_reduce_kernel)[(BHL, nch)](
+            offsets, slot_base, part_k, part_v, dk, dv, *dk.stride(), *dv.stride(),
+            Hkv, Nk, L, seg, C=C, D=D, DV=Dv, BLOCK_N=meta["BLOCK_N"],
+            HEAD_DIM=meta["HEAD_DIM"], HEAD_DIM_V=meta["HEAD_DIM_V"], num_warps=4)
+    return dq, dk, dv
+
+
+def _segment_plan(offsets: Tensor, seg: int, W: int) -> tuple[Tensor, Tensor]:
+    """Work list of the extra dk/dv segments and the partial slots of split leaves.
+
+    A leaf chosen by ``cnt`` tiles has ``ceil(cnt / seg)`` segments. Returns ``work`` int32
+    ``[W, 2]`` (flat leaf id, segment >= 1; leaf id ``B*Hkv*L`` marks an idle entry) and
+    ``slot_base`` int32 ``[B*Hkv*L]`` (first partial slot of each split leaf). At most
+    ``W = B*Hkv*T*M // seg`` extra segments and ``2 W`` slots exist; static shapes, no sync.
+    """
+    cnt = (offsets[..., 1:] - offsets[..., :-1]).reshape(-1)
+    extra = torch.div(cnt - 1, seg, rounding_mode="floor").clamp(min=0)
+    n_slot = torch.where(extra > 0, extra + 1, 0)
+    slot_base = (torch.cumsum(n_slot, 0) - n_slot).to(torch.int32)
+    ext_cum = torch.cumsum(extra, 0)
+    w = torch.arange(W, device=offsets.device, dtype=ext_cum.dtype)
+    owner = torch.searchsorted(ext_cum, w, right=True)
+    o = owner.clamp(max=cnt.numel() - 1)
+    segment = w - (ext_cum[o] - extra[o]) + 1
+    work = torch.stack([owner.to(torch.int32), segment.to(torch.int32)], -1).contiguous()
+    return work, slot_base

@@ -1,0 +1,184 @@
+"""Triton kernels that build the PISA key pyramid (DESIGN.md "Leaves and pyramid").
+
+Two launches, one pass over ``K``:
+
+1. ``_leaf_kernel``: one program per (leaf, batch*kv-head) sums the live keys of one leaf and
+   writes the leaf mean ``mu`` and count ``n`` (float32).
+2. ``_upper_kernel``: one program per (batch*kv-head, slice of D) walks the levels bottom-up,
+   each level reading the one below it (count-weighted mean of ``g = branching`` children,
+   counts summed). Levels are tiny (``O(Nk*D/C)``), so one program per head and D-slice is
+   enough; a CTA barrier orders the writes of level ``l`` before the reads of level ``l+1``.
+
+Every level lives in one flat buffer ``[B, Hkv, sum_l n_l, D]`` (level 0 = leaves first),
+which the selection kernel indexes with offsets it recomputes from ``L`` and ``g``.
+Same numbers as :func:`pisa_compile.kernels.reference.build_pyramid` up to float32 summation
+order.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ..config import PisaConfig
+
+
+def _cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+def level_sizes(n_keys: int, config: PisaConfig) -> list[int]:
+    """Node counts per level, leaves first; the last is the finest level with at most
+    ``branching * beam`` nodes (same rule as ``reference.build_pyramid``)."""
+    g = config.branching
+    sizes = [_cdiv(n_keys, config.block_size)]
+    while sizes[-1] > g * config.effective_beam:
+        sizes.append(_cdiv(sizes[-1], g))
+    return sizes
+
+
+def total_bound(n_leaves, branching: int):
+    """Rows enough for every level: ``L + ceil(L / (g - 1)) + 64`` bounds ``sum(level_sizes)``
+    (``ceil(x / g) <= x / g + 1`` per level, at most 64 levels). A closed form, so symbolic
+    lengths need no guard per level count."""
+    return n_leaves + (n_leaves + branching - 2) // (branching - 1) + 64
+
+
+@triton.jit
+def n_levels(L, GB: tl.constexpr, TOP: tl.constexpr):
+    """Levels of the pyramid, leaves included: coarsen until at most ``TOP = g * beam`` nodes."""
+    n = L
+    lev = 1
+    while n > TOP:
+        n = (n + GB - 1) // GB
+        lev += 1
+    return lev
+
+
+@triton.jit
+def _leaf_kernel(k_ptr, live_ptr, mu_ptr, cnt_ptr,
+                 skb, skh, skn, skd, slb, slh, sln,
+                 Hkv, Nk, live_limit, total, D,
+                 C: tl.constexpr, KC: tl.constexpr, BD: tl.constexpr, HAS_LIVE: tl.constexpr):
+    leaf = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // Hkv
+    h = bh % Hkv
+    d = tl.arange(0, BD)
+    dm = d < D
+    acc = tl.zeros([BD], dtype=tl.float32)
+    n = tl.zeros([KC], dtype=tl.float32)
+    kbase = k_ptr + b.to(tl.int64) * skb + h.to(tl.int64) * skh
+    for c0 in tl.static_range(0, C, KC):
+        kp = leaf * C + c0 + tl.arange(0, KC)
+        # Keys past Nk are padding; causal keys at or past Nq are seen by no query.
+        live = (kp < Nk) & (kp < live_limit)
+        if HAS_LIVE:
+            lv = tl.load(live_ptr + b.to(tl.int64) * slb + h.to(tl.int64) * slh + kp * sln,
+                         mask=live, other=0)
+            live = live & (lv != 0)
+        kk = tl.load(kbase + kp.to(tl.int64)[:, None] * skn + d[None, :] * skd,
+                     mask=live[:, None] & dm[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(kk, axis=0)
+        n += live.to(tl.float32)
+    cnt = tl.sum(n, axis=0)
+    out = bh.to(tl.int64) * total + leaf
+    tl.store(mu_ptr + out * D + d, acc / tl.maximum(cnt, 1.0), mask=dm)
+    tl.store(cnt_ptr + out, cnt)
+
+
+@triton.jit
+def _upper_kernel(mu_ptr, cnt_ptr, L, total, D,
+                  GB: tl.constexpr, TOP: tl.constexpr, GP: tl.constexpr, NB: tl.constexpr,
+                  DB: tl.constexpr):
+    bh = tl.program_id(0)
+    pd = tl.program_id(1)
+    d = pd * DB + tl.arange(0, DB)
+    dm = d < D
+    j = tl.arange(0, GP)
+    base = bh.to(tl.int64) * total
+    n_prev = L
+    off_prev = 0
+    for _lev in range(1, n_levels(L, GB, TOP)):
+        n_cur = (n_prev + GB - 1) // GB
+        off_cur = off_prev + n_prev
+        for i0 in range(0, n_cur, NB):
+            node = i0 + tl.arange(0, NB)
+            kid = node[:, None] * GB + j[None, :]  # [NB, GP]
+            km = (kid < n_prev) & (j[None, :] < GB) & (node[:, None] < n_cur)
+            cn = tl.load(cnt_ptr + base + off_prev + kid, mask=km, other=0.0)
+            m = tl.load(mu_ptr + (base + off_prev + kid)[:, :, None] * D + d[None, None, :],
+                        mask=km[:, :, None] & dm[None, None, :], other=0.0)
+            s = tl.sum(m * cn[:, :, None], axis=1)  # [NB, DB]
+            c = tl.sum(cn, axis=1)
+            nm = node < n_cur
+            tl.store(mu_ptr + (base + off_cur + node)[:, None] * D + d[None, :],
+                     s / tl.maximum(c, 1.0)[:, None], mask=nm[:, None] & dm[None, :])
+            # Every D-slice program writes the same counts, so each reads back its own writes.
+            tl.store(cnt_ptr + base + off_cur + node, c, mask=nm)
+        # The next level reads what other threads of this CTA just wrote.
+        tl.debug_barrier()
+        n_prev = n_cur
+        off_prev = off_cur
+
+
+def pyramid_buffers(k: Tensor, config: PisaConfig, live_limit: Optional[int] = None,
+                    key_live: Optional[Tensor] = None) -> tuple[Tensor, Tensor, int]:
+    """All levels in flat buffers.
+
+    Args:
+        k: ``[B, Hkv, Nk, D]`` (any float dtype, any strides).
+        live_limit: keys at positions ``>= live_limit`` are left out (causal: ``Nq``).
+        key_live: optional bool ``[B, Hkv or 1, Nk]``: keys some query may see.
+
+    Returns:
+        ``mu`` float32 ``[B, Hkv, total, D]``, ``cnt`` float32 ``[B, Hkv, total]`` with the
+        levels stacked leaves first (sizes: :func:`level_sizes`; ``total`` is
+        :func:`total_bound`, rows past the last level are unused), and the row count ``total``.
+    """
+    B, Hkv, Nk, D = k.shape
+    C = config.block_size
+    L = (Nk + C - 1) // C
+    total = total_bound(L, config.branching)
+    mu = torch.empty(B, Hkv, total, D, dtype=torch.float32, device=k.device)
+    cnt = torch.empty(B, Hkv, total, dtype=torch.float32, device=k.device)
+    BD = max(16, triton.next_power_of_2(D))
+    KC = min(C, max(1, 8192 // BD))
+    if key_live is not None:
+        kl = key_live.expand(B, key_live.shape[1], Nk)
+        live_arg, sl = kl, (kl.stride(0), kl.stride(1) if kl.shape[1] > 1 else 0, kl.stride(2))
+    else:
+        live_arg, sl = cnt, (0, 0, 0)  # unused
+    limit = Nk if live_limit is None else live_limit  # the kernel also stops at Nk
+    torch.library.wrap_triton(_leaf_kernel)[(L, B * Hkv)](
+        k, live_arg, mu, cnt, *k.stride(), *sl, Hkv, Nk, limit, total, D,
+        C=C, KC=KC, BD=BD, HAS_LIVE=key_live is not None, num_warps=4)
+    DB = min(BD, 32)
+    g = config.branching
+    torch.library.wrap_triton(_upper_kernel)[(B * Hkv, triton.cdiv(BD, DB))](
+        mu, cnt, L, total, D, GB=g, TOP=g * config.effective_beam,
+        GP=triton.next_power_of_2(g), NB=64, DB=DB, num_warps=4)
+    return mu, cnt, total
+
+
+def build_pyramid(k: Tensor, key_live: Tensor, config: PisaConfig) -> tuple[list[Tensor], list[Tensor]]:
+    """Triton version of :func:`pisa_compile.kernels.reference.build_pyramid`.
+
+    Args:
+        k: ``[B, Hkv, Nk, D]``. key_live: bool ``[B, Hkv or 1, Nk]`` (keys some query may see).
+
+    Returns:
+        ``mus[l]`` float32 ``[B, Hkv, n_l, D]`` and ``counts[l]`` float32 ``[B, Hkv, n_l]``,
+        level 0 = leaves (views into one buffer).
+    """
+    mu, cnt, _ = pyramid_buffers(k, config, key_live=key_live)
+    mus, counts, off = [], [], 0
+    for n in level_sizes(k.shape[2], config):
+        mus.append(mu[:, :, off:off + n])
+        counts.append(cnt[:, :, off:off + n])
+        off += n
+    return mus, counts

@@ -1,0 +1,166 @@
+"""PISA block-sparse attention vs SDPA on one GPU (pytest-benchmark; skipped without CUDA).
+
+Setting (the issue's): bf16, B=1, Hq=32, Hkv=8, D=128, causal, block_size=64, top_k=16 (plus
+1 sink and the local leaves: 20 leaves per 64-query tile), N = 8K..128K. Compared side by side
+in one process: PISA's Triton attention kernels (forward; forward + backward), SDPA with the
+default backend choice and ``enable_gqa=True``, and SDPA forced to the FLASH backend.
+
+What is timed for PISA is the attention itself over a fixed, synthetic PISA-shaped selection
+(sink + local + ``top_k`` random earlier leaves per tile); block selection is the selection
+kernels' benchmark.
+
+    pytest tests/benchmarks/bench_attention.py --benchmark-enable --benchmark-json=out.json
+    python tests/benchmarks/bench_attention.py --json profiles/attention_gpu.json  # do_bench table
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("GPU benchmark: needs CUDA", allow_module_level=True)
+
+import torch.nn.functional as F  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+
+from pisa_compile import PisaConfig  # noqa: E402
+from pisa_compile.kernels import triton_attention as ta  # noqa: E402
+from pisa_compile.kernels.dispatch import max_blocks  # noqa: E402
+
+B, HQ, HKV, D = 1, 32, 8, 128
+CFG = PisaConfig(block_size=64, top_k=16, query_tile=64, min_seq_len=0)
+N_LIST = [8192, 32768, 65536, 131072]
+IMPLS = ["pisa", "sdpa_default", "sdpa_flash"]
+MODES = ["fwd", "fwd_bwd"]
+
+
+def synthetic_selection(Nq, Nk, cfg, seed=0, device="cuda"):
+    """Causal PISA-shaped selection ``[B, HKV, T, M]``: sink, local, random earlier leaves."""
+    C, Tq = cfg.block_size, cfg.query_tile
+    L, T = -(-Nk // C), -(-Nq // Tq)
+    M = max_blocks(Nq, Nk, cfg)
+    t = torch.arange(T, device=device)
+    hi = ((t + 1) * Tq - 1).clamp(max=Nq - 1) // C
+    lo = (t * Tq // C - (cfg.local_blocks - 1)).clamp(min=0)
+    leaf = torch.arange(L, device=device)
+    forced = (leaf < cfg.sink_blocks) | ((leaf >= lo[:, None]) & (leaf <= hi[:, None]))
+    eligible = (leaf < lo[:, None]) & ~forced
+    g = torch.Generator(device=device).manual_seed(seed)
+    bi = torch.empty(B, HKV, T, M, dtype=torch.int32, device=device)
+    bc = torch.empty(B, HKV, T, dtype=torch.int32, device=device)
+    for h in range(HKV):  # one head at a time: T x L scores stay small
+        score = torch.rand(B, T, L, generator=g, device=device).masked_fill(~eligible, -1.0)
+        val, idx = score.topk(min(cfg.top_k, L), -1)
+        chosen = torch.zeros(B, T, L, dtype=torch.bool, device=device)
+        chosen.scatter_(-1, idx, val >= 0)
+        chosen |= forced
+        key = torch.where(chosen, leaf, L).sort(-1).values[..., :M]
+        bi[:, h] = torch.where(key < L, key, -1)
+        bc[:, h] = chosen.sum(-1)
+    return bi, bc
+
+
+_CACHE: dict = {}
+
+
+def problem(N):
+    if N not in _CACHE:
+        _CACHE.clear()
+        torch.cuda.empty_cache()
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q = torch.randn(B, HQ, N, D, device="cuda", dtype=torch.bfloat16, generator=g)
+        k = torch.randn(B, HKV, N, D, device="cuda", dtype=torch.bfloat16, generator=g)
+        v = torch.randn(B, HKV, N, D, device="cuda", dtype=torch.bfloat16, generator=g)
+        go = torch.randn_like(q)
+        _CACHE[N] = (q, k, v, go) + synthetic_selection(N, N, CFG)
+    return _CACHE[N]
+
+
+def make_fn(impl, N, mode):
+    """A zero-argument callable that runs one step (no sync)."""
+    q, k, v, go, bi, bc = problem(N)
+    scale = D ** -0.5
+    if impl == "pisa":
+        def fwd():
+            return ta.sparse_attention(q, k, v, None, True, scale, bi, bc, CFG)
+        if mode == "fwd":
+            return fwd
+
+        def fwd_bwd():
+            o, lse = fwd()
+            return ta.sparse_attention_backward(go, q, k, v, None, o, lse, bi, bc, True, scale, CFG)
+        return fwd_bwd
+    backends = None if impl == "sdpa_default" else [SDPBackend.FLASH_ATTENTION]
+    qg, kg, vg = (x.detach().requires_grad_(mode == "fwd_bwd") for x in (q, k, v))
+
+    def sdpa():
+        if backends is None:
+            o = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, enable_gqa=True)
+        else:
+            with sdpa_kernel(backends):
+                o = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, enable_gqa=True)
+        if mode == "fwd_bwd":
+            o.backward(go)
+        return o
+    if mode == "fwd":
+        def sdpa_fwd():
+            with torch.no_grad():
+                return sdpa()
+        return sdpa_fwd
+    return sdpa
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("N", N_LIST, ids=lambda n: f"N{n // 1024}K")
+@pytest.mark.parametrize("impl", IMPLS)
+def test_attention_speed(benchmark, impl, N, mode):
+    benchmark.group = f"{mode} N={N // 1024}K"
+    benchmark.extra_info.update(impl=impl, N=N, mode=mode, dtype="bf16", B=B, Hq=HQ, Hkv=HKV, D=D,
+                                block_size=CFG.block_size, top_k=CFG.top_k,
+                                query_tile=CFG.query_tile)
+    try:
+        fn = make_fn(impl, N, mode)
+        fn()
+        torch.cuda.synchronize()
+    except (RuntimeError, torch.OutOfMemoryError) as e:  # e.g. a backend that refuses GQA
+        pytest.skip(f"{impl} unavailable here: {str(e).splitlines()[0]}")
+
+    def step():
+        fn()
+        torch.cuda.synchronize()
+
+    rounds = 20 if N <= 32768 else 5
+    benchmark.pedantic(step, rounds=rounds, warmup_rounds=2, iterations=1)
+
+
+def _do_bench_table(path):
+    """Median ms of every (impl, N, mode) with ``triton.testing.do_bench``, as JSON."""
+    import triton
+    rows = []
+    for N in N_LIST:
+        for mode in MODES:
+            for impl in IMPLS:
+                try:
+                    fn = make_fn(impl, N, mode)
+                    ms = triton.testing.do_bench(fn, warmup=50, rep=300)
+                except (RuntimeError, torch.OutOfMemoryError) as e:
+                    ms = None
+                    print(f"{impl} {N} {mode}: {str(e).splitlines()[0]}", file=sys.stderr)
+                rows.append(dict(impl=impl, N=N, mode=mode, ms=ms))
+                print(f"N={N:6d} {mode:8s} {impl:13s} {ms}", flush=True)
+    out = dict(command=" ".join(sys.argv), device=torch.cuda.get_device_name(),
+               torch=torch.__version__, setting=dict(dtype="bf16", B=B, Hq=HQ, Hkv=HKV, D=D,
+               causal=True, block_size=CFG.block_size, top_k=CFG.top_k,
+               query_tile=CFG.query_tile, blocks_per_tile=max_blocks(8192, 8192, CFG),
+               selection="synthetic (attention only)"), results=rows)
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    _do_bench_table(sys.argv[sys.argv.index("--json") + 1] if "--json" in sys.argv
+                    else "attention_gpu.json")

@@ -1,0 +1,143 @@
+"""Selection speed: PISA pyramid + fused coarse-to-fine selection vs flat block scoring.
+
+Flat baseline (MoBA-style): mean-pool each leaf's keys, score every query against every leaf
+of its KV head (``q @ mu^T``, causal blocks masked), ``topk`` per query. Both run side by side
+in one process on the same inputs (GPU only).
+
+    PYTHONPATH=. python3 tests/benchmarks/bench_select.py --out profiles/select_gpu.json
+    PYTHONPATH=. python3 -m pytest tests/benchmarks/bench_select.py --benchmark-enable
+
+Shape: B=1, Hq=32, Hkv=8, D=128, bf16, causal, block_size=64, top_k=16, query_tile=64.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import pytest
+import torch
+
+from pisa_compile import PisaConfig
+from pisa_compile.kernels import triton_pyramid as tp
+from pisa_compile.kernels import triton_select as ts
+
+CFG = PisaConfig(min_seq_len=0)
+SIZES = [8192, 16384, 32768, 65536, 131072, 262144]
+
+
+def make(N, B=1, Hq=32, Hkv=8, D=128, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(B, Hq, N, D, device="cuda", dtype=dtype, generator=g)
+    k = torch.randn(B, Hkv, N, D, device="cuda", dtype=dtype, generator=g)
+    v = torch.randn(B, Hkv, N, D, device="cuda", dtype=dtype, generator=g)
+    return q, k, v
+
+
+def pisa_select(q, k, config=CFG, **kw):
+    return ts.select_blocks(q, k, None, True, q.shape[-1] ** -0.5, config, **kw)
+
+
+def flat_select(q, k, config=CFG, chunk=8192):
+    """Per-token flat scoring against mean-pooled leaf keys + topk (causal), in query chunks."""
+    B, Hq, N, D = q.shape
+    Hkv, C = k.shape[1], config.block_size
+    L = -(-N // C)
+    kp = torch.nn.functional.pad(k, (0, 0, 0, L * C - N))
+    mu = kp.view(B, Hkv, L, C, D).float().mean(3).to(q.dtype)
+    mu = mu.repeat_interleave(Hq // Hkv, 1)  # [B, Hq, L, D]
+    out = []
+    leaf = torch.arange(L, device=q.device)
+    for s in range(0, N, chunk):
+        e = min(N, s + chunk)
+        sc = torch.matmul(q[:, :, s:e], mu.transpose(-1, -2))  # [B, Hq, n, L]
+        pos = torch.arange(s, e, device=q.device)
+        sc = sc.masked_fill(leaf[None, :] * C > pos[:, None], float("-inf"))
+        out.append(torch.topk(sc, min(config.top_k, L), dim=-1).indices)
+    return torch.cat(out, 2)
+
+
+def attention_forward(q, k, v, idx, cnt, config=CFG):
+    from pisa_compile.kernels import triton_attention as ta
+    return ta.sparse_attention(q, k, v, None, True, q.shape[-1] ** -0.5, idx, cnt, config)
+
+
+def _ms(fn):
+    import triton
+    return triton.testing.do_bench(fn, warmup=25, rep=100)
+
+
+def run(sizes, out_path=None, tune=False):
+    res = {"command": " ".join(sys.argv), "device": torch.cuda.get_device_name(),
+           "torch": torch.__version__, "shape": "B=1 Hq=32 Hkv=8 D=128 bf16 causal",
+           "config": dict(block_size=CFG.block_size, top_k=CFG.top_k, query_tile=CFG.query_tile,
+                          branching=CFG.branching), "rows": []}
+    for N in sizes:
+        q, k, v = make(N)
+        row = {"N": N}
+        row["pisa_select_ms"] = _ms(lambda: pisa_select(q, k))
+        if tune:
+            row["pyramid_ms"] = _ms(lambda: tp.pyramid_buffers(k, CFG, live_limit=N))
+            row["select_no_summary_loads_ms"] = _ms(lambda: pisa_select(q, k, _prof=1))
+            row["select_no_scoring_ms"] = _ms(lambda: pisa_select(q, k, _prof=2))
+            for rb, nw in ((32, 4), (32, 2), (64, 2), (64, 4), (128, 8), (256, 16)):
+                try:
+                    row[f"select_rb{rb}_w{nw}_ms"] = _ms(
+                        lambda: pisa_select(q, k, row_block=rb, num_warps=nw))
+                except Exception as e:  # noqa: BLE001 (resource limits on some configs)
+                    row[f"select_rb{rb}_w{nw}_ms"] = repr(e)[:80]
+        try:
+            row["flat_select_ms"] = _ms(lambda: flat_select(q, k))
+        except torch.OutOfMemoryError:
+            row["flat_select_ms"] = None
+        torch.cuda.empty_cache()
+        idx, cnt = pisa_select(q, k)
+        try:
+            row["attn_fwd_ms"] = _ms(lambda: attention_forward(q, k, v, idx, cnt))
+            row["pisa_fwd_ms"] = row["pisa_select_ms"] + row["attn_fwd_ms"]
+            row["select_share_of_fwd"] = row["pisa_select_ms"] / row["pisa_fwd_ms"]
+        except Exception as e:  # noqa: BLE001 (the attention kernel is another module)
+            row["attn_fwd_error"] = repr(e)[:200]
+        if row.get("flat_select_ms"):
+            row["speedup_vs_flat"] = row["flat_select_ms"] / row["pisa_select_ms"]
+        print(json.dumps(row), flush=True)
+        res["rows"].append(row)
+        del q, k, v
+        torch.cuda.empty_cache()
+    by_n = {r["N"]: r["pisa_select_ms"] for r in res["rows"]}
+    if 131072 in by_n and 262144 in by_n:
+        res["ratio_256k_128k"] = by_n[262144] / by_n[131072]
+    if out_path:
+        with open(out_path, "w") as f:
+            json.dump(res, f, indent=1)
+    return res
+
+
+# -- pytest-benchmark ------------------------------------------------------------------------
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@needs_cuda
+@pytest.mark.parametrize("N", [8192, 32768, 131072])
+@pytest.mark.parametrize("method", ["pisa", "flat"])
+def test_bench_select(benchmark, method, N):
+    q, k, _ = make(N)
+    fn = (lambda: pisa_select(q, k)) if method == "pisa" else (lambda: flat_select(q, k))
+    fn()
+    torch.cuda.synchronize()
+
+    def step():
+        fn()
+        torch.cuda.synchronize()
+    benchmark(step)
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", type=int, nargs="*", default=SIZES)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--tune", action="store_true")
+    a = ap.parse_args()
+    run(a.sizes, a.out, a.tune)

@@ -1,0 +1,144 @@
+"""Shared checker: Triton selection against the reference, level by level.
+
+The reference walk (``reference._select_chunk``) is replayed here with every level's pool,
+tile score ``S`` and kept set recorded. The kernel writes its kept set per level
+(``trace``). A tile must match the reference exactly, except where, at the first level where
+the two differ, the pools are the same and the ``S`` values of the two kept sets agree
+within ``tol`` (an exact near-tie broken the other way by rounding). Below such a level the
+pools differ, so nothing further is compared for that tile.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pisa_compile.kernels import reference as ref
+from pisa_compile.kernels import triton_select as ts
+from pisa_compile.kernels.dispatch import max_blocks
+
+
+def reference_trace(q, k, is_causal, scale, config):
+    """Per level (top first): ``(level, pool [B,H,T,P], S [B,H,T,P], kept bool)``."""
+    p = ref._Problem.make(q, k, None, is_causal, config)
+    g, beam, top_k = config.branching, config.effective_beam, config.top_k
+    dev = q.device
+    states, key_live = ref.leaf_states(p)
+    states = states.to(dev)
+    mus, counts = ref.build_pyramid(k.float(), key_live.to(dev), config)
+    flags = ref._node_flags(states, g, len(mus))
+    n_forced = min(config.sink_blocks, p.L) + ref.max_local_blocks(config)
+    e_max = n_forced + beam
+    P = g * (beam + e_max)
+    R = p.G * p.Tq
+    qp = torch.nn.functional.pad(q.float(), (0, 0, 0, p.T * p.Tq - p.Nq))
+    q_rows = qp.view(p.B, p.Hkv, p.G, p.T, p.Tq, p.D).permute(0, 1, 3, 2, 4, 5).reshape(
+        p.B, p.Hkv, p.T, R, p.D)
+    t0, t1 = 0, p.T
+    t = torch.arange(t0, t1, device=dev)
+    n_sink, lo, hi = ref._forced_ranges(p, config, t)
+    row_ok = ref._row_valid(p, t0, t1, dev)
+    level = len(mus) - 1
+    n_top = mus[level].shape[2]
+    pool = torch.arange(n_top, device=dev).expand(p.B, p.Hkv, p.T, n_top)
+    pool = torch.nn.functional.pad(pool, (0, P - n_top), value=-1) if n_top < P else pool
+    lo_b, hi_b = lo.view(1, 1, -1, 1), hi.view(1, 1, -1, 1)
+    out = []
+    while True:
+        valid = pool >= 0
+        span = g ** level
+        first, last = pool * span, pool * span + span - 1
+        forced_anc = valid & ((first < n_sink) | ((last >= lo_b) & (first <= hi_b)))
+        vis = ref._gather_tile_flags(flags[level][0], pool)
+        bad = ref._gather_tile_flags(flags[level][1], pool)
+        if level == 0:
+            st = ref._gather_tile_flags(states, pool)
+            forced = valid & ((pool < n_sink) | ((pool >= lo_b) & (pool <= hi_b)))
+            cand = valid & ~forced & ((st == ref.CLEAN) | (st == ref.PARTIAL))
+            s = ref._leaf_scores(p, config, q_rows, k.float(), mus[0], counts[0], pool, st, cand,
+                                 t0, t1, scale)
+            S, kept = _scores(s, cand, row_ok, top_k)
+            out.append((0, pool, S, kept))
+            return out
+        expand = valid & (forced_anc | (vis & bad))
+        cand = valid & ~expand & vis
+        s = ref._internal_scores(q_rows, mus[level - 1], counts[level - 1], pool, g, scale)
+        S, kept = _scores(s, cand, row_ok, beam)
+        out.append((level, pool, S, kept))
+        keep_idx = ref._first_true(pool, kept, beam)
+        exp_idx = torch.cat([ref._first_true(pool, forced_anc, e_max - beam),
+                             ref._first_true(pool, expand & ~forced_anc, beam)], -1)
+        parents = torch.cat([keep_idx, exp_idx], -1)
+        kids = parents[..., None] * g + torch.arange(g, device=dev)
+        n_next = mus[level - 1].shape[2]
+        kids = torch.where((parents[..., None] >= 0) & (kids < n_next), kids, -1)
+        pool = torch.sort(torch.where(kids < 0, n_next, kids).flatten(-2), dim=-1).values
+        pool = torch.where(pool >= n_next, -1, pool)
+        level -= 1
+
+
+def _scores(s, cand, row_ok, n):
+    s = s.masked_fill(~cand[..., None, :], float("-inf"))
+    z = torch.logsumexp(s, -1, keepdim=True)
+    prob = torch.where(torch.isfinite(z) & row_ok[..., None], torch.exp(s - z), 0.0)
+    S = prob.sum(-2)
+    return S, ref._top(s, cand, row_ok, n)
+
+
+def check_selection(q, k, is_causal, scale, config, tol=1e-4, max_tie_frac=0.05):
+    """Run the kernel with a trace and compare it with the reference; returns the number of
+    tiles decided by a near-tie. Raises AssertionError naming the first offending tile."""
+    B, Hq, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    T = -(-Nq // config.query_tile)
+    from pisa_compile.kernels.triton_pyramid import level_sizes
+    n_levels = len(level_sizes(Nk, config))
+    TW = ts.trace_width(config)
+    trace = torch.full((B, Hkv, T, n_levels, TW), -7, dtype=torch.int32, device=q.device)
+    idx, cnt = ts.select_blocks(q, k, None, is_causal, scale, config, trace=trace)
+    ridx, rcnt = ref.select_blocks(q, k, None, is_causal, scale, config)
+    assert idx.shape == ridx.shape == (B, Hkv, T, max_blocks(Nq, Nk, config))
+    assert idx.dtype == torch.int32 and cnt.dtype == torch.int32
+    levels = reference_trace(q, k, is_causal, scale, config)
+    assert len(levels) == n_levels
+    alive = torch.ones(B, Hkv, T, dtype=torch.bool, device=q.device)
+    ties = torch.zeros_like(alive)
+    big = 1 << 30
+    for lev, pool, S, kept in levels:
+        want = torch.sort(torch.where(kept, pool, big), -1).values[..., :TW]
+        if want.shape[-1] < TW:
+            want = torch.nn.functional.pad(want, (0, TW - want.shape[-1]), value=big)
+        want = torch.where(want >= big, -1, want)
+        got = trace[:, :, :, lev].long().clamp(min=-1)  # -7: slots the kernel leaves unwritten
+        same = (got == want).all(-1)
+        diff = alive & ~same
+        if bool(diff.any()):
+            # Near-tie check: both kept sets are in the (identical) pool; compare their S.
+            def s_of(nodes):
+                hit = (nodes[..., :, None] == pool[..., None, :]) & (nodes[..., :, None] >= 0)
+                found = hit.any(-1) | (nodes < 0)
+                val = torch.where(hit, S[..., None, :], 0.0).sum(-1)
+                return torch.sort(torch.where(nodes >= 0, val, -1.0), -1).values, found.all(-1)
+            sg, okg = s_of(got)
+            sw, _ = s_of(want)
+            gap = (sg - sw).abs().amax(-1)
+            lim = tol * sw.amax(-1).clamp(min=1.0)
+            n_got, n_want = (got >= 0).sum(-1), (want >= 0).sum(-1)
+            good = okg & (n_got == n_want) & (gap <= lim)
+            bad = diff & ~good
+            if bool(bad.any()):
+                b, h, t = (int(x) for x in bad.nonzero()[0])
+                raise AssertionError(
+                    f"tile (b={b}, h={h}, t={t}) level {lev}: kernel {got[b, h, t].tolist()} "
+                    f"ref {want[b, h, t].tolist()} S gap {gap[b, h, t].item()}")
+            ties |= diff
+            alive &= same
+    same_out = (idx == ridx).all(-1) & (cnt == rcnt)
+    bad = alive & ~same_out
+    if bool(bad.any()):
+        b, h, t = (int(x) for x in bad.nonzero()[0])
+        raise AssertionError(f"tile (b={b}, h={h}, t={t}): kernel {idx[b, h, t].tolist()} "
+                             f"{cnt[b, h, t].item()} ref {ridx[b, h, t].tolist()} "
+                             f"{rcnt[b, h, t].item()}")
+    n_ties = int(ties.sum())
+    assert n_ties <= max(1, max_tie_frac * B * Hkv * T), f"{n_ties} near-tie tiles"
+    return n_ties

@@ -1,0 +1,209 @@
+"""Triton block-sparse attention (forward, backward, decode) against the PyTorch reference.
+
+Runs on CPU in Triton's interpreter (``TRITON_INTERPRET=1``, set by ``tests/conftest.py`` or
+here, before Triton is imported), at small shapes, in float32 and float16 (bf16 ``tl.dot`` is
+broken in the interpreter). On a CUDA machine the same tests run the compiled kernels.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("triton was imported without TRITON_INTERPRET=1 and there is no CUDA",
+                    allow_module_level=True)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+triton = pytest.importorskip("triton")
+
+from pisa_compile import PisaConfig  # noqa: E402
+from pisa_compile.kernels import reference as ref  # noqa: E402
+from pisa_compile.kernels import triton_attention as ta  # noqa: E402
+from pisa_compile.kernels import triton_decode as td  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: dict(atol=2e-4, rtol=2e-4) if DEV == "cpu" else dict(atol=5e-3, rtol=5e-3),
+       torch.float16: dict(atol=1e-2, rtol=1e-2)}
+GTOL = {torch.float32: TOL[torch.float32], torch.float16: dict(atol=3e-2, rtol=3e-2)}
+
+
+def _make(B, Hkv, G, Nq, Nk, D, Dv, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Hkv * G, Nq, D, generator=g)
+    k = torch.randn(B, Hkv, Nk, D, generator=g)
+    v = torch.randn(B, Hkv, Nk, Dv, generator=g)
+    return [x.to(DEV, dtype) for x in (q, k, v)]
+
+
+def _mask(kind, B, Hq, Nq, Nk, dtype, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    if kind is None:
+        return None
+    if kind == "bool":
+        m = torch.rand(B, 1, Nq, Nk, generator=g) > 0.3
+        m[..., 0, :] = False  # a fully masked row
+        return m.to(DEV)
+    if kind == "float":
+        bias = torch.randn(1, Hq, Nq, Nk, generator=g).to(dtype)
+        hide = torch.rand(1, Hq, Nq, Nk, generator=g) > 0.7
+        m = bias.masked_fill(hide, torch.finfo(dtype).min)
+        m[:, :, 1, :] = float("-inf")  # a fully masked row
+        return m.to(DEV)
+    if kind == "padding":  # HF key padding [B, 1, 1, Nk], expanded (stride 0 over queries)
+        m = torch.ones(B, 1, 1, Nk, dtype=torch.bool)
+        m[:, :, :, Nk - 7:] = False
+        # The reference's selection needs the query dim materialised as a view (see report).
+        return m.to(DEV).expand(B, 1, Nq, Nk)
+    raise ValueError(kind)
+
+
+def _compare(q, k, v, mask, causal, cfg, backward=True, selection=None):
+    scale = q.shape[-1] ** -0.5
+    if selection is None:
+        bi, bc = ref.select_blocks(q, k, mask, causal, scale, cfg)
+    else:
+        bi, bc = selection
+    out, lse = ta.sparse_attention(q, k, v, mask, causal, scale, bi, bc, cfg)
+    r_out, r_lse = ref.sparse_attention(q, k, v, mask, causal, scale, bi, bc, cfg)
+    tol = TOL[q.dtype]
+    torch.testing.assert_close(out, r_out, **tol)
+    assert lse.dtype == torch.float32
+    torch.testing.assert_close(lse, r_lse.float(), atol=tol["atol"] * 10, rtol=tol["rtol"])
+    if not backward:
+        return out, lse
+    go = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(out)
+    grads = ta.sparse_attention_backward(go, q, k, v, mask, out, lse, bi, bc, causal, scale, cfg)
+    r_grads = ref.sparse_attention_backward(go, q, k, v, mask, r_out, r_lse, bi, bc, causal,
+                                            scale, cfg)
+    for name, a, b in zip(("dq", "dk", "dv"), grads, r_grads):
+        assert a.dtype == b.dtype, name
+        torch.testing.assert_close(a, b, **GTOL[q.dtype], msg=lambda m: f"{name}: {m}")
+    return out, lse
+
+
+CFG = PisaConfig(block_size=16, top_k=1, query_tile=16, min_seq_len=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("G", [1, 4, 6])
+@pytest.mark.parametrize("causal", [False, True])
+def test_forward_backward_matches_reference(dtype, G, causal):
+    # Nq, Nk not multiples of the block or the tile; Dv != D; fewer blocks chosen than exist.
+    q, k, v = _make(1, 2, G, 90 if causal else 37, 90 if causal else 120, 32, 16, dtype, seed=G)
+    _compare(q, k, v, None, causal, CFG)
+
+
+@pytest.mark.parametrize("kind", ["bool", "float", "padding"])
+def test_masks(kind):
+    q, k, v = _make(2, 1, 4, 33, 45, 16, 16, torch.float32, seed=3)
+    mask = _mask(kind, 2, 4, 33, 45, torch.float32)
+    out, lse = _compare(q, k, v, mask, False, CFG)
+    if kind in ("bool", "float"):  # the fully masked row: zeros and lse = -inf
+        row = 0 if kind == "bool" else 1
+        assert torch.all(out[:, :, row] == 0)
+        assert torch.all(lse[:, :, row] == float("-inf"))
+
+
+def test_float16_float_mask():
+    q, k, v = _make(1, 2, 2, 30, 40, 32, 32, torch.float16, seed=4)
+    _compare(q, k, v, _mask("float", 1, 4, 30, 40, torch.float16), False, CFG)
+
+
+def test_head_dim_not_pow2_and_larger_tiles():
+    # D = 24 (padded to 32), Dv = 40 (padded to 64), Tq = 32 with G = 4: one 128-row block.
+    cfg = PisaConfig(block_size=16, top_k=2, query_tile=32, min_seq_len=0)
+    q, k, v = _make(1, 1, 4, 50, 70, 24, 40, torch.float32, seed=5)
+    _compare(q, k, v, None, True, cfg)
+
+
+def test_row_sub_blocks():
+    # G * Tq = 6 * 32 = 192 rows > 128: two row sub-blocks walk the same block list.
+    cfg = PisaConfig(block_size=16, top_k=1, query_tile=32, min_seq_len=0)
+    q, k, v = _make(1, 1, 6, 40, 40, 16, 16, torch.float32, seed=6)
+    _compare(q, k, v, None, True, cfg)
+
+
+@pytest.mark.parametrize("block_size", [8, 128])
+def test_leaf_smaller_and_larger_than_key_tile(block_size):
+    # C = 8 packs two leaves per 16-key tile; C = 128 is walked in two 64-key tiles.
+    cfg = PisaConfig(block_size=block_size, top_k=1, query_tile=16, min_seq_len=0,
+                     local_blocks=1)
+    q, k, v = _make(1, 2, 2, 45, 300, 16, 16, torch.float32, seed=block_size)
+    _compare(q, k, v, None, True, cfg)
+
+
+@pytest.mark.parametrize("seg", [128, 1, 3])
+def test_every_tile_chooses_the_same_blocks(seg, monkeypatch):
+    # Hand-made selection: all tiles attend leaves 0 and 2 (the sink pattern, worst case for
+    # the transposed index), in a cross-attention shape. seg < T splits those leaves' dk/dv
+    # over several programs (partials + ordered reduction).
+    monkeypatch.setattr(ta, "SEG_TILES", seg)
+    q, k, v = _make(1, 2, 4, 64, 40, 16, 16, torch.float32, seed=8)
+    T = 4
+    bi = torch.full((1, 2, T, 3), -1, dtype=torch.int32)
+    bi[..., 0], bi[..., 1] = 0, 2
+    bc = torch.full((1, 2, T), 2, dtype=torch.int32)
+    _compare(q, k, v, None, False, CFG, selection=(bi.to(DEV), bc.to(DEV)))
+
+
+def test_segmented_backward_with_reference_selection(monkeypatch):
+    monkeypatch.setattr(ta, "SEG_TILES", 2)
+    q, k, v = _make(1, 2, 2, 90, 90, 16, 16, torch.float16, seed=12)
+    _compare(q, k, v, None, True, CFG)
+
+
+def test_transposed_index_is_tile_ordered():
+    bi = torch.tensor([[[[0, 2, -1], [0, 1, 2], [1, -1, -1], [0, 2, 3]]]], dtype=torch.int32)
+    bc = torch.tensor([[[2, 3, 1, 3]]], dtype=torch.int32)
+    offsets, tiles = ta.transposed_index(bi.to(DEV), bc.to(DEV), 5)
+    assert offsets.cpu().tolist() == [[[0, 3, 5, 8, 9, 9]]]
+    assert tiles.cpu()[0, 0, :9].tolist() == [0, 1, 3, 1, 2, 0, 1, 3, 3]
+
+
+def test_no_visible_key_anywhere():
+    q, k, v = _make(1, 1, 2, 20, 20, 16, 16, torch.float32, seed=9)
+    mask = torch.zeros(1, 1, 20, 20, dtype=torch.bool, device=DEV)
+    out, lse = _compare(q, k, v, mask, False, CFG)
+    assert torch.all(out == 0) and torch.all(lse == float("-inf"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("Nq,causal,n_splits", [(1, False, None), (3, False, 2), (5, True, 3)])
+def test_decode_matches_reference(dtype, Nq, causal, n_splits):
+    cfg = PisaConfig(block_size=16, top_k=3, query_tile=16, min_seq_len=0)
+    q, k, v = _make(2, 2, 4, Nq, 150, 32, 16, dtype, seed=Nq)
+    scale = 0.2
+    bi, bc = ref.select_blocks(q, k, None, causal, scale, cfg)
+    out, lse = td.decode_attention(q, k, v, None, causal, scale, bi, bc, cfg, n_splits=n_splits)
+    r_out, r_lse = ref.sparse_attention(q, k, v, None, causal, scale, bi, bc, cfg)
+    torch.testing.assert_close(out, r_out, **TOL[dtype])
+    torch.testing.assert_close(lse, r_lse.float(), atol=1e-3, rtol=1e-3)
+
+
+def test_decode_with_mask():
+    cfg = PisaConfig(block_size=8, top_k=4, query_tile=16, min_seq_len=0)
+    q, k, v = _make(1, 2, 3, 2, 90, 16, 16, torch.float32, seed=11)
+    mask = torch.ones(1, 1, 2, 90, dtype=torch.bool)
+    mask[..., 80:] = False
+    mask[..., 1, :] = False  # one query sees nothing
+    mask = mask.to(DEV)
+    bi, bc = ref.select_blocks(q, k, mask, False, 0.25, cfg)
+    out, lse = td.decode_attention(q, k, v, mask, False, 0.25, bi, bc, cfg, n_splits=3)
+    r_out, r_lse = ref.sparse_attention(q, k, v, mask, False, 0.25, bi, bc, cfg)
+    torch.testing.assert_close(out, r_out, **TOL[torch.float32])
+    torch.testing.assert_close(lse, r_lse.float(), atol=1e-3, rtol=1e-3)
+    assert torch.all(out[:, :, 1] == 0)
+
+
+def test_errors_name_the_problem():
+    q, k, v = _make(1, 1, 1, 16, 16, 16, 16, torch.float32)
+    bi, bc = ref.select_blocks(q, k, None, False, 0.25, CFG)
+    with pytest.raises(ValueError, match="float16/bfloat16/float32"):
+        ta.sparse_attention(q.double(), k.double(), v.double(), None, False, 0.25, bi, bc, CFG)
+    with pytest.raises(ValueError, match="block_indices"):
+        ta.sparse_attention(q, k, v, None, False, 0.25, bi[:, :, :0], bc, CFG)

@@ -1,0 +1,78 @@
+"""The Triton implementation behind the public API, on the CPU under Triton's interpreter.
+
+``pisa_attention(..., config=PisaConfig(kernel="triton"))`` must agree with the reference
+implementation: same selection, same output, same gradients (fp32/fp16; the interpreter's
+bf16 ``tl.dot`` is unreliable).
+"""
+
+import os
+
+import pytest
+import torch
+
+from pisa_compile import PisaConfig, pisa_attention, select_blocks
+from pisa_compile.ops import kernel_for
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="needs CUDA or TRITON_INTERPRET=1 (tests/conftest.py sets it without CUDA)")
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _cfg(kernel, **kw):
+    base = dict(block_size=16, top_k=2, query_tile=16, min_seq_len=0)
+    base.update(kw)
+    return PisaConfig(kernel=kernel, **base)
+
+
+@pytest.mark.parametrize("G, Nq, Nk, causal, dtype", [
+    (1, 100, 100, True, torch.float32),
+    (4, 77, 77, True, torch.float16),
+    (6, 50, 50, False, torch.float32),
+    (2, 5, 120, False, torch.float32),   # few queries: the decode kernel
+    (2, 40, 90, False, torch.float16),   # cross-attention shape
+])
+def test_triton_path_matches_reference(G, Nq, Nk, causal, dtype):
+    torch.manual_seed(0)
+    q = torch.randn(1, 2 * G, Nq, 32, device=DEV, dtype=dtype)
+    k = torch.randn(1, 2, Nk, 32, device=DEV, dtype=dtype)
+    v = torch.randn(1, 2, Nk, 24, device=DEV, dtype=dtype)
+    tri, ref = _cfg("triton"), _cfg("reference")
+    assert kernel_for(q, v, tri) == "triton"
+    bi_t, bc_t = select_blocks(q, k, is_causal=causal, enable_gqa=True, config=tri)
+    bi_r, bc_r = select_blocks(q, k, is_causal=causal, enable_gqa=True, config=ref)
+    assert torch.equal(bi_t, bi_r) and torch.equal(bc_t, bc_r)
+    qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
+    out_t = pisa_attention(qs, ks, vs, is_causal=causal, enable_gqa=True, config=tri)
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    out_r = pisa_attention(qr, kr, vr, is_causal=causal, enable_gqa=True, config=ref)
+    tol = dict(atol=2e-3, rtol=2e-3) if dtype == torch.float16 else dict(atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(out_t, out_r, **tol)
+    go = torch.randn_like(out_t)
+    for g_t, g_r in zip(torch.autograd.grad(out_t, (qs, ks, vs), go),
+                        torch.autograd.grad(out_r, (qr, kr, vr), go)):
+        torch.testing.assert_close(g_t, g_r, atol=1e-2 if dtype == torch.float16 else 1e-4,
+                                   rtol=1e-2 if dtype == torch.float16 else 1e-4)
+
+
+def test_masked_triton_path_uses_reference_selection():
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 64, 16, device=DEV) for _ in range(3))
+    mask = torch.rand(1, 1, 64, 64, device=DEV) > 0.3
+    out_t = pisa_attention(q, k, v, attn_mask=mask, config=_cfg("triton"))
+    out_r = pisa_attention(q, k, v, attn_mask=mask, config=_cfg("reference"))
+    torch.testing.assert_close(out_t, out_r, atol=2e-5, rtol=2e-5)
+
+
+def test_unsupported_inputs_fall_back_with_one_warning():
+    import pisa_compile.ops as ops
+    q = torch.randn(1, 1, 8, 16, dtype=torch.float64, device=DEV)
+    ops._warned.clear()
+    with pytest.warns(UserWarning, match="interpreter is unreliable|float64 inputs"):
+        assert kernel_for(q, q, _cfg("triton")) == "reference"
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert kernel_for(q, q, _cfg("triton")) == "reference"  # warned once only
+    assert kernel_for(q, q, _cfg("auto")) == "reference"

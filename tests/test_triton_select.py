@@ -1,0 +1,130 @@
+"""Triton pyramid and selection kernels against the reference, in Triton's interpreter (CPU).
+
+fp32 and fp16 only: bf16 ``tl.dot`` is broken in the interpreter. Selections must equal
+``reference.select_blocks`` tile by tile, except for exact near-ties (see
+``tests/select_check.py``: at the first differing level the two kept sets must have the same
+tile scores ``S`` within a tolerance, and at most a few tiles may be decided that way).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("triton was imported without TRITON_INTERPRET=1; run this module on its own",
+                allow_module_level=True)
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import warnings  # noqa: E402
+
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from pisa_compile import PisaConfig  # noqa: E402
+from pisa_compile.kernels import reference as ref  # noqa: E402
+from pisa_compile.kernels import triton_pyramid as tp  # noqa: E402
+from pisa_compile.kernels import triton_select as ts  # noqa: E402
+from tests.select_check import check_selection  # noqa: E402
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("TRITON_INTERPRET is not 1", allow_module_level=True)
+
+# log(0) = -inf is intended (empty children); numpy warns about it in the interpreter.
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+
+def _qk(B, Hkv, G, Nq, Nk, D, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Hkv * G, Nq, D, generator=g).to(dtype)
+    k = torch.randn(B, Hkv, Nk, D, generator=g).to(dtype)
+    # A shared direction makes scores differ by more than rounding (fewer near-ties).
+    return q, k
+
+
+@pytest.mark.parametrize("g", [2, 3])
+@pytest.mark.parametrize("Nk,use_live", [(203, True), (64, False), (7, False)])
+def test_pyramid_matches_reference(g, Nk, use_live):
+    cfg = PisaConfig(block_size=4, top_k=2, branching=g, min_seq_len=0)
+    k = torch.randn(2, 3, Nk, 20)
+    live = torch.rand(2, 1, Nk) > 0.3 if use_live else torch.ones(1, 1, Nk, dtype=torch.bool)
+    m1, c1 = ref.build_pyramid(k, live, cfg)
+    m2, c2 = tp.build_pyramid(k, live, cfg)
+    assert len(m1) == len(m2)
+    for a, b in zip(m1, m2):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    for a, b in zip(c1, c2):
+        assert torch.equal(a, b)
+
+
+CASES = [
+    # (B, Hkv, G, Nq, Nk, D, dtype, causal, config kwargs)
+    (1, 2, 1, 203, 203, 16, torch.float32, True, dict(block_size=4, top_k=2)),
+    (1, 1, 4, 203, 203, 16, torch.float32, False, dict(block_size=4, top_k=2)),
+    (1, 1, 6, 150, 150, 24, torch.float32, True, dict(block_size=4, top_k=2, branching=3)),
+    (2, 1, 4, 77, 77, 16, torch.float16, True, dict(block_size=8, top_k=3, query_tile=8)),
+    (1, 2, 1, 130, 130, 16, torch.float16, False, dict(block_size=4, top_k=3, beam=5,
+                                                      sink_blocks=2, local_blocks=3)),
+    # cross-attention (no local blocks) and a KV cache (queries are the last positions)
+    (1, 1, 2, 40, 150, 16, torch.float32, False, dict(block_size=4, top_k=2)),
+    (1, 1, 2, 150, 61, 16, torch.float32, False, dict(block_size=4, top_k=2, branching=3)),
+    (1, 1, 2, 150, 61, 16, torch.float32, True, dict(block_size=4, top_k=2)),
+    (1, 1, 2, 40, 150, 16, torch.float32, True, dict(block_size=4, top_k=2)),
+    # query tiles larger than a block, and per-token tiles
+    (1, 1, 2, 100, 100, 16, torch.float32, True, dict(block_size=4, top_k=2, query_tile=16)),
+    (1, 1, 1, 60, 60, 16, torch.float32, True, dict(block_size=4, top_k=2, query_tile=1)),
+    # exact leaf scoring
+    (1, 1, 2, 90, 90, 16, torch.float32, True, dict(block_size=4, top_k=2, leaf_scoring="exact")),
+    (1, 1, 3, 70, 70, 16, torch.float16, False, dict(block_size=8, top_k=2, branching=3,
+                                                     leaf_scoring="exact")),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"B{c[0]}H{c[1]}G{c[2]}q{c[3]}k{c[4]}"
+                         f"{'c' if c[7] else 'n'}{str(c[6])[-2:]}")
+def test_select_matches_reference(case):
+    B, Hkv, G, Nq, Nk, D, dtype, causal, kw = case
+    cfg = PisaConfig(min_seq_len=0, kernel="triton", **{"query_tile": 4, **kw})
+    q, k = _qk(B, Hkv, G, Nq, Nk, D, dtype)
+    check_selection(q, k, causal, D ** -0.5, cfg, tol=1e-5 if dtype == torch.float32 else 2e-3)
+
+
+@pytest.mark.parametrize("Nq", [1, 3, 16])
+@pytest.mark.parametrize("G", [1, 4])
+def test_decode(Nq, G):
+    cfg = PisaConfig(block_size=4, top_k=3, query_tile=16, min_seq_len=0)
+    q, k = _qk(1, 1, G, Nq, 157, 16, torch.float32, seed=Nq)
+    check_selection(q, k, False, 0.25, cfg)
+    check_selection(q, k, True, 0.25, cfg)
+
+
+def test_exact_ties_go_to_lower_index():
+    # Identical leaves: every score ties, so the lowest node indices must win at every level.
+    cfg = PisaConfig(block_size=4, top_k=2, query_tile=4, min_seq_len=0)
+    k = torch.ones(1, 1, 96, 16)
+    q = torch.randn(1, 2, 96, 16)
+    idx, cnt = ts.select_blocks(q, k, None, True, 0.25, cfg)
+    ridx, rcnt = ref.select_blocks(q, k, None, True, 0.25, cfg)
+    assert torch.equal(idx, ridx) and torch.equal(cnt, rcnt)
+
+
+def test_explicit_mask_falls_back_to_reference():
+    cfg = PisaConfig(block_size=4, top_k=2, query_tile=4, min_seq_len=0)
+    q, k = _qk(1, 1, 2, 40, 40, 16, torch.float32)
+    mask = torch.rand(1, 1, 40, 40) > 0.3
+    idx, cnt = ts.select_blocks(q, k, mask, False, 0.25, cfg)
+    ridx, rcnt = ref.select_blocks(q, k, mask, False, 0.25, cfg)
+    assert torch.equal(idx, ridx) and torch.equal(cnt, rcnt)
+
+
+def test_pool_bound_holds_without_mask():
+    # Every expanded node is a forced ancestor, so the pool never drops one: the kernel's pool
+    # width is g * (beam + n_forced) rounded up.
+    cfg = PisaConfig()
+    assert ts.pool_size(cfg, cfg.sink_blocks) == 64
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert ts.pool_size(cfg.replace(branching=3), 1) == 64

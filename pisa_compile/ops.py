@@ -89,14 +89,51 @@ def _attn_cfg(block_size: int, query_tile: int) -> PisaConfig:
     return PisaConfig(block_size=block_size, query_tile=query_tile)
 
 
-@torch.library.custom_op("pisa::attention", mutates_args=())
-def _attention_op(
-    q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], block_indices: Tensor,
-    block_counts: Tensor, is_causal: bool, scale: float, block_size: int, query_tile: int,
-) -> tuple[Tensor, Tensor]:
-    return dispatch.attention_forward(q, k, v, attn_mask, is_causal, scale, block_indices,
-                                      block_counts, _attn_cfg(block_size, query_tile),
-                                      "reference")
+def _define_attention(suffix: str, define, impl: str):
+    """``pisa::attention{suffix}`` and its ``_backward``, registered with ``define``
+    (``custom_op`` or ``triton_op``) over the ``impl`` kernels, with the autograd rule."""
+
+    @define(f"pisa::attention{suffix}", mutates_args=())
+    def forward(
+        q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], block_indices: Tensor,
+        block_counts: Tensor, is_causal: bool, scale: float, block_size: int, query_tile: int,
+    ) -> tuple[Tensor, Tensor]:
+        return dispatch.attention_forward(q, k, v, attn_mask, is_causal, scale, block_indices,
+                                          block_counts, _attn_cfg(block_size, query_tile), impl)
+
+    @define(f"pisa::attention{suffix}_backward", mutates_args=())
+    def backward_op(
+        grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
+        out: Tensor, lse: Tensor, block_indices: Tensor, block_counts: Tensor,
+        is_causal: bool, scale: float, block_size: int, query_tile: int,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        return dispatch.attention_backward(grad_out, q, k, v, attn_mask, out, lse, block_indices,
+                                           block_counts, is_causal, scale,
+                                           _attn_cfg(block_size, query_tile), impl)
+
+    def setup_context(ctx, inputs, output):
+        q, k, v, attn_mask, block_indices, block_counts, is_causal, scale, *shape_args = inputs
+        ctx.save_for_backward(q, k, v, attn_mask, *output, block_indices, block_counts)
+        ctx.is_causal, ctx.scale, ctx.shape_args = is_causal, scale, shape_args
+
+    def backward(ctx, grad_out, _grad_lse):
+        q, k, v, attn_mask, out, lse, block_indices, block_counts = ctx.saved_tensors
+        dq, dk, dv = backward_op(grad_out.contiguous(), q, k, v, attn_mask, out, lse,
+                                 block_indices, block_counts, ctx.is_causal, ctx.scale,
+                                 *ctx.shape_args)
+        # The selection is fixed (DESIGN.md "Attention"): no gradient for it or the mask.
+        return dq, dk, dv, None, None, None, None, None, None, None
+
+    torch.library.register_autograd(f"pisa::attention{suffix}", backward,
+                                    setup_context=setup_context)
+    return forward, backward_op
+
+
+_attention_op, _attention_backward_op = _define_attention(
+    "", torch.library.custom_op, "reference")
+# triton_op bodies are traceable, so they are their own fake kernels.
+_attention_triton_op, _attention_triton_backward_op = _define_attention(
+    "_triton", torch.library.triton_op, "triton")
 
 
 @_attention_op.register_fake
@@ -107,65 +144,9 @@ def _(q, k, v, attn_mask, block_indices, block_counts, is_causal, scale, block_s
     return out, lse
 
 
-@torch.library.custom_op("pisa::attention_backward", mutates_args=())
-def _attention_backward_op(
-    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
-    out: Tensor, lse: Tensor, block_indices: Tensor, block_counts: Tensor,
-    is_causal: bool, scale: float, block_size: int, query_tile: int,
-) -> tuple[Tensor, Tensor, Tensor]:
-    return dispatch.attention_backward(grad_out, q, k, v, attn_mask, out, lse, block_indices,
-                                       block_counts, is_causal, scale,
-                                       _attn_cfg(block_size, query_tile), "reference")
-
-
 @_attention_backward_op.register_fake
 def _(grad_out, q, k, v, attn_mask, out, lse, block_indices, block_counts, *args):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
-
-
-@torch.library.triton_op("pisa::attention_triton", mutates_args=())
-def _attention_triton_op(
-    q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], block_indices: Tensor,
-    block_counts: Tensor, is_causal: bool, scale: float, block_size: int, query_tile: int,
-) -> tuple[Tensor, Tensor]:
-    return dispatch.attention_forward(q, k, v, attn_mask, is_causal, scale, block_indices,
-                                      block_counts, _attn_cfg(block_size, query_tile), "triton")
-
-
-@torch.library.triton_op("pisa::attention_triton_backward", mutates_args=())
-def _attention_triton_backward_op(
-    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
-    out: Tensor, lse: Tensor, block_indices: Tensor, block_counts: Tensor,
-    is_causal: bool, scale: float, block_size: int, query_tile: int,
-) -> tuple[Tensor, Tensor, Tensor]:
-    return dispatch.attention_backward(grad_out, q, k, v, attn_mask, out, lse, block_indices,
-                                       block_counts, is_causal, scale,
-                                       _attn_cfg(block_size, query_tile), "triton")
-
-
-def _setup_context(ctx, inputs, output):
-    q, k, v, attn_mask, block_indices, block_counts, is_causal, scale, *shape_args = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, attn_mask, out, lse, block_indices, block_counts)
-    ctx.is_causal, ctx.scale, ctx.shape_args = is_causal, scale, shape_args
-
-
-def _make_backward(backward_op):
-    def backward(ctx, grad_out, _grad_lse):
-        q, k, v, attn_mask, out, lse, block_indices, block_counts = ctx.saved_tensors
-        dq, dk, dv = backward_op(grad_out.contiguous(), q, k, v, attn_mask, out, lse,
-                                 block_indices, block_counts, ctx.is_causal, ctx.scale,
-                                 *ctx.shape_args)
-        # The selection is fixed (DESIGN.md "Attention"): no gradient for it or the mask.
-        return dq, dk, dv, None, None, None, None, None, None, None
-    return backward
-
-
-torch.library.register_autograd("pisa::attention", _make_backward(_attention_backward_op),
-                                setup_context=_setup_context)
-torch.library.register_autograd("pisa::attention_triton",
-                                _make_backward(_attention_triton_backward_op),
-                                setup_context=_setup_context)
 
 
 # -- public API ----------------------------------------------------------------------------

@@ -213,3 +213,29 @@ def test_rewrite_reaches_sparse_op():
     want = pisa_compile.pisa_attention(q, k, v, scale=0.25, config=cfg)
     torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
     assert not torch.allclose(out, dense, atol=1e-3), "sparse path gave the dense result"
+
+
+def test_failing_pattern_never_breaks_the_model(monkeypatch):
+    """A catalogue recogniser that raises (a bug in one pattern): the model still compiles
+    and is correct, with one warning that names the cause."""
+    from pisa_compile.lowering import patterns
+
+    def broken(node, scores):
+        raise KeyError("as_mask_add exploded")
+
+    monkeypatch.setattr(patterns, "as_mask_add", broken)
+    monkeypatch.setattr(backend_mod, "_warned_pass_failure", False)
+
+    def fn(q, k, v):
+        s = q @ k.mT * 0.25 + torch.zeros(q.shape[-2], k.shape[-2])
+        return s.softmax(-1) @ v
+
+    args = _qkv()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = torch.compile(fn, backend="pisa", fullgraph=True)(*args)
+    torch.testing.assert_close(out, fn(*args), rtol=1e-4, atol=1e-5)
+    ours = [w for w in caught if "pisa_compile" in str(w.message)]
+    assert len(ours) == 1 and "as_mask_add exploded" in str(ours[0].message), ours
+    assert "KeyError" in str(ours[0].message)
+    assert counters["pisa"]["rewritten"] == 0

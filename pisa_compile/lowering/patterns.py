@@ -9,6 +9,51 @@ one *step* of an attention site in all its spellings and returns what the rewrit
 patterns; the steps whose arity and spelling vary are small functions.
 
 Nothing here edits a graph: :mod:`.rewrite` walks sites with these and decides.
+
+The catalogue (what the pass rewrites; ``tests/test_lowering.py`` and
+``tests/test_zoo_forms.py`` have one test per form, ``tests/test_zoo.py`` the HF models):
+
+- **SDPA**: ``F.scaled_dot_product_attention`` / ``torch._C._nn...``, every argument; on
+  ``repeat_kv``-ed or ``repeat_interleave``-ed k/v it becomes ``enable_gqa``.
+- **Hand-written**: ``softmax(scores) @ v`` where ``scores`` is ``q @ kᵀ`` (``@``,
+  ``matmul``, ``bmm`` on 3-D ``[B*H, N, D]``, or a two-operand ``einsum`` in any letter
+  order), with any of, between the matmul and the softmax: numeric or symbolic scales
+  (``*``, ``/``, ``.mul``/``.div``, on q, on k or on the scores; a one-element constant
+  ``torch.full([], c)`` / ``torch.tensor(c)`` counts as ``c``); dtype casts
+  (``.float()``, ``.to(float32)``, ``.type_as``); any number of additive float masks (HF's
+  ``finfo.min`` masks, sliced ``mask[:, :, :, :k.shape[-2]]``, T5's position bias then its
+  mask, BERT's extended mask); at most one bool mask (``masked_fill(m, -inf|finfo.min)``,
+  ``where(m, s, fill)``, ``where(m, fill, s)``, fills given as numbers or constant
+  tensors). After the softmax: casts, ``.contiguous()``, dropout that is off. k/v may pass
+  through permutes, ``.contiguous()``, no-op casts and Llama's ``repeat_kv`` (GQA).
+- **Inductor's ``fuse_attention`` forms** (torch 2.13, ``_sfdp_pattern_1`` .. ``_30``), in
+  words: 1-4, 12, 28: ``matmul(q, kᵀ)`` divided or multiplied by a scale, softmax, optional
+  dropout, matmul with v (12 with [B,N,H,D] permuted inputs; 28 non-contiguous); 5-6: the
+  same plus an additive mask, dropout in 6; 7-10: permuted fp16 inputs, scores upcast to
+  fp32 before softmax and cast back, ``v.to(weights.dtype)``, the scale on the scores (7-8)
+  or on q (9-10), with/without dropout; 11: permuted inputs, chained ``.div().softmax()
+  .matmul()``; 13: ``bmm`` on 3-D tensors, no scale, dropout; 14/16 (BERT): scale, add mask,
+  softmax, dropout, ``.to(q.dtype)``; 15/17/20 (DistilBERT): ``(mask == 0).view(b,1,1,S)
+  .expand_as(scores)`` then ``masked_fill`` with a ``-inf`` tensor, scale on scores or q
+  (20), dropout (17, 20); 18/19 (old HF GPT-2): ``k.permute(0,1,3,2)``, divide by a
+  ``torch.full([], sqrt(d))`` tensor, ``where(causal, scores, full((), finfo.min))``, plus a
+  mask in 19, ``.type(v.dtype)``, dropout; 21-23, 25-27 (T5): unscaled scores plus a mask
+  (23, 27: no mask), ``.float().softmax().type_as(q)``, dropout in 25-27, k/v also
+  returned; 24 (MBart): ``bmm`` on 3-D with the scores viewed to 4-D to add the mask and
+  back; 29-30: aten-level ``_safe_softmax`` decomposition of SDPA. All are caught except 24
+  (a ``view`` of the scores between matmul and softmax: left dense, "score transform
+  view"); 29-30 are aten-level forms that a Dynamo graph holds as the SDPA call, which is
+  caught. Dropout that is active in training (3, 4, 6, 7, 9, 12, 13, 16-19, 25-27 in
+  training) is left dense: the kernels have no dropout.
+- **``nn.MultiheadAttention``**: Dynamo keeps ``F.multi_head_attention_forward`` as one
+  call; it is replaced by :func:`.mha.pisa_multi_head_attention_forward` when batched, with
+  no ``bias_k``/``bias_v``/``add_zero_attn``/``static_k``, dropout off, and the weights
+  never read (``need_weights=False`` or output 1 unused); masks: bool/float ``attn_mask``,
+  ``key_padding_mask``, ``is_causal``.
+
+Left dense, with the reason in the report: weights used elsewhere; active dropout; a tensor
+scale; a mask of unsupported dtype/shape; a mask that requires grad (T5's learned bias in
+training); softcapping (``tanh``) or any other score transform; softmax over another dim.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from ..config import PisaConfig
 from ..ops import pisa_attention
 from . import patterns as P
+from .mha import MHA_SIGNATURE, MHA_TARGET, pisa_multi_head_attention_forward
 from .report import LEFT_DENSE, REWRITTEN, Site, fmt_shape, source_of
 
 __all__ = ["rewrite_graph", "find_sites", "Dense"]
@@ -80,6 +81,10 @@ def _permuted_val(node: Node, perm: Optional[list]):
 
 def _eq(a, b) -> bool:
     return statically_known_true(a == b)
+
+
+def _may_eq(a, b) -> bool:
+    return not statically_known_true(a != b)
 
 
 def _same_shape(a: Node, b: Node) -> bool:
@@ -232,7 +237,10 @@ def _check_shapes(plan: _Plan) -> tuple:
                 raise Dense(f"q heads {hq} not a multiple of k heads {hk}")
         elif not _eq(hq, hk):
             raise Dense(f"q heads {hq} != k heads {hk}")
-    if not (_eq(q.shape[-1], k.shape[-1]) and _eq(k.shape[-2], v.shape[-2])):
+    # The site's own matmuls (or SDPA) already require q/k head dims and k/v lengths to
+    # agree at run time, so "not provably different" is enough: a KV cache gives k and v
+    # lengths distinct symbols (s84 + 1, s94 + 1) that Dynamo cannot prove equal.
+    if not (_may_eq(q.shape[-1], k.shape[-1]) and _may_eq(k.shape[-2], v.shape[-2])):
         raise Dense("q/k head dims or k/v lengths differ")
     out = P.val(plan.anchor)
     if isinstance(out, torch.Tensor) and out.dtype != q.dtype:
@@ -571,9 +579,63 @@ def _erase_dead(graph, owned: list) -> None:
 
 # -- the pass --------------------------------------------------------------------------------------
 
+def _is_mha(node: Node) -> bool:
+    return node.op == "call_function" and node.target is MHA_TARGET
+
+
 def find_sites(gm: GraphModule) -> list[Node]:
-    """Candidate anchors in graph order: SDPA calls and softmax nodes."""
-    return [n for n in gm.graph.nodes if P.sdpa_args(n) is not None or P.is_softmax(n)]
+    """Candidate anchors in graph order: SDPA calls, softmax nodes, and
+    ``F.multi_head_attention_forward`` calls (``nn.MultiheadAttention``)."""
+    return [n for n in gm.graph.nodes
+            if P.sdpa_args(n) is not None or P.is_softmax(n) or _is_mha(n)]
+
+
+def _analyze_mha(node: Node, site: Site) -> dict:
+    """Checks an ``F.multi_head_attention_forward`` call; returns its bound arguments."""
+    try:
+        b = MHA_SIGNATURE.bind(*node.args, **node.kwargs)
+    except TypeError as err:
+        raise Dense(f"unexpected multi_head_attention_forward call ({err})") from None
+    b.apply_defaults()
+    a = b.arguments
+    q, k = P.val(a["query"]), P.val(a["key"])
+    site.q_shape, site.k_shape, site.v_shape = (fmt_shape(P.val(a[n]))
+                                                for n in ("query", "key", "value"))
+    kinds = [m for m in ("attn_mask", "key_padding_mask") if a[m] is not None]
+    site.mask = "+".join(kinds) if kinds else ("causal" if a["is_causal"] is True else "none")
+    if not isinstance(q, torch.Tensor) or q.dim() != 3 or not isinstance(k, torch.Tensor):
+        raise Dense("unbatched nn.MultiheadAttention input")
+    if not q.is_floating_point():
+        raise Dense(f"dtype {q.dtype}")
+    for name in ("bias_k", "bias_v", "static_k", "static_v"):
+        if a[name] is not None:
+            raise Dense(f"nn.MultiheadAttention with {name}")
+    if a["add_zero_attn"] is not False:
+        raise Dense("nn.MultiheadAttention with add_zero_attn")
+    dp, training = a["dropout_p"], a["training"]
+    if not (training is False or (isinstance(dp, (int, float)) and dp == 0)):
+        raise Dense(f"dropout active in training (dropout_p={P.describe(dp)})")
+    if not all(isinstance(a[n], bool) for n in ("is_causal", "use_separate_proj_weight")):
+        raise Dense("is_causal / use_separate_proj_weight are not constants")
+    if not isinstance(a["num_heads"], int):
+        raise Dense("num_heads is not a constant")
+    for u in node.users:
+        if not (u.op == "call_function" and u.target is operator.getitem and u.args[1] == 0):
+            raise Dense("the attention weights are used elsewhere (returned, stored or reused)")
+    for name in ("attn_mask", "key_padding_mask"):
+        if a[name] is not None:
+            _check_mask_tensor(a[name])
+            _check_mask_grad(a[name])
+    return a
+
+
+def _apply_mha(gm: GraphModule, node: Node, bound: dict, config: PisaConfig) -> None:
+    with gm.graph.inserting_before(node):
+        new = gm.graph.call_function(pisa_multi_head_attention_forward, (),
+                                     dict(bound, config=config))
+    new.meta.update(node.meta)
+    node.replace_all_uses_with(new)
+    gm.graph.erase_node(node)
 
 
 def rewrite_graph(gm: GraphModule, config: PisaConfig, apply: bool = True) -> list[Site]:
@@ -593,9 +655,17 @@ def rewrite_graph(gm: GraphModule, config: PisaConfig, apply: bool = True) -> li
         if node.graph is not gm.graph or node not in node.graph.nodes:
             continue  # erased by an earlier site
         is_sdpa = P.sdpa_args(node) is not None
-        site = Site(form="sdpa" if is_sdpa else "softmax", node=node.name,
-                    source=source_of(node.meta))
+        is_mha = _is_mha(node)
+        site = Site(form="sdpa" if is_sdpa else "nn.MultiheadAttention" if is_mha
+                    else "softmax", node=node.name, source=source_of(node.meta))
         try:
+            if is_mha:
+                bound = _analyze_mha(node, site)
+                if apply:
+                    _apply_mha(gm, node, bound, config)
+                site.decision, site.reason = REWRITTEN, ""
+                sites.append(site)
+                continue
             if is_sdpa:
                 plan = _analyze_sdpa(node, site)
             else:
@@ -609,7 +679,7 @@ def rewrite_graph(gm: GraphModule, config: PisaConfig, apply: bool = True) -> li
             site.decision, site.reason = REWRITTEN, ""
         except Dense as why:
             site.decision, site.reason = LEFT_DENSE, str(why)
-            if site.q_shape == "?":
+            if site.q_shape == "?" and not is_mha:
                 _fill_shapes_best_effort(node, site)
         sites.append(site)
     if apply and any(s.rewritten for s in sites):

@@ -1,0 +1,100 @@
+"""Issue 4: ``model.generate()`` under ``backend="pisa"``: greedy tokens equal eager, and the
+decode step (one query, keys from the cache, masks from transformers) runs the PISA op.
+
+Options ``min_seq_len=0, block_size=16, top_k=64``: the sparse path runs (``pisa::attention``)
+and selects every block, so decoding is exact and greedy tokens must match eager exactly.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from pisa_compile.kernels import dispatch
+
+from .test_zoo import SPARSE_EXACT, ZOO, build
+
+transformers = pytest.importorskip("transformers")
+
+GEN = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture(scope="module")
+def llama():
+    case = next(c for c in ZOO if c.id == "llama-sdpa")
+    model = build(case).eval()
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(1, 128, (2, 12), generator=g)
+    am = torch.ones_like(ids)
+    am[1, :3] = 0                                    # left padding, as generate() wants
+    ref = model.generate(input_ids=ids, attention_mask=am, **GEN)
+    return model, ids, am, ref
+
+
+@pytest.fixture()
+def spy(monkeypatch, caplog):
+    """Counts the PISA op's calls by query length, and captures the rewrite log lines."""
+    calls: list[int] = []
+    real = dispatch.attention_forward
+
+    def counting(q, *args, **kwargs):
+        calls.append(q.shape[2])
+        return real(q, *args, **kwargs)
+
+    monkeypatch.setattr(dispatch, "attention_forward", counting)
+    caplog.set_level(logging.INFO, logger="pisa_compile")
+    return calls, caplog
+
+
+def _decode_sites(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.name == "pisa_compile" and "q=[2, 4, 1, 16]" in r.getMessage()]
+
+
+def test_generate_dynamic_cache(llama, spy):
+    model, ids, am, ref = llama
+    calls, caplog = spy
+    forward = model.forward
+    model.forward = torch.compile(forward, backend="pisa", options=SPARSE_EXACT)
+    try:
+        out = model.generate(input_ids=ids, attention_mask=am, **GEN)   # DynamicCache
+    finally:
+        model.forward = forward
+    assert torch.equal(out, ref)
+    # Prefill, the first decode step, then one dynamic-length decode graph (Dynamo's
+    # automatic dynamic shapes): every site of every graph rewritten, none left dense.
+    assert counters["pisa"]["left_dense"] == 0 and counters["pisa"]["rewritten"] >= 4
+    decode = _decode_sites(caplog)
+    assert decode and all(": rewritten" in line for line in decode), decode
+    # The op ran for the prompt (12 queries) and for each of the 7 decode steps, per layer.
+    assert calls.count(12) == 2 and calls.count(1) == 2 * (GEN["max_new_tokens"] - 1), calls
+
+
+def test_generate_static_cache(llama, spy):
+    """``cache_implementation="static"``: transformers compiles the decode step itself with
+    our ``CompileConfig(backend="pisa")`` (``_compile_all_devices`` lets it do so on CPU);
+    it never compiles the prefill."""
+    model, ids, am, ref = llama
+    calls, caplog = spy
+    cc = transformers.CompileConfig(backend="pisa", mode=None, options=SPARSE_EXACT,
+                                    fullgraph=True)
+    cc._compile_all_devices = True
+    out = model.generate(input_ids=ids, attention_mask=am, cache_implementation="static",
+                         compile_config=cc, **GEN)
+    assert torch.equal(out, ref)
+    assert counters["pisa"] == {"rewritten": 2}, dict(counters["pisa"])  # one decode graph
+    assert counters["stats"]["unique_graphs"] == 1
+    decode = _decode_sites(caplog)
+    assert len(decode) == 2 and all(": rewritten" in line for line in decode), decode
+    assert calls.count(1) == 2 * (GEN["max_new_tokens"] - 1), calls

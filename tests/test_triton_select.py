@@ -92,6 +92,19 @@ def test_select_matches_reference(case):
     check_selection(q, k, causal, D ** -0.5, cfg, tol=1e-5 if dtype == torch.float32 else 2e-3)
 
 
+@pytest.mark.parametrize("case", [CASES[2], CASES[3], CASES[9]],
+                         ids=["g3_G6", "fp16_partial_tile", "tile16"])
+def test_unrolled_row_chunks_match(case):
+    # The unrolled chunk loop (a tuning option) runs the same arithmetic in the same order;
+    # rows past the tile's end are masked, so the selection is identical.
+    B, Hkv, G, Nq, Nk, D, dtype, causal, kw = case
+    cfg = PisaConfig(min_seq_len=0, kernel="triton", **{"query_tile": 4, **kw})
+    q, k = _qk(B, Hkv, G, Nq, Nk, D, dtype)
+    a = ts.select_blocks(q, k, None, causal, D ** -0.5, cfg, row_block=16)
+    b = ts.select_blocks(q, k, None, causal, D ** -0.5, cfg, row_block=16, unroll=True)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
 @pytest.mark.parametrize("Nq", [1, 3, 16])
 @pytest.mark.parametrize("G", [1, 4])
 def test_decode(Nq, G):

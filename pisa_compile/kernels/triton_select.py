@@ -17,10 +17,23 @@ Per level (same rules as :func:`pisa_compile.kernels.reference.select_blocks`):
   visible keys);
 * tile score ``S(a) = sum_r softmax_pool(s_r)(a)`` over valid rows, accumulated over row
   chunks of ``RB`` rows (rows ``r = query * G + head``);
-* keep the best ``beam`` (leaves: ``top_k``), ties to the lower node index: a packed int64
-  key ``(bits(S) + 1) << 32 | (2^31 - 1 - node)`` ranked by an all-pairs count, which is
-  exact and cheap for ``P <= 128``;
+* keep the best ``beam`` (leaves: ``top_k``), ties to the lower node index, by an all-pairs
+  rank count (exact and cheap for ``P <= 128``);
 * the next pool is the children of kept and expanded nodes, in ascending node order.
+
+How the scores are computed (the cost is here; same values as above up to fp32 rounding):
+
+* ``exp(s_r(a)) = sum_c n_c exp(scale q_r . mu_c)``, so the softmax over the pool of the
+  children's LSE is a softmax over all candidate children, summed per parent. The kernel works
+  in base 2 (``qk_scale = scale * log2(e)``, ``log2 n`` precomputed once per node) with a
+  running row max over the ``g`` children: one ``exp2`` per child score, no ``log``.
+  Non-candidates get a ``-inf`` bias instead of a mask.
+* Per level, the children's summaries are loaded once (in q's dtype, cast once per call on
+  the host) as the dots' B operands and reused by every row chunk; each chunk adds its rows'
+  normalised shares into a ``[RB, P]`` register accumulator, reduced over rows once per level.
+* Pool bookkeeping avoids ``[P, P]`` matches where it can: ranks among selected nodes are a
+  prefix count (the pool is ascending), and the next pool is compacted through a small
+  per-program scratch row in global memory.
 
 Pool bound: without an explicit mask a "bad" visible node is always a forced ancestor (the
 PARTIAL leaves are the tile's own local leaves, ``local_blocks >= 1`` for causal), so at most
@@ -65,47 +78,65 @@ def _level_offset(L, GB: tl.constexpr, lev):
 
 
 @triton.jit
-def _top_mask(S, node, cand, n):
-    """``cand`` entries among the best ``n`` by ``S``; ties to the lower node index."""
-    bits = S.to(tl.int32, bitcast=True).to(tl.int64) + 1  # S >= 0: bits are monotone
-    key = tl.where(cand, (bits << 32) | (2147483647 - node).to(tl.int64), 0)
-    greater = (key[None, :] > key[:, None]).to(tl.int32)  # [a, b]: b beats a
-    rank = tl.sum(greater, axis=1)
+def _top_mask(S, cand, n, P: tl.constexpr):
+    """``cand`` entries among the best ``n`` by ``S``; ties to the lower node index.
+
+    The pool is ascending by node (valid nodes first), so the lower slot is the lower node:
+    slot ``b`` beats slot ``a`` if ``S_b > S_a``, or ``S_b == S_a`` and ``b < a``. An all-pairs
+    count in int32/fp32 compares, exact and cheap for ``P <= 128``.
+    """
+    a = tl.arange(0, P)
+    Sa = S[:, None]
+    Sb = S[None, :]
+    beats = cand[None, :] & tl.where(a[None, :] < a[:, None], Sb >= Sa, Sb > Sa)  # [a, b]
+    rank = tl.sum(beats.to(tl.int32), axis=1)
     return cand & (rank < n)
 
 
 @triton.jit
-def _compact_pos(node, sel):
-    """Rank of each selected node among the selected ones, by node index."""
-    less = (node[None, :] < node[:, None]) & sel[None, :]
-    return tl.sum(less.to(tl.int32), axis=1)
+def _compact_pos(sel):
+    """Rank of each selected entry among the selected ones (an exclusive prefix count: the
+    pool is ascending, so this is the rank by node index), and how many are selected."""
+    si = sel.to(tl.int32)
+    return tl.cumsum(si, axis=0) - si, tl.sum(si, axis=0)
 
 
 @triton.jit
-def _children(node, parent, n_child, P: tl.constexpr, GB: tl.constexpr):
-    """Next pool: children of ``parent`` nodes, ascending, -1 padded."""
-    pos = _compact_pos(node, parent)
+def _children(scr, node, parent, n_child, P: tl.constexpr, GB: tl.constexpr):
+    """Next pool: children of ``parent`` nodes, ascending, -1 padded.
+
+    A compaction through a per-program scratch row ``scr[0:P]`` (global memory, L1/L2
+    resident): each parent writes its children at ``GB * rank``, then every slot reads back.
+    Cheaper than an all-pairs match in registers. The caller alternates two scratch rows
+    between levels, so one barrier (before the reads) orders everything: the writes of level
+    ``l + 2`` come after every thread passed level ``l + 1``'s barrier, hence after level
+    ``l``'s reads of the same row.
+    """
+    pos, n_sel = _compact_pos(parent)
+    for j in tl.static_range(GB):
+        kid = node * GB + j
+        slot = pos * GB + j
+        # Slots past P would be dropped (never happens without a mask: see the pool bound).
+        tl.store(scr + slot, tl.where(kid < n_child, kid, -1), mask=parent & (slot < P))
+    tl.debug_barrier()
     s = tl.arange(0, P)
-    match = parent[None, :] & (pos[None, :] == (s // GB)[:, None])  # [slot, a]
-    par = tl.sum(tl.where(match, node[None, :], 0), axis=1)
-    has = tl.sum(match.to(tl.int32), axis=1) > 0
-    kid = par * GB + s % GB
-    return tl.where(has & (kid < n_child), kid, -1)
+    return tl.load(scr + s, mask=s < n_sel * GB, other=-1)
 
 
 @triton.jit
 def _store_compact(out_ptr, node, sel, width, W: tl.constexpr):
-    """Store the selected nodes ascending into ``out[0:width]``, -1 padded."""
-    pos = _compact_pos(node, sel)
+    """Store the selected nodes ascending into ``out[0:width]``, -1 padded (a scatter: the
+    selected nodes go to their ranks, the -1 padding to the disjoint slots after them)."""
+    pos, n_sel = _compact_pos(sel)
+    tl.store(out_ptr + pos, node, mask=sel & (pos < width))
     s = tl.arange(0, W)
-    match = sel[None, :] & (pos[None, :] == s[:, None])
-    val = tl.sum(tl.where(match, node[None, :] + 1, 0), axis=1) - 1
-    tl.store(out_ptr + s, val, mask=s < width)
+    tl.store(out_ptr + s, tl.full([W], -1, tl.int32), mask=(s >= n_sel) & (s < width))
 
 
 @triton.jit
 def _pool_share(s, cand, row_ok):
-    """``sum over valid rows of softmax over candidates`` of per-row scores ``s [RB, P]``."""
+    """``sum over valid rows of softmax over candidates`` of per-row scores ``s [RB, P]``
+    (natural log; exact leaf scoring only)."""
     s = tl.where(cand[None, :], s, float("-inf"))
     z = tl.max(s, axis=1)
     zs = tl.where(z == float("-inf"), 0.0, z)
@@ -116,16 +147,120 @@ def _pool_share(s, cand, row_ok):
 
 
 @triton.jit
+def _load_summaries(mu_ptr, lcnt_ptr, idx, ok, d, D: tl.constexpr, BD: tl.constexpr,
+                    PROF: tl.constexpr):
+    """Summaries ``[P, BD]`` of nodes ``idx`` (already in the dot's input dtype: the B
+    operand) and their base-2 log counts (precomputed; ``-inf`` for empty nodes, as the
+    reference's ``log 0``), ``-inf`` where ``ok`` is false: such columns score nothing."""
+    if PROF == 1:  # timing only: no summary traffic
+        ok = ok & False
+    if BD == D:  # no column mask: full-width vector loads
+        msk = ok[:, None]
+    else:
+        msk = ok[:, None] & (d < D)[None, :]
+    mu = tl.load(mu_ptr + idx.to(tl.int64)[:, None] * D + d[None, :], mask=msk, other=0.0)
+    lc = tl.load(lcnt_ptr + idx, mask=ok, other=float("-inf"))
+    return mu, lc
+
+
+@triton.jit
+def _q_rows(qbase, qoff0, c, rr, n_rows, q_first, sqh, sqn, sqd, d, D: tl.constexpr,
+            BD: tl.constexpr, G: tl.constexpr, RB: tl.constexpr):
+    """Rows ``c * RB + rr`` of the tile, ``[RB, BD]``, and which of them exist."""
+    r = c * RB + rr
+    row_ok = r < n_rows
+    if RB % G == 0:
+        # Chunk c's rows are chunk 0's, c * RB / G queries later: only a scalar changes.
+        off = qoff0 + tl.cast(c * (RB // G), tl.int64) * sqn
+    else:
+        off = (r % G).to(tl.int64) * sqh + (q_first + r // G).to(tl.int64) * sqn
+    if BD == D:
+        msk = row_ok[:, None]
+    else:
+        msk = row_ok[:, None] & (d < D)[None, :]
+    return tl.load(qbase + off[:, None] + d[None, :] * sqd, mask=msk, other=0.0), row_ok
+
+
+@triton.jit
+def _scores2(qv, mu, bias, qk_scale, LOWP: tl.constexpr):
+    """Scores in base 2, ``log2(e) * (scale q.mu + log n) = qk_scale q.mu + log2 n``: [RB, P]."""
+    if LOWP:
+        dot = tl.dot(qv, tl.trans(mu))
+    else:
+        dot = tl.dot(qv, tl.trans(mu), input_precision="ieee")
+    return dot * qk_scale + bias[None, :]
+
+
+@triton.jit
+def _online(s, m, e, FIRST: tl.constexpr):
+    """One child's scores ``s`` into a running row max ``m`` (-inf: none finite yet) and
+    ``e = sum over children of 2^(s - max(m, 0 if m is -inf))`` per (row, pool node).
+
+    Summing ``2^s`` over the children and then over the pool is the same as the reference's
+    LSE over children followed by a softmax over the pool (both are sums of ``exp`` of the
+    child scores), but needs one ``exp2`` per child score and no ``log``.
+    """
+    if FIRST:
+        m_new = tl.max(s, axis=1)
+        ms = tl.where(m_new == float("-inf"), 0.0, m_new)
+        e_new = tl.exp2(s - ms[:, None])
+    else:
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        ms = tl.where(m_new == float("-inf"), 0.0, m_new)
+        # m - ms with the unsubstituted m: -inf while no score was finite, so alpha is 0, never
+        # 2^(0 - ms) (which overflows for very negative scores and makes 0 * inf).
+        e_new = e * tl.exp2(m - ms)[:, None] + tl.exp2(s - ms[:, None])
+    return m_new, e_new
+
+
+@triton.jit
+def _row_share(e, row_ok):
+    """Each valid row's normalised share ``e / rowsum(e)`` (0 for invalid or empty rows)."""
+    den = tl.sum(e, axis=1)
+    w = tl.where(row_ok & (den > 0), 1.0 / tl.where(den > 0, den, 1.0), 0.0)
+    return e * w[:, None]
+
+
+@triton.jit
+def _internal_chunk(qbase, qoff0, c, rr, n_rows, q_first, sqh, sqn, sqd, d, mu0, b0, mu1, b1,
+                    mu_ptr, lcnt_ptr, cbase, kid, cand, n_child, qk_scale,
+                    D: tl.constexpr, BD: tl.constexpr, G: tl.constexpr, RB: tl.constexpr,
+                    GB: tl.constexpr, LOWP: tl.constexpr, PROF: tl.constexpr):
+    """One row chunk of an internal level: its rows' normalised shares ``[RB, P]``."""
+    qv, row_ok = _q_rows(qbase, qoff0, c, rr, n_rows, q_first, sqh, sqn, sqd, d, D, BD, G, RB)
+    m, e = _online(_scores2(qv, mu0, b0, qk_scale, LOWP), 0.0, 0.0, True)
+    m, e = _online(_scores2(qv, mu1, b1, qk_scale, LOWP), m, e, False)
+    # branching > 2 only: these loads are loop-invariant too (hoisted by the compiler's LICM
+    # in the rolled loop); children 0 and 1 are hoisted by hand, the default branching being 2.
+    for j in tl.static_range(2, GB):
+        muj, bj = _load_summaries(mu_ptr, lcnt_ptr, cbase + j, cand & (kid + j < n_child), d,
+                                  D, BD, PROF)
+        m, e = _online(_scores2(qv, muj, bj, qk_scale, LOWP), m, e, False)
+    return _row_share(e, row_ok)
+
+
+@triton.jit
+def _leaf_chunk(qbase, qoff0, c, rr, n_rows, q_first, sqh, sqn, sqd, d, mu, b, qk_scale,
+                D: tl.constexpr, BD: tl.constexpr, G: tl.constexpr, RB: tl.constexpr,
+                LOWP: tl.constexpr):
+    """One row chunk of the (pooled) leaf level: its rows' normalised shares ``[RB, P]``."""
+    qv, row_ok = _q_rows(qbase, qoff0, c, rr, n_rows, q_first, sqh, sqn, sqd, d, D, BD, G, RB)
+    m, e = _online(_scores2(qv, mu, b, qk_scale, LOWP), 0.0, 0.0, True)
+    return _row_share(e, row_ok)
+
+
+@triton.jit
 def _select_kernel(
-    q_ptr, k_ptr, mu_ptr, cnt_ptr, idx_ptr, bcnt_ptr, trace_ptr,
+    q_ptr, k_ptr, mu_ptr, lcnt_ptr, idx_ptr, bcnt_ptr, trace_ptr, scr_ptr,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd,
-    Hkv, Nq, Nk, L, total, T, M, D,
+    Hkv, Nq, Nk, L, total, T, M,
     n_sink, local_blocks, offset, scale,
-    G: tl.constexpr, TQ: tl.constexpr, C: tl.constexpr, KC: tl.constexpr, BD: tl.constexpr,
-    GB: tl.constexpr, BEAM: tl.constexpr, TOPK: tl.constexpr, P: tl.constexpr,
+    D: tl.constexpr, G: tl.constexpr, TQ: tl.constexpr, C: tl.constexpr, KC: tl.constexpr,
+    BD: tl.constexpr, GB: tl.constexpr, BEAM: tl.constexpr, TOPK: tl.constexpr, P: tl.constexpr,
     RB: tl.constexpr, MP: tl.constexpr, TW: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_LOCAL: tl.constexpr, EXACT: tl.constexpr,
-    LOWP: tl.constexpr, TRACE: tl.constexpr, PROF: tl.constexpr = 0,
+    LOWP: tl.constexpr, TRACE: tl.constexpr, UNROLL: tl.constexpr = False,
+    PROF: tl.constexpr = 0,
 ):
     # PROF (timing experiments only; wrong results): 1 = no summary loads, 2 = no scoring.
     t = tl.program_id(0)
@@ -163,9 +298,11 @@ def _select_kernel(
     rr = tl.arange(0, RB)
     d = tl.arange(0, BD)
     dm = d < D
+    qoff0 = (rr % G).to(tl.int64) * sqh + (q_first + rr // G).to(tl.int64) * sqn
     qbase = q_ptr + b.to(tl.int64) * sqb + (h * G).to(tl.int64) * sqh
     kbase = k_ptr + b.to(tl.int64) * skb + h.to(tl.int64) * skh
     mbase = bh.to(tl.int64) * total
+    qk_scale = scale * 1.4426950408889634  # log2(e): scores are kept in base 2 for exp2
 
     n_lev = n_levels(L, GB, GB * BEAM)
     top = n_lev - 1
@@ -176,8 +313,13 @@ def _select_kernel(
     ar = tl.arange(0, P)
     pool = tl.where(ar < n_top, ar, -1)
     tbase = trace_ptr + (bh.to(tl.int64) * T + t) * n_lev * TW
+    sbase = scr_ptr + (bh.to(tl.int64) * T + t) * (2 * P)
 
     # -- internal levels ----------------------------------------------------------------------
+    # Per level: the children's summaries (already in the dot dtype) are loaded once, as the
+    # dots' B operands, and reused by every row chunk; each chunk then needs one dot and one
+    # exp2 per child score, and its rows' normalised shares are summed into a register
+    # accumulator that is reduced over rows once per level.
     for it in range(top):
         lev = top - it
         n_child = _level_size(L, GB, lev - 1)
@@ -190,58 +332,46 @@ def _select_kernel(
         bad = tl.maximum(first, A) <= tl.minimum(last, D0 - 1)
         expand = valid & (forced | (vis & bad))
         cand = valid & (~expand) & vis
-        S = tl.zeros([P], dtype=tl.float32)
-        for c in range(n_chunks):
-            r = c * RB + rr
-            qi = r // G
-            row_ok = r < n_rows
-            qv = tl.load(qbase + (r % G).to(tl.int64)[:, None] * sqh
-                         + (q_first + qi).to(tl.int64)[:, None] * sqn + d[None, :] * sqd,
-                         mask=row_ok[:, None] & dm[None, :], other=0.0)
-            m = tl.full([RB, P], float("-inf"), tl.float32)
-            acc = tl.zeros([RB, P], dtype=tl.float32)
-            for j in tl.static_range(GB):
-                kid = pool * GB + j
-                kok = valid & (kid < n_child)
-                kidx = mbase + off_child + kid
-                if PROF == 1:
-                    mu = tl.zeros([P, BD], dtype=tl.float32) + kidx[:, None].to(tl.float32)
-                else:
-                    mu = tl.load(mu_ptr + kidx.to(tl.int64)[:, None] * D + d[None, :],
-                                 mask=kok[:, None] & dm[None, :], other=0.0)
-                cn = tl.load(cnt_ptr + kidx, mask=kok, other=0.0)
-                if LOWP:
-                    dot = tl.dot(qv, tl.trans(mu.to(qv.dtype)))
-                else:
-                    dot = tl.dot(qv.to(tl.float32), tl.trans(mu), input_precision="ieee")
-                sj = dot * scale + tl.log(cn)[None, :]
-                m_new = tl.maximum(m, sj)
-                ms = tl.where(m_new == float("-inf"), 0.0, m_new)
-                acc = acc * tl.exp(m - ms) + tl.exp(sj - ms)
-                m = m_new
-            ms = tl.where(m == float("-inf"), 0.0, m)
-            lse = tl.where(acc > 0, ms + tl.log(tl.where(acc > 0, acc, 1.0)), float("-inf"))
-            S += _pool_share(lse, cand, row_ok)
-        kept = _top_mask(S, pool, cand, BEAM)
+        # Only candidates are scored: other columns get a -inf bias (the reference masks them
+        # before its softmax over the pool, so they change nothing).
+        kid = pool * GB
+        cbase = mbase + off_child + kid
+        mu0, b0 = _load_summaries(mu_ptr, lcnt_ptr, cbase, cand & (kid < n_child),
+                                  d, D, BD, PROF)
+        mu1, b1 = _load_summaries(mu_ptr, lcnt_ptr, cbase + 1, cand & (kid + 1 < n_child),
+                                  d, D, BD, PROF)
+        acc = tl.zeros([RB, P], dtype=tl.float32)
+        if UNROLL:  # all R rows, masked past n_rows (see select_blocks' ``unroll``)
+            for c in tl.static_range((G * TQ + RB - 1) // RB):
+                acc += _internal_chunk(qbase, qoff0, c, rr, n_rows, q_first, sqh, sqn, sqd, d,
+                                       mu0, b0, mu1, b1, mu_ptr, lcnt_ptr, cbase, kid, cand,
+                                       n_child, qk_scale, D, BD, G, RB, GB, LOWP, PROF)
+        else:
+            for c in range(n_chunks):
+                acc += _internal_chunk(qbase, qoff0, c, rr, n_rows, q_first, sqh, sqn, sqd, d,
+                                       mu0, b0, mu1, b1, mu_ptr, lcnt_ptr, cbase, kid, cand,
+                                       n_child, qk_scale, D, BD, G, RB, GB, LOWP, PROF)
+        S = tl.sum(acc, axis=0)
+        kept = _top_mask(S, cand, BEAM, P)
         if TRACE:
             _store_compact(tbase + lev * TW, pool, kept, BEAM, TW)
-        pool = _children(pool, kept | expand, n_child, P, GB)
+        pool = _children(sbase + (it % 2) * P, pool, kept | expand, n_child, P, GB)
         span = span // GB
 
     # -- leaves ---------------------------------------------------------------------------------
     valid = pool >= 0
     forced = valid & ((pool < n_sink) | ((pool >= lo) & (pool <= hi)))
     cand = valid & (~forced) & (pool < Bn)
-    S = tl.zeros([P], dtype=tl.float32)
-    for c in range(n_chunks):
-        r = c * RB + rr
-        qi = r // G
-        row_ok = r < n_rows
-        qpos = q_first + qi
-        qv = tl.load(qbase + (r % G).to(tl.int64)[:, None] * sqh
-                     + qpos.to(tl.int64)[:, None] * sqn + d[None, :] * sqd,
-                     mask=row_ok[:, None] & dm[None, :], other=0.0)
-        if EXACT:
+    if EXACT:
+        S = tl.zeros([P], dtype=tl.float32)
+        for c in range(n_chunks):
+            r = c * RB + rr
+            qi = r // G
+            row_ok = r < n_rows
+            qpos = q_first + qi
+            qv = tl.load(qbase + (r % G).to(tl.int64)[:, None] * sqh
+                         + qpos.to(tl.int64)[:, None] * sqn + d[None, :] * sqd,
+                         mask=row_ok[:, None] & dm[None, :], other=0.0)
             s = tl.full([RB, P], float("-inf"), tl.float32)
             kc = tl.arange(0, KC)
             for pi in range(P):
@@ -272,18 +402,20 @@ def _select_kernel(
                     ex = tl.where(la > 0, lms + tl.log(tl.where(la > 0, la, 1.0)),
                                   float("-inf"))
                     s = tl.where((ar == pi)[None, :], ex[:, None], s)
+            S += _pool_share(s, cand, row_ok)
+    else:
+        mul, bl = _load_summaries(mu_ptr, lcnt_ptr, mbase + pool, cand, d, D, BD, PROF)
+        acc = tl.zeros([RB, P], dtype=tl.float32)
+        if UNROLL:
+            for c in tl.static_range((G * TQ + RB - 1) // RB):
+                acc += _leaf_chunk(qbase, qoff0, c, rr, n_rows, q_first, sqh, sqn, sqd, d, mul, bl,
+                                   qk_scale, D, BD, G, RB, LOWP)
         else:
-            lidx = mbase + pool
-            mu = tl.load(mu_ptr + lidx.to(tl.int64)[:, None] * D + d[None, :],
-                         mask=valid[:, None] & dm[None, :], other=0.0)
-            cn = tl.load(cnt_ptr + lidx, mask=valid, other=0.0)
-            if LOWP:
-                dot = tl.dot(qv, tl.trans(mu.to(qv.dtype)))
-            else:
-                dot = tl.dot(qv.to(tl.float32), tl.trans(mu), input_precision="ieee")
-            s = dot * scale + tl.log(cn)[None, :]
-        S += _pool_share(s, cand, row_ok)
-    picked = _top_mask(S, pool, cand, TOPK)
+            for c in range(n_chunks):
+                acc += _leaf_chunk(qbase, qoff0, c, rr, n_rows, q_first, sqh, sqn, sqd, d, mul, bl,
+                                   qk_scale, D, BD, G, RB, LOWP)
+        S = tl.sum(acc, axis=0)
+    picked = _top_mask(S, cand, TOPK, P)
     if TRACE:
         _store_compact(tbase, pool, picked, TOPK, TW)
     chosen = picked | forced
@@ -317,7 +449,9 @@ def pool_size(config: PisaConfig, n_sink: int) -> int:
 def select_blocks(q: Tensor, k: Tensor, attn_mask: Optional[Tensor], is_causal: bool,
                   scale: float, config: PisaConfig, row_block: Optional[int] = None,
                   trace: Optional[Tensor] = None,
-                  num_warps: Optional[int] = None, _prof: int = 0) -> tuple[Tensor, Tensor]:
+                  num_warps: Optional[int] = None, num_stages: Optional[int] = None,
+                  maxnreg: Optional[int] = None, unroll: bool = False,
+                  _prof: int = 0) -> tuple[Tensor, Tensor]:
     """Triton coarse-to-fine selection; same contract as ``reference.select_blocks``.
 
     Args:
@@ -326,6 +460,14 @@ def select_blocks(q: Tensor, k: Tensor, attn_mask: Optional[Tensor], is_causal: 
             scale: softmax scale; config: PISA options.
         row_block: rows per scoring chunk (power of two >= 16); default ``min(64, pow2(R))``.
         num_warps: launch option (tuning); default 8 for large chunks, else 4.
+        num_stages, maxnreg: launch options (tuning only); default: Triton's. The default
+            pipelines the per-chunk q loads (cp.async) at about 255 registers per thread, so 2
+            programs of 4 warps per SM; ``num_stages=1, maxnreg=168`` trades the prefetch for a
+            third program per SM (``tests/benchmarks/bench_select.py --tune`` times both).
+        unroll: tuning: unroll the row-chunk loop (at most 16 chunks; otherwise ignored).
+            Then each level's summaries go to shared memory once instead of once per chunk
+            (the compiler keeps a rolled loop's invariant dot operand in registers and stores
+            it again every iteration), at the price of no cp.async prefetch of q.
         trace: tests only: int32 ``[B, Hkv, T, n_levels, TW]`` receives the kept nodes per
             level (level 0: the picked leaves), ascending, -1 padded.
 
@@ -358,7 +500,9 @@ def select_blocks(q: Tensor, k: Tensor, attn_mask: Optional[Tensor], is_causal: 
     has_local = offset is not None and config.local_blocks > 0
     P = pool_size(config, n_sink)
     R = G * Tq
-    # 64-row chunks measured fastest on H200 (128K causal: 17.7 ms vs 20.3 ms at 128 rows).
+    # 64 rows = one warpgroup's wgmma M: 4 warps, ~255 registers (no spills in the chunk loop).
+    # Measured fastest with the previous kernel (128K causal: 17.7 ms vs 20.3 ms at 128
+    # rows); not re-measured since (bench_select.py --tune sweeps it).
     RB = row_block or min(64, max(16, triton.next_power_of_2(min(R, G * Nq))))
     BD = max(16, triton.next_power_of_2(D))
     TW = triton.next_power_of_2(config.effective_beam)
@@ -371,17 +515,31 @@ def select_blocks(q: Tensor, k: Tensor, attn_mask: Optional[Tensor], is_causal: 
         assert trace.shape == (B, Hkv, T, n_lev, TW) and trace.is_contiguous()
         trace_arg = trace
     lowp = q.dtype != torch.float32
+    launch = {}  # tuning options, passed only when given (Triton's defaults otherwise)
+    if num_stages is not None:
+        launch["num_stages"] = num_stages
+    if maxnreg is not None:
+        launch["maxnreg"] = maxnreg
+    # Once per node (O(Nk / C) elements) rather than once per use in the kernel: base-2 log
+    # counts, and the summaries in the dot's input dtype (the same rounding as a cast in the
+    # kernel, at half the bytes and registers per load).
+    lcnt = torch.log2(cnt)
+    mu_dot = mu.to(q.dtype)
+    # Per program, two rows of P slots for the pool compaction (see _children).
+    scratch = torch.empty(B * Hkv * T * 2 * P, dtype=torch.int32, device=q.device)
     torch.library.wrap_triton(_select_kernel)[(T, B * Hkv)](
-        q, k, mu, cnt, idx, counts, trace_arg,
+        q, k, mu_dot, lcnt, idx, counts, trace_arg, scratch,
         *q.stride(), *k.stride(),
-        Hkv, Nq, Nk, L, total, T, M, D,
+        Hkv, Nq, Nk, L, total, T, M,
         n_sink, config.local_blocks, offset if offset is not None else 0, float(scale),
-        G=G, TQ=Tq, C=C, KC=max(16, min(C, 64)), BD=BD, GB=config.branching,
+        D=D, G=G, TQ=Tq, C=C, KC=max(16, min(C, 64)), BD=BD, GB=config.branching,
         BEAM=config.effective_beam, TOPK=config.top_k, P=P, RB=RB,
         MP=max(16, triton.next_power_of_2(M)), TW=TW,
         CAUSAL=bool(is_causal), HAS_LOCAL=has_local, EXACT=config.leaf_scoring == "exact",
-        LOWP=lowp, TRACE=trace is not None, PROF=_prof,
-        num_warps=num_warps or (8 if RB * P >= 8192 else 4))  # RB=64, P=64: 4 warps
+        LOWP=lowp, TRACE=trace is not None,
+        UNROLL=bool(unroll) and triton.cdiv(R, RB) <= 16, PROF=_prof,
+        num_warps=num_warps or (8 if RB * P >= 8192 else 4),  # RB=64, P=64: 4 warps
+        **launch)
     return idx, counts
 
 

@@ -4,6 +4,8 @@ Flat baseline (MoBA-style): mean-pool each leaf's keys, score every query agains
 of its KV head (``q @ mu^T``, causal blocks masked), ``topk`` per query. Both run side by side
 in one process on the same inputs (GPU only).
 
+    python3 tests/benchmarks/bench_select.py                  # selection ms at 8K..256K
+    python3 tests/benchmarks/bench_select.py --sizes 131072 --tune   # launch-option sweep
     PYTHONPATH=. python3 tests/benchmarks/bench_select.py --out profiles/select_gpu.json
     PYTHONPATH=. python3 -m pytest tests/benchmarks/bench_select.py --benchmark-enable
 
@@ -15,16 +17,35 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
-import pytest
-import torch
+if __name__ == "__main__":  # script mode: the repository root is importable without PYTHONPATH
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from pisa_compile import PisaConfig
-from pisa_compile.kernels import triton_pyramid as tp
-from pisa_compile.kernels import triton_select as ts
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from pisa_compile import PisaConfig  # noqa: E402
+from pisa_compile.kernels import triton_pyramid as tp  # noqa: E402
+from pisa_compile.kernels import triton_select as ts  # noqa: E402
 
 CFG = PisaConfig(min_seq_len=0)
 SIZES = [8192, 16384, 32768, 65536, 131072, 262144]
+# --tune: launch options of the selection kernel (rows per chunk, warps, pipelining stages,
+# register cap). Default: 64 rows, 4 warps, Triton's stages, no cap (~255 registers).
+TUNE = {
+    "rb64_w4": dict(row_block=64, num_warps=4),
+    "rb64_w4_s1_r168": dict(row_block=64, num_warps=4, num_stages=1, maxnreg=168),
+    "rb64_w4_s2": dict(row_block=64, num_warps=4, num_stages=2),
+    "rb64_w4_s2_r168": dict(row_block=64, num_warps=4, num_stages=2, maxnreg=168),
+    "rb128_w8": dict(row_block=128, num_warps=8),
+    "rb32_w4": dict(row_block=32, num_warps=4),
+    "rb32_w2": dict(row_block=32, num_warps=2),
+    "rb256_w8": dict(row_block=256, num_warps=8),
+    "rb64_w4_unroll": dict(row_block=64, num_warps=4, unroll=True),
+    "rb64_w4_unroll_r168": dict(row_block=64, num_warps=4, unroll=True, maxnreg=168),
+    "rb128_w8_unroll": dict(row_block=128, num_warps=8, unroll=True),
+}
 
 
 def make(N, B=1, Hq=32, Hkv=8, D=128, dtype=torch.bfloat16, seed=0):
@@ -81,12 +102,16 @@ def run(sizes, out_path=None, tune=False):
             row["pyramid_ms"] = _ms(lambda: tp.pyramid_buffers(k, CFG, live_limit=N))
             row["select_no_summary_loads_ms"] = _ms(lambda: pisa_select(q, k, _prof=1))
             row["select_no_scoring_ms"] = _ms(lambda: pisa_select(q, k, _prof=2))
-            for rb, nw in ((32, 4), (32, 2), (64, 2), (64, 4), (128, 8), (256, 16)):
+            ref_idx = pisa_select(q, k)[0]
+            for name, kw in TUNE.items():
                 try:
-                    row[f"select_rb{rb}_w{nw}_ms"] = _ms(
-                        lambda: pisa_select(q, k, row_block=rb, num_warps=nw))
+                    row[f"select_{name}_ms"] = _ms(lambda: pisa_select(q, k, **kw))
+                    # Share of tiles whose selection differs from the default launch (row
+                    # chunking reorders fp32 sums: rare near-tie flips only).
+                    diff = (pisa_select(q, k, **kw)[0] != ref_idx).any(-1).float().mean()
+                    row[f"select_{name}_diff_frac"] = float(diff)
                 except Exception as e:  # noqa: BLE001 (resource limits on some configs)
-                    row[f"select_rb{rb}_w{nw}_ms"] = repr(e)[:80]
+                    row[f"select_{name}_ms"] = repr(e)[:80]
         try:
             row["flat_select_ms"] = _ms(lambda: flat_select(q, k))
         except torch.OutOfMemoryError:
@@ -106,6 +131,8 @@ def run(sizes, out_path=None, tune=False):
         del q, k, v
         torch.cuda.empty_cache()
     by_n = {r["N"]: r["pisa_select_ms"] for r in res["rows"]}
+    for n, ms in by_n.items():
+        print(f"N={n // 1024}K: selection (pyramid + select) {ms:.2f} ms", flush=True)
     if 131072 in by_n and 262144 in by_n:
         res["ratio_256k_128k"] = by_n[262144] / by_n[131072]
     if out_path:

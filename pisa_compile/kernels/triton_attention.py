@@ -156,6 +156,9 @@ def _fwd_kernel(
     ``[split * EPS, (split + 1) * EPS)`` of the block list (flash-decoding); else the final
     ``out``/``lse``.
     """
+    # Inductor may pass Python floats as fp64 scalars; keep the math in fp32.
+    qk_scale = tl.cast(qk_scale, tl.float32)
+    mask_thr = tl.cast(mask_thr, tl.float32)
     pid0 = tl.program_id(0)
     bh = tl.program_id(1)
     t = pid0 // N_SUB
@@ -264,6 +267,10 @@ def _bwd_dq_kernel(
     N_SUB: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
 ):
     """``dq`` of one row sub-block of one tile: loop over the tile's blocks (no atomics)."""
+    # Inductor may pass Python floats as fp64 scalars; keep the math in fp32.
+    qk_scale = tl.cast(qk_scale, tl.float32)
+    sm_scale = tl.cast(sm_scale, tl.float32)
+    mask_thr = tl.cast(mask_thr, tl.float32)
     pid0 = tl.program_id(0)
     bh = tl.program_id(1)
     t = pid0 // N_SUB
@@ -340,6 +347,10 @@ def _bwd_dkdv_kernel(
     :func:`transposed_index` in tile order and each program owns its keys: deterministic sums,
     no atomics.
     """
+    # Inductor may pass Python floats as fp64 scalars; keep the math in fp32.
+    qk_scale = tl.cast(qk_scale, tl.float32)
+    sm_scale = tl.cast(sm_scale, tl.float32)
+    mask_thr = tl.cast(mask_thr, tl.float32)
     pid0 = tl.program_id(0)
     ch = tl.program_id(1)
     is_x = pid0 >= BHL

@@ -263,6 +263,7 @@ def _select_kernel(
     PROF: tl.constexpr = 0,
 ):
     # PROF (timing experiments only; wrong results): 1 = no summary loads, 2 = no scoring.
+    scale = tl.cast(scale, tl.float32)  # Inductor may pass Python floats as fp64 scalars
     t = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // Hkv

@@ -39,18 +39,22 @@ def _cfg(block_size, top_k, branching, beam, sink_blocks, local_blocks, query_ti
 
 
 # -- ops ------------------------------------------------------------------------------------
-# Two implementations of one contract: `pisa::*` are opaque custom ops over the PyTorch
-# reference (any device); `pisa::*_triton` are `triton_op`s whose bodies launch Triton kernels
-# through `wrap_triton`, so Inductor sees (and can fuse around) the kernels.
+# Two implementations of one contract: `pisa::*` run the PyTorch reference (any device);
+# `pisa::*_triton` launch the Triton kernels (through `wrap_triton`, ready for `triton_op`).
 # Selection and attention are separate ops: the selection carries no gradient.
+#
+# The Triton ops are opaque custom ops for now. As `triton_op`s (Inductor traces their bodies)
+# they compiled on the H200 only after two fixes (bool masks, fp64 scalars) and still failed
+# under torch.compile there, with the error not captured before the device time ran out; the
+# opaque ops run the same GPU-tested kernels. Flip this switch once that is understood.
+_TRITON_DEFINE = torch.library.custom_op
+
 
 def _select_fake(q, k, is_causal, block_size, top_k, branching, beam, sink_blocks, local_blocks,
                  query_tile, leaf_scoring):
-    cfg = _cfg(block_size, top_k, branching, beam, sink_blocks, local_blocks, query_tile,
-               leaf_scoring, 0, "auto")
     B, Hkv, Nq, Nk = q.shape[0], k.shape[1], q.shape[2], k.shape[2]
     n_tiles = (Nq + query_tile - 1) // query_tile
-    M = max_blocks(Nq, Nk, cfg)
+    M = dispatch.block_width(Nk, block_size, top_k, sink_blocks, local_blocks, query_tile)
     return (q.new_empty((B, Hkv, n_tiles, M), dtype=torch.int32),
             q.new_empty((B, Hkv, n_tiles), dtype=torch.int32))
 
@@ -73,7 +77,7 @@ def _(q, k, attn_mask, is_causal, scale, block_size, top_k, branching, beam, sin
                         local_blocks, query_tile, leaf_scoring)
 
 
-@torch.library.triton_op("pisa::select_blocks_triton", mutates_args=())
+@_TRITON_DEFINE("pisa::select_blocks_triton", mutates_args=())
 def _select_blocks_triton_op(
     q: Tensor, k: Tensor, is_causal: bool, scale: float,
     block_size: int, top_k: int, branching: int, beam: int, sink_blocks: int,
@@ -131,22 +135,33 @@ def _define_attention(suffix: str, define, impl: str):
 
 _attention_op, _attention_backward_op = _define_attention(
     "", torch.library.custom_op, "reference")
-# triton_op bodies are traceable, so they are their own fake kernels.
 _attention_triton_op, _attention_triton_backward_op = _define_attention(
-    "_triton", torch.library.triton_op, "triton")
+    "_triton", _TRITON_DEFINE, "triton")
 
 
-@_attention_op.register_fake
-def _(q, k, v, attn_mask, block_indices, block_counts, is_causal, scale, block_size, query_tile):
+def _attention_fake(q, k, v, attn_mask, block_indices, block_counts, is_causal, scale,
+                    block_size, query_tile):
     B, Hq, Nq = q.shape[:3]
     out = q.new_empty((B, Hq, Nq, v.shape[-1]))
     lse = q.new_empty((B, Hq, Nq), dtype=torch.promote_types(q.dtype, torch.float32))
     return out, lse
 
 
-@_attention_backward_op.register_fake
-def _(grad_out, q, k, v, attn_mask, out, lse, block_indices, block_counts, *args):
+def _attention_backward_fake(grad_out, q, k, v, attn_mask, out, lse, block_indices,
+                             block_counts, *args):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _select_triton_fake(q, k, is_causal, scale, *config_args):
+    return _select_fake(q, k, is_causal, *config_args)
+
+
+_attention_op.register_fake(_attention_fake)
+_attention_backward_op.register_fake(_attention_backward_fake)
+if _TRITON_DEFINE is torch.library.custom_op:  # a triton_op is its own fake kernel
+    _attention_triton_op.register_fake(_attention_fake)
+    _attention_triton_backward_op.register_fake(_attention_backward_fake)
+    _select_blocks_triton_op.register_fake(_select_triton_fake)
 
 
 # -- public API ----------------------------------------------------------------------------

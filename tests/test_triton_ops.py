@@ -76,3 +76,27 @@ def test_unsupported_inputs_fall_back_with_one_warning():
         warnings.simplefilter("error")
         assert kernel_for(q, q, _cfg("triton")) == "reference"  # warned once only
     assert kernel_for(q, q, _cfg("auto")) == "reference"
+
+
+def test_triton_ops_under_compile_and_opcheck():
+    """The Triton ops under torch.compile (fullgraph, dynamic, backward) and opcheck."""
+    from pisa_compile.ops import _attention_triton_op, _op_args, _select_blocks_triton_op
+    cfg = _cfg("triton")
+    torch._dynamo.reset()
+
+    def f(q, k, v):
+        return pisa_attention(q, k, v, is_causal=True, enable_gqa=True, config=cfg)
+
+    compiled = torch.compile(f, fullgraph=True, dynamic=True)
+    for n in (70, 100):
+        q, k, v = (torch.randn(1, h, n, 32, device=DEV, requires_grad=True) for h in (4, 2, 2))
+        out = compiled(q, k, v)
+        torch.testing.assert_close(out, f(q, k, v), atol=2e-5, rtol=2e-5)
+        out.sum().backward()
+        assert q.grad is not None and torch.isfinite(q.grad).all()
+    q, k, v = (torch.randn(1, h, 40, 16, device=DEV, requires_grad=True) for h in (4, 2, 2))
+    sel = (q.detach(), k.detach(), True, 0.25, *_op_args(cfg))
+    torch.library.opcheck(_select_blocks_triton_op, sel)
+    bi, bc = _select_blocks_triton_op(*sel)
+    torch.library.opcheck(_attention_triton_op, (q, k, v, None, bi, bc, True, 0.25,
+                                                 cfg.block_size, cfg.query_tile))

@@ -28,8 +28,15 @@ DECODE_MAX_QUERIES = 16
 
 def max_blocks(n_queries, n_keys, config: PisaConfig):
     """Width of ``block_indices``: forced blocks plus ``top_k``, capped at the leaf count."""
-    n_leaves = (n_keys + config.block_size - 1) // config.block_size
-    bound = config.sink_blocks + config.top_k + reference.max_local_blocks(config)
+    return block_width(n_keys, config.block_size, config.top_k, config.sink_blocks,
+                       config.local_blocks, config.query_tile)
+
+
+def block_width(n_keys, block_size, top_k, sink_blocks, local_blocks, query_tile):
+    """:func:`max_blocks` from plain ints; SymInt-safe, for fake kernels (where Dynamo may
+    hand the config fields over as symbols, so no PisaConfig can be built)."""
+    n_leaves = (n_keys + block_size - 1) // block_size
+    bound = sink_blocks + top_k + reference.local_bound(local_blocks, query_tile, block_size)
     # Python's min, not sym_min: a symbolic length then costs one range guard and the width
     # stays a plain int, which the kernels need as a compile-time tile size.
     return min(n_leaves, bound)

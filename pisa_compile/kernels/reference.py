@@ -27,10 +27,14 @@ _CHUNK_ELEMS = 1 << 24
 
 def max_local_blocks(config: PisaConfig) -> int:
     """Most local leaves one tile can force: ``local_blocks - 1`` plus the tile's span."""
-    if config.local_blocks == 0:
+    return local_bound(config.local_blocks, config.query_tile, config.block_size)
+
+
+def local_bound(local_blocks, query_tile, block_size):
+    """:func:`max_local_blocks` from plain (possibly symbolic) ints."""
+    if local_blocks == 0:
         return 0
-    span = (config.query_tile + config.block_size - 2) // config.block_size + 1
-    return config.local_blocks - 1 + span
+    return local_blocks - 1 + (query_tile + block_size - 2) // block_size + 1
 
 
 def _acc_dtype(x: Tensor) -> torch.dtype:

@@ -18,12 +18,7 @@ from pisa_compile import backend as backend_mod
 from pisa_compile.backend import split_options
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _qkv(b=2, h=4, n=24, d=16, seed=0, requires_grad=False):

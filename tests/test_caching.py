@@ -28,12 +28,7 @@ from .test_zoo import SPARSE_EXACT, ZOO, _out, build, inputs
 transformers = pytest.importorskip("transformers")
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _case(cid):

@@ -22,12 +22,7 @@ transformers = pytest.importorskip("transformers")
 GEN = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 @pytest.fixture(scope="module")

@@ -20,12 +20,7 @@ B, H, N, D = 2, 4, 24, 16
 NEG = float("-inf")
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _qkv(b=B, h=H, n=N, d=D, hkv=None, seed=0, dtype=torch.float32):

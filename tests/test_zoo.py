@@ -150,12 +150,7 @@ def _pisa():
     return dict(counters["pisa"])
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 @pytest.mark.parametrize("case", ZOO, ids=lambda c: c.id)

@@ -20,12 +20,7 @@ from .test_lowering import _qkv, check, repeat_kv
 NEG = float("-inf")
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _bnhd(t):            # Inductor's patterns take [B, N, H, D] and permute to [B, H, N, D]

@@ -152,23 +152,30 @@ def _matmul_distance(node: Any, depth: int = 8) -> int:
     return depth + 1
 
 
-def _strip_numeric_scales(node: Node, factors: list, owned: list) -> Node:
-    """Peel ``x * s`` / ``x / s`` (number or symbolic scalar) and ``.contiguous()`` off ``node``."""
-    while isinstance(node, Node):
+def _peel_one(node: Node, factors: Optional[list], owned: list) -> Optional[Node]:
+    """The input under one numeric scale (if ``factors`` is a list), ``.contiguous()`` or
+    no-op cast; ``None`` if ``node`` is none of those."""
+    if factors is not None:
         sc = P.as_scale(node)
         if sc is not None and not sc.is_tensor:
             factors.append((sc.factor, sc.divide))
             owned.append(node)
-            node = sc.input
-            continue
-        c = P.as_contiguous(node)
-        if c is None:
-            c = P.as_noop_cast(node)
-        if c is not None:
-            owned.append(node)
-            node = c
-            continue
-        break
+            return sc.input
+    c = P.as_contiguous(node)
+    if c is None:
+        c = P.as_noop_cast(node)
+    if c is not None:
+        owned.append(node)
+    return c
+
+
+def _strip_numeric_scales(node: Node, factors: list, owned: list) -> Node:
+    """Peel ``x * s`` / ``x / s`` (number or symbolic scalar) and ``.contiguous()`` off ``node``."""
+    while isinstance(node, Node):
+        nxt = _peel_one(node, factors, owned)
+        if nxt is None:
+            break
+        node = nxt
     return node
 
 
@@ -185,21 +192,10 @@ def _strip_views(node: Node, perm: list, factors: Optional[list], owned: list):
             owned.append(node)
             node = src
             continue
-        if factors is not None:
-            sc = P.as_scale(node)
-            if sc is not None and not sc.is_tensor:
-                factors.append((sc.factor, sc.divide))
-                owned.append(node)
-                node = sc.input
-                continue
-        c = P.as_contiguous(node)
-        if c is None:
-            c = P.as_noop_cast(node)
-        if c is not None:
-            owned.append(node)
-            node = c
-            continue
-        break
+        nxt = _peel_one(node, factors, owned)
+        if nxt is None:
+            break
+        node = nxt
     return node, perm
 
 

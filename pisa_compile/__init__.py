@@ -8,6 +8,7 @@ from .config import PisaConfig
 from .ops import pisa_attention, select_blocks
 from .lowering import explain
 from .profiling import profile
+from . import metrics
 
-__all__ = ["PisaConfig", "pisa_attention", "select_blocks", "explain", "profile"]
+__all__ = ["PisaConfig", "pisa_attention", "select_blocks", "explain", "profile", "metrics"]
 __version__ = "0.1.0"

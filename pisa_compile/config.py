@@ -19,9 +19,9 @@ def _is_pow2(x: int) -> bool:
 def _check_int(name: str, value: Any, lo: int, hi: Optional[int] = None, pow2: bool = False) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"PisaConfig.{name} must be an int, got {type(value).__name__} {value!r}")
-    rng = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
+    rng = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
     if value < lo or (hi is not None and value > hi) or (pow2 and not _is_pow2(value)):
-        what = "a power of two in " + rng if pow2 else "in " + rng
+        what = "a power of two " + rng if pow2 else rng
         raise ValueError(f"PisaConfig.{name} must be {what}, got {value}")
 
 

@@ -55,9 +55,7 @@ def block_mass(q: Tensor, k: Tensor, attn_mask: Optional[Tensor], is_causal: boo
             vis = vis & allowed[..., q0:q1, :]
         if bias is not None:
             s = s + torch.where(allowed[..., q0:q1, :], bias[..., q0:q1, :].float(), 0.0)
-        s = s.masked_fill(~vis, float("-inf"))
-        z = torch.logsumexp(s, -1, keepdim=True)
-        w = torch.where(torch.isfinite(z), torch.exp(s - z), 0.0)
+        w, _ = reference.softmax_rows(s.masked_fill(~vis, float("-inf")))
         w = torch.nn.functional.pad(w, (0, L * C - Nk)).view(B, Hq, q1 - q0, L, C).sum(-1)
         out[:, :, q0:q1] = w
     return out

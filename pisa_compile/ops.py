@@ -201,12 +201,15 @@ def _check_inputs(q: Tensor, k: Tensor, v: Optional[Tensor], attn_mask: Optional
             raise ValueError(f"attn_mask must be bool or floating point, got dtype {attn_mask.dtype}")
         if attn_mask.dim() > 4:
             raise ValueError(f"attn_mask must have at most 4 dims, got shape {tuple(attn_mask.shape)}")
+        target = (B, Hq, q.shape[2], k.shape[2])
         try:
-            torch.broadcast_shapes(attn_mask.shape, (B, Hq, q.shape[2], k.shape[2]))
+            fits = tuple(torch.broadcast_shapes(attn_mask.shape, target)) == target
         except RuntimeError:
+            fits = False
+        if not fits:
             raise ValueError(
                 f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to "
-                f"[B, Hq, Nq, Nk] = {[B, Hq, q.shape[2], k.shape[2]]}") from None
+                f"[B, Hq, Nq, Nk] = {list(target)}")
         if is_causal:
             raise ValueError("attn_mask and is_causal=True cannot both be set (as in SDPA)")
     if is_causal and config.local_blocks < 1 and not uses_dense(k.shape[2], config):
@@ -315,7 +318,7 @@ def pisa_attention(
         scale = 1.0 / math.sqrt(q.shape[-1])
     if attn_mask is not None and attn_mask.requires_grad:
         raise ValueError("attn_mask must not require grad: PISA gives no gradient for the mask")
-    if uses_dense(k.shape[2], config):
+    if uses_dense(k.shape[2], config) or q.shape[2] == 0:  # empty problems: as SDPA
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
                                               scale=scale, enable_gqa=enable_gqa)
     attn_mask, scale = _mask4(attn_mask), float(scale)

@@ -32,7 +32,8 @@ def test_planted_needle_is_always_selected(n_blocks, data, seed, G, tile, scorin
     bi, bc = select_blocks(q, k, enable_gqa=True, config=cfg)
     assert bool((bi == needle).any(-1).all()), "the dominant block was missed by some tile"
     quality = selection_recall(q, k, cfg)
-    assert quality.recall > 0.5 and 0.0 <= quality.mass_ratio <= 1.0 + 1e-6
+    # The needle is in every tile's oracle top-2, so at least half of it is always hit.
+    assert quality.recall >= 0.5 and 0.0 <= quality.mass_ratio <= 1.0 + 1e-6
 
 
 def test_recall_is_one_when_everything_is_selected():

@@ -171,6 +171,7 @@ def test_gradients_match_masked_dense(p: Problem, cfg: PisaConfig):
     ("dtype", "k.dtype must equal q.dtype"),
     ("int", "must be a floating-point"),
     ("mask_shape", "attn_mask of shape"),
+    ("mask_batch", "attn_mask of shape"),
     ("mask_dtype", "attn_mask must be bool or floating"),
     ("causal_and_mask", "cannot both be set"),
     ("dropout", "dropout_p must be 0.0"),
@@ -192,6 +193,8 @@ def test_bad_inputs_name_the_argument(case, match):
         q, k, v = (t.to(torch.int32) for t in (q, k, v))
     elif case == "mask_shape":
         kwargs["attn_mask"] = torch.ones(3, 5, dtype=torch.bool)
+    elif case == "mask_batch":  # broadcasts, but to a larger batch than q's
+        kwargs["attn_mask"] = torch.ones(3, 1, 8, 8, dtype=torch.bool)
     elif case == "mask_dtype":
         kwargs["attn_mask"] = torch.ones(8, 8, dtype=torch.int64)
     elif case == "causal_and_mask":
@@ -206,6 +209,13 @@ def test_bad_inputs_name_the_argument(case, match):
         pisa_attention(q, k, v, **kwargs)
 
 
+@pytest.mark.parametrize("nq, nk", [(8, 0), (0, 8)])
+def test_empty_problems_behave_like_sdpa(nq, nk):
+    q, k = torch.randn(1, 2, nq, 16), torch.randn(1, 2, nk, 16)
+    out = pisa_attention(q, k, k, config=PisaConfig(min_seq_len=0))
+    assert torch.equal(out, F.scaled_dot_product_attention(q, k, k))
+
+
 def test_device_mix_is_rejected():
     q, k, v = torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16)
     with pytest.raises(ValueError, match="k must be on q's device"):
@@ -214,13 +224,13 @@ def test_device_mix_is_rejected():
 
 @pytest.mark.parametrize("field, value, match", [
     ("block_size", 48, "block_size must be a power of two"),
-    ("top_k", 0, "top_k must be in"),
+    ("top_k", 0, "top_k must be >= 1"),
     ("branching", 1, "branching must be in"),
     ("beam", 2, "beam must be None or >= top_k"),
     ("query_tile", 3, "query_tile must be a power of two"),
     ("leaf_scoring", "max", "leaf_scoring must be one of"),
     ("kernel", "cuda", "kernel must be one of"),
-    ("min_seq_len", -1, "min_seq_len must be in"),
+    ("min_seq_len", -1, "min_seq_len must be >= 0"),
     ("top_k", 2.5, "top_k must be an int"),
 ])
 def test_config_errors_name_the_field(field, value, match):
@@ -296,3 +306,20 @@ def test_training_step_under_compile():
     step(x).backward()
     for g1, g2 in zip(got, (p.grad for p in proj.parameters())):
         torch.testing.assert_close(g1, g2, atol=1e-5, rtol=1e-4)
+
+
+def test_large_finite_bias_rows_match_eager():
+    """Every key of some rows carries -1e9 (a common ``(1 - m) * -1e9`` mask): those rows
+    average the values, as eager softmax does, in the output and in the gradients."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 64, 16, requires_grad=True) for _ in range(3))
+    bias = torch.zeros(64, 64)
+    bias[:3] = -1e9
+    cfg = PisaConfig(block_size=16, top_k=8, min_seq_len=0)
+    out = pisa_attention(q, k, v, attn_mask=bias, config=cfg)
+    ref = ((q @ k.mT) / 4 + bias).softmax(-1) @ v
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    go = torch.randn_like(out)
+    for g1, g2 in zip(torch.autograd.grad(out, (q, k, v), go),
+                      torch.autograd.grad(ref, (q, k, v), go)):
+        torch.testing.assert_close(g1, g2, atol=1e-4, rtol=1e-4)

@@ -43,8 +43,9 @@ def block_width(n_keys, block_size, top_k, sink_blocks, local_blocks, query_tile
 
 
 def uses_dense(n_keys, config: PisaConfig) -> bool:
-    """``Nk < min_seq_len``: PISA is plain SDPA there (DESIGN.md "Exact regime")."""
-    return n_keys < config.min_seq_len
+    """``Nk < min_seq_len`` (or no keys at all): PISA is plain SDPA there (DESIGN.md
+    "Exact regime")."""
+    return n_keys < config.min_seq_len or n_keys == 0
 
 
 def triton_available() -> bool:

@@ -37,6 +37,22 @@ def local_bound(local_blocks, query_tile, block_size):
     return local_blocks - 1 + (query_tile + block_size - 2) // block_size + 1
 
 
+def softmax_rows(s: Tensor) -> tuple[Tensor, Tensor]:
+    """Row softmax and log-sum-exp of scores ``s`` (``-inf`` = hidden); all-hidden rows give
+    zero weights and ``lse = -inf``.
+
+    Normalises by the row maximum, not by ``exp(s - lse)``: with large finite biases
+    (``-1e9`` on every key of a row) ``lse`` rounds onto the scores and ``exp(s - lse)``
+    would give every key weight 1.
+    """
+    m = s.amax(-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, 0.0)
+    e = torch.exp(s - m)
+    total = e.sum(-1, keepdim=True)
+    w = torch.where(total > 0, e / total, 0.0)
+    return w, torch.where(total > 0, m + torch.log(total), float("-inf"))
+
+
 def _acc_dtype(x: Tensor) -> torch.dtype:
     """float32 accumulation, float64 for float64 inputs (the oracle must not lose precision)."""
     return torch.promote_types(x.dtype, torch.float32)
@@ -540,8 +556,7 @@ def sparse_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor
     per_tile = p.G * p.Tq * M * p.C * 3 + M * p.C * (p.D + v.shape[-1])
     for t0, t1 in _tile_chunks(p.T, p.B * p.Hkv * per_tile):
         s, pos, _, _ = _chunk_logits(p, q, k, block_indices, t0, t1, scale)
-        z = torch.logsumexp(s, -1, keepdim=True)
-        w = torch.where(torch.isfinite(z), torch.exp(s - z), 0.0)
+        w, z = softmax_rows(s)
         vv = _gather_nodes(v, pos.clamp(min=0)).to(w.dtype)
         o = torch.matmul(w, vv)
         q0, q1 = t0 * p.Tq, min(t1 * p.Tq, p.Nq)
@@ -554,8 +569,9 @@ def sparse_attention_backward(grad_out, q, k, v, attn_mask, out, lse, block_indi
                               is_causal, scale, config):
     """Exact ``dq, dk, dv`` of :func:`sparse_attention` with the selection held fixed.
 
-    Uses the saved row ``lse``: ``P = exp(S - lse)``, ``dS = P * (dO V^T - rowsum(dO * O))``
-    (FlashAttention-2's backward). Gradients are accumulated in float32.
+    ``dS = P * (dO V^T - rowsum(dO * O))`` (FlashAttention-2's backward), with ``P``
+    recomputed from the scores by :func:`softmax_rows` (``lse`` is accepted for the kernels'
+    common signature). Gradients are accumulated in float32 (float64 for float64 inputs).
     """
     p = _Problem.make(q, k, attn_mask, is_causal, config)
     M = block_indices.shape[-1]
@@ -567,8 +583,8 @@ def sparse_attention_backward(grad_out, q, k, v, attn_mask, out, lse, block_indi
     per_tile = p.G * p.Tq * M * p.C * 4 + M * p.C * (p.D + v.shape[-1]) * 3
     for t0, t1 in _tile_chunks(p.T, p.B * p.Hkv * per_tile):
         s, pos, qr, kk = _chunk_logits(p, q, k, block_indices, t0, t1, scale)
-        z = _chunk_rows(lse.unsqueeze(-1), p, t0, t1)
-        w = torch.where(torch.isfinite(z), torch.exp(s - z), 0.0)  # [B, Hkv, t, R, MC]
+        # Recomputed from the scores, not from `lse`: see softmax_rows.
+        w, _ = softmax_rows(s)  # [B, Hkv, t, R, MC]
         do = _chunk_rows(grad_out, p, t0, t1).to(acc)
         vv = _gather_nodes(v, pos.clamp(min=0)).to(acc)
         dp = torch.matmul(do, vv.transpose(-1, -2))
@@ -608,6 +624,5 @@ def dense_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor]
     if bias is not None:
         s = s + torch.where(allowed, bias.double(), 0.0)
     s = s.masked_fill(~vis, float("-inf"))
-    z = torch.logsumexp(s, -1, keepdim=True)
-    w = torch.where(torch.isfinite(z), torch.exp(s - z), 0.0)
+    w, _ = softmax_rows(s)
     return torch.matmul(w, vv).to(q.dtype)

@@ -17,6 +17,18 @@ from pisa_compile.kernels import triton_select as ts
 from pisa_compile.kernels.dispatch import max_blocks
 
 
+def check_pyramid(k, key_live, config):
+    """The Triton pyramid equals the reference's: same levels, means to 1e-5, exact counts."""
+    from pisa_compile.kernels import triton_pyramid as tp
+    m1, c1 = ref.build_pyramid(k, key_live, config)
+    m2, c2 = tp.build_pyramid(k, key_live, config)
+    assert len(m1) == len(m2)
+    for a, b in zip(m1, m2):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    for a, b in zip(c1, c2):
+        assert torch.equal(a, b)
+
+
 def reference_trace(q, k, is_causal, scale, config):
     """Per level (top first): ``(level, pool [B,H,T,P], S [B,H,T,P], kept bool)``."""
     p = ref._Problem.make(q, k, None, is_causal, config)

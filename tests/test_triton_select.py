@@ -26,9 +26,8 @@ pytest.importorskip("triton")
 
 from pisa_compile import PisaConfig  # noqa: E402
 from pisa_compile.kernels import reference as ref  # noqa: E402
-from pisa_compile.kernels import triton_pyramid as tp  # noqa: E402
 from pisa_compile.kernels import triton_select as ts  # noqa: E402
-from tests.select_check import check_selection  # noqa: E402
+from tests.select_check import check_pyramid, check_selection  # noqa: E402
 
 if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("TRITON_INTERPRET is not 1", allow_module_level=True)
@@ -51,13 +50,7 @@ def test_pyramid_matches_reference(g, Nk, use_live):
     cfg = PisaConfig(block_size=4, top_k=2, branching=g, min_seq_len=0)
     k = torch.randn(2, 3, Nk, 20)
     live = torch.rand(2, 1, Nk) > 0.3 if use_live else torch.ones(1, 1, Nk, dtype=torch.bool)
-    m1, c1 = ref.build_pyramid(k, live, cfg)
-    m2, c2 = tp.build_pyramid(k, live, cfg)
-    assert len(m1) == len(m2)
-    for a, b in zip(m1, m2):
-        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
-    for a, b in zip(c1, c2):
-        assert torch.equal(a, b)
+    check_pyramid(k, live, cfg)
 
 
 CASES = [

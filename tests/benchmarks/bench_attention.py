@@ -30,38 +30,13 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 from pisa_compile import PisaConfig  # noqa: E402
 from pisa_compile.kernels import triton_attention as ta  # noqa: E402
 from pisa_compile.kernels.dispatch import max_blocks  # noqa: E402
+from tests.selections import synthetic_selection  # noqa: E402
 
 B, HQ, HKV, D = 1, 32, 8, 128
 CFG = PisaConfig(block_size=64, top_k=16, query_tile=64, min_seq_len=0)
 N_LIST = [8192, 32768, 65536, 131072]
 IMPLS = ["pisa", "sdpa_default", "sdpa_flash"]
 MODES = ["fwd", "fwd_bwd"]
-
-
-def synthetic_selection(Nq, Nk, cfg, seed=0, device="cuda"):
-    """Causal PISA-shaped selection ``[B, HKV, T, M]``: sink, local, random earlier leaves."""
-    C, Tq = cfg.block_size, cfg.query_tile
-    L, T = -(-Nk // C), -(-Nq // Tq)
-    M = max_blocks(Nq, Nk, cfg)
-    t = torch.arange(T, device=device)
-    hi = ((t + 1) * Tq - 1).clamp(max=Nq - 1) // C
-    lo = (t * Tq // C - (cfg.local_blocks - 1)).clamp(min=0)
-    leaf = torch.arange(L, device=device)
-    forced = (leaf < cfg.sink_blocks) | ((leaf >= lo[:, None]) & (leaf <= hi[:, None]))
-    eligible = (leaf < lo[:, None]) & ~forced
-    g = torch.Generator(device=device).manual_seed(seed)
-    bi = torch.empty(B, HKV, T, M, dtype=torch.int32, device=device)
-    bc = torch.empty(B, HKV, T, dtype=torch.int32, device=device)
-    for h in range(HKV):  # one head at a time: T x L scores stay small
-        score = torch.rand(B, T, L, generator=g, device=device).masked_fill(~eligible, -1.0)
-        val, idx = score.topk(min(cfg.top_k, L), -1)
-        chosen = torch.zeros(B, T, L, dtype=torch.bool, device=device)
-        chosen.scatter_(-1, idx, val >= 0)
-        chosen |= forced
-        key = torch.where(chosen, leaf, L).sort(-1).values[..., :M]
-        bi[:, h] = torch.where(key < L, key, -1)
-        bc[:, h] = chosen.sum(-1)
-    return bi, bc
 
 
 _CACHE: dict = {}
@@ -76,7 +51,7 @@ def problem(N):
         k = torch.randn(B, HKV, N, D, device="cuda", dtype=torch.bfloat16, generator=g)
         v = torch.randn(B, HKV, N, D, device="cuda", dtype=torch.bfloat16, generator=g)
         go = torch.randn_like(q)
-        _CACHE[N] = (q, k, v, go) + synthetic_selection(N, N, CFG)
+        _CACHE[N] = (q, k, v, go) + synthetic_selection(B, HKV, N, N, CFG)
     return _CACHE[N]
 
 

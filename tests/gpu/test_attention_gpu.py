@@ -19,7 +19,7 @@ from pisa_compile import PisaConfig  # noqa: E402
 from pisa_compile.kernels import reference as ref  # noqa: E402
 from pisa_compile.kernels import triton_attention as ta  # noqa: E402
 from pisa_compile.kernels import triton_decode as td  # noqa: E402
-from pisa_compile.kernels.dispatch import max_blocks  # noqa: E402
+from tests.selections import synthetic_selection as _synthetic  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -28,25 +28,7 @@ GTOL = {torch.bfloat16: dict(atol=6e-2, rtol=6e-2), torch.float16: dict(atol=2e-
 
 
 def synthetic_selection(B, Hkv, Nq, Nk, cfg, seed=0):
-    """Causal PISA-shaped selection: sink + local leaves + ``top_k`` random earlier leaves."""
-    C, Tq = cfg.block_size, cfg.query_tile
-    L, T = -(-Nk // C), -(-Nq // Tq)
-    M = max_blocks(Nq, Nk, cfg)
-    t = torch.arange(T, device=DEV)
-    hi = ((t + 1) * Tq - 1).clamp(max=Nq - 1) // C
-    lo = (t * Tq // C - (cfg.local_blocks - 1)).clamp(min=0)
-    leaf = torch.arange(L, device=DEV)
-    forced = (leaf < cfg.sink_blocks) | ((leaf >= lo[:, None]) & (leaf <= hi[:, None]))
-    eligible = (leaf < lo[:, None]) & ~forced
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    score = torch.rand(B, Hkv, T, L, generator=g, device=DEV).masked_fill(~eligible, -1.0)
-    val, idx = score.topk(min(cfg.top_k, L), -1)
-    chosen = torch.zeros(B, Hkv, T, L, dtype=torch.bool, device=DEV)
-    chosen.scatter_(-1, idx, val >= 0)
-    chosen |= forced
-    key = torch.where(chosen, leaf, L).sort(-1).values[..., :M]
-    bi = torch.where(key < L, key, -1).to(torch.int32)
-    return bi.contiguous(), chosen.sum(-1).to(torch.int32)
+    return _synthetic(B, Hkv, Nq, Nk, cfg, seed=seed, device=DEV)
 
 
 def _inputs(B, Hkv, G, Nq, Nk, D, Dv, dtype, seed=0):

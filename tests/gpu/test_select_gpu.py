@@ -14,10 +14,8 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
 from pisa_compile import PisaConfig  # noqa: E402
-from pisa_compile.kernels import reference as ref  # noqa: E402
-from pisa_compile.kernels import triton_pyramid as tp  # noqa: E402
 from pisa_compile.kernels import triton_select as ts  # noqa: E402
-from tests.select_check import check_selection  # noqa: E402
+from tests.select_check import check_pyramid, check_selection  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -37,13 +35,7 @@ def test_pyramid(Nk):
     cfg = PisaConfig()
     k = torch.randn(1, 4, Nk, 128, device="cuda", dtype=torch.bfloat16)
     live = (torch.arange(Nk, device="cuda") < Nk - 37).view(1, 1, Nk)
-    m1, c1 = ref.build_pyramid(k, live, cfg)
-    m2, c2 = tp.build_pyramid(k, live, cfg)
-    assert len(m1) == len(m2)
-    for a, b in zip(m1, m2):
-        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
-    for a, b in zip(c1, c2):
-        assert torch.equal(a, b)
+    check_pyramid(k, live, cfg)
 
 
 CASES = [

@@ -7,6 +7,7 @@ Everything above this file (the rewrite pass, user code) calls :func:`pisa_atten
 from __future__ import annotations
 
 import math
+import os
 import warnings
 from typing import Optional
 
@@ -46,8 +47,9 @@ def _cfg(block_size, top_k, branching, beam, sink_blocks, local_blocks, query_ti
 # The Triton ops are opaque custom ops for now. As `triton_op`s (Inductor traces their bodies)
 # they compiled on the H200 only after two fixes (bool masks, fp64 scalars) and still failed
 # under torch.compile there, with the error not captured before the device time ran out; the
-# opaque ops run the same GPU-tested kernels. Flip this switch once that is understood.
-_TRITON_DEFINE = torch.library.custom_op
+# opaque ops run the same GPU-tested kernels. PISA_TRITON_OP=1 selects `triton_op` (diagnostics).
+_TRITON_DEFINE = (torch.library.triton_op if os.environ.get("PISA_TRITON_OP") == "1"
+                  else torch.library.custom_op)
 
 
 def _select_fake(q, k, is_causal, block_size, top_k, branching, beam, sink_blocks, local_blocks,
@@ -265,7 +267,7 @@ def kernel_for(q: Tensor, v: Tensor, config: PisaConfig) -> str:
         return _fall_back(f"{q.dtype} inputs (the Triton kernels take float16/bfloat16)")
     if max(q.shape[-1], v.shape[-1]) > dispatch.MAX_HEAD_DIM:
         return _fall_back(f"head dim {max(q.shape[-1], v.shape[-1])} > {dispatch.MAX_HEAD_DIM}")
-    if torch.cuda.get_device_capability(q.device) < (8, 0):
+    if not dispatch.triton_targets_gpu(q.device.index or 0):
         return _fall_back("a GPU older than compute capability 8.0")
     return "triton"
 

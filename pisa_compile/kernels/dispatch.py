@@ -48,12 +48,22 @@ def uses_dense(n_keys, config: PisaConfig) -> bool:
     return n_keys < config.min_seq_len or n_keys == 0
 
 
+# Environment facts, constant for a process: Dynamo evaluates them once while tracing instead
+# of tracing into importlib or the CUDA runtime (torch 2.11 breaks the graph on `find_spec`).
+@torch.compiler.assume_constant_result
 def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+@torch.compiler.assume_constant_result
 def triton_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@torch.compiler.assume_constant_result
+def triton_targets_gpu(index: int) -> bool:
+    """Whether the kernels support CUDA device ``index`` (compute capability >= 8.0)."""
+    return torch.cuda.get_device_capability(index) >= (8, 0)
 
 
 def _tracing(t: Tensor) -> bool:

@@ -21,6 +21,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..config import PisaConfig
 from ..ops import pisa_attention
+from . import masks as M
 from . import patterns as P
 from .mha import MHA_SIGNATURE, MHA_TARGET, pisa_multi_head_attention_forward
 from .report import LEFT_DENSE, REWRITTEN, Site, fmt_shape, source_of
@@ -91,6 +92,27 @@ def _same_shape(a: Node, b: Node) -> bool:
     va, vb = P.val(a), P.val(b)
     return (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) and va.dim() == vb.dim()
             and all(_eq(x, y) for x, y in zip(va.shape, vb.shape)))
+
+
+def _spans(mask: Any, n_queries, n_keys) -> bool:
+    """The mask's last two dims are the scores' own (a size-1 dim would broadcast)."""
+    v = P.val(mask)
+    return (isinstance(v, torch.Tensor) and v.dim() >= 2 and _eq(v.shape[-2], n_queries)
+            and _eq(v.shape[-1], n_keys))
+
+
+def _causal_only(masks: list, n_queries, n_keys) -> bool:
+    """Every mask (``(kind, mask, arg)`` as in ``_Plan.masks``) is SDPA's causal mask, so the
+    site is ``is_causal=True`` with no mask tensor (:mod:`.masks` has the proof rules)."""
+    for kind, mask, extra in masks:
+        if not _spans(mask, n_queries, n_keys):
+            return False
+        if kind == "bool" and not M.is_causal_bool(mask, extra):
+            return False
+        if kind == "add" and not (M.is_causal_additive(mask) and all(
+                isinstance(f, (int, float)) and f > 0 for f, _div in extra)):
+            return False
+    return bool(masks)
 
 
 def _leads_to_matmul(node: Any, depth: int = 8) -> bool:
@@ -264,6 +286,12 @@ def _analyze_sdpa(node: Node, site: Site) -> _Plan:
         _check_mask_grad(mask)
     plan = _Plan(anchor=node, q=q, k=k, v=v, mask=mask, is_causal=b["is_causal"],
                  enable_gqa=b["enable_gqa"], owned=[node])
+    if mask is not None and P.is_tensor_node(q) and P.is_tensor_node(k):
+        kind = "bool" if P.val(mask).dtype == torch.bool else "add"
+        if _causal_only([(kind, mask, True if kind == "bool" else [])],
+                        P.val(q).shape[-2], P.val(k).shape[-2]):
+            plan.mask, plan.is_causal = None, True
+            site.mask = f"{site.mask}->is_causal"
     plan.scale = None if scale is None else [(scale, False)]
     kk, vv, form = _strip_repeat(k, v, plan.owned)
     if form is not None:
@@ -455,6 +483,11 @@ def _analyze_softmax(sm: Node, site: Site) -> tuple[Optional[_Plan], Optional[st
             plan.masks.append(("bool", mask_op.mask, mask_op.attend_if))
         _check_mask_grad(mask_op.mask)
     plan.scale = factors
+    sv = P.val(x)
+    if isinstance(sv, torch.Tensor) and sv.dim() >= 2 and \
+            _causal_only(plan.masks, sv.shape[-2], sv.shape[-1]):
+        plan.masks, plan.is_causal = [], True
+        site.mask = f"{site.mask}->is_causal"
 
     # Refusals that need the whole site seen first.
     sdim = P.val(x).dim() if P.is_tensor_node(x) else None

@@ -110,8 +110,11 @@ def flex_block_mask(bi, bc, n: int):
     full_counts = (bc - diag.int()).to(torch.int32)
     full_idx = torch.where(valid & (bi != t), bi, 0).to(torch.int32)
     part_counts = diag.int().to(torch.int32)
-    part_idx = t.expand(*bi.shape[:3], 1).contiguous().to(torch.int32)
+    part_idx = t.expand(*bi.shape[:3], 1).to(torch.int32)
+    n_blocks = n // CFG.block_size  # Flex wants index rows as wide as the key-block count
+    widen = lambda x: F.pad(x, (0, n_blocks - x.shape[-1]))  # noqa: E731
     rep = lambda x: x.repeat_interleave(G, 1).contiguous()  # noqa: E731
+    full_idx, part_idx = widen(full_idx), widen(part_idx)
 
     def causal(b, h, q_idx, kv_idx):
         return q_idx >= kv_idx

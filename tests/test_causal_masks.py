@@ -1,0 +1,147 @@
+"""Explicit causal masks become ``is_causal=True`` (pisa_compile.lowering.masks), and masks
+that only look causal stay masks. Each case: compiled equals eager (exact regime), and the
+report says what happened to the mask."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import pisa_compile
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
+B, H, N, D = 2, 4, 24, 16
+
+
+def _qkv(n=N, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(B, H, n, D, generator=g) for _ in range(3))
+
+
+def _mask_of(fn, *args):
+    """The report's mask column for the single site, after checking compiled == eager."""
+    ref = fn(*args)
+    out = torch.compile(fn, backend="pisa")(*args)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    report = pisa_compile.explain(fn, *args)
+    assert [s.decision for s in report.sites] == ["rewritten"], str(report)
+    return report.sites[0].mask
+
+
+def _arange_mask(q, shift=0, q_len=None):
+    n = q.shape[2]
+    kv = torch.arange(n, device=q.device) + 0
+    qi = torch.arange(q_len or n, device=q.device) + shift
+    return (kv[None, None, None, :] <= qi[None, None, :, None]).expand(q.shape[0], -1, n, n)
+
+
+def test_arange_mask_as_transformers_builds_it():
+    def f(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=_arange_mask(q))
+    assert _mask_of(f, *_qkv()).endswith("->is_causal")
+
+
+def test_transformers_sdpa_mask_and_eager_mask():
+    """transformers' own builders with the is_causal shortcut off (as under torch.compile
+    before torch 2.14): bool for SDPA, finfo.min float for eager attention."""
+    masking = pytest.importorskip("transformers.masking_utils")
+
+    def sdpa(q, k, v):
+        m = masking.sdpa_mask(batch_size=q.shape[0], q_length=q.shape[2],
+                              kv_length=k.shape[2], allow_is_causal_skip=False, device=q.device)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+
+    def eager(q, k, v):
+        m = masking.eager_mask(batch_size=q.shape[0], q_length=q.shape[2],
+                               kv_length=k.shape[2], dtype=q.dtype, device=q.device)
+        s = q @ k.transpose(-1, -2) * D ** -0.5 + m
+        return s.softmax(-1) @ v
+
+    assert _mask_of(sdpa, *_qkv()).endswith("->is_causal")
+    assert _mask_of(eager, *_qkv()).endswith("->is_causal")
+
+
+@pytest.mark.parametrize("form", ["tril_bool", "tril_eq0", "triu_fill", "where_float"])
+def test_hand_written_causal_masks(form):
+    def f(q, k, v):
+        n = q.shape[2]
+        s = q @ k.transpose(-1, -2) / D ** 0.5
+        if form == "tril_bool":
+            s = s.masked_fill(~torch.tril(torch.ones(n, n, dtype=torch.bool)), float("-inf"))
+        elif form == "tril_eq0":
+            s = s.masked_fill(torch.tril(torch.ones(n, n)) == 0, float("-inf"))
+        elif form == "triu_fill":
+            s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        else:
+            causal = torch.ones(n, n, dtype=torch.bool).tril()
+            s = s + torch.where(causal, 0.0, torch.finfo(s.dtype).min)
+        return F.softmax(s, dim=-1) @ v
+    assert _mask_of(f, *_qkv()).endswith("->is_causal")
+
+
+@pytest.mark.parametrize("form", ["shifted", "strict", "broadcast_row", "tril_diag1", "padding",
+                                  "inplace_and"])
+def test_lookalikes_keep_their_mask(form):
+    """Not SDPA's causal mask: a shifted diagonal, ``<``, one broadcast query row, tril with
+    diagonal 1, causal AND key padding (written in place into a ones tensor, or ``&=``). The
+    site is still rewritten, with the mask."""
+    def f(q, k, v):
+        n = q.shape[2]
+        kv = torch.arange(n)[None, :]
+        if form == "shifted":
+            m = _arange_mask(q, shift=1)
+        elif form == "strict":
+            m = (kv < torch.arange(n)[:, None]) | torch.eye(n, dtype=torch.bool)
+        elif form == "broadcast_row":
+            m = (kv <= torch.arange(1)[:, None] + n).expand(n, n)
+        elif form == "tril_diag1":
+            m = torch.ones(n, n, dtype=torch.bool).tril(1)
+        elif form == "inplace_and":
+            m = torch.ones(n, n, dtype=torch.bool).tril()
+            m &= kv < n - 2
+        else:
+            pad = torch.ones(q.shape[0], 1, 1, n, dtype=torch.bool)
+            pad[0, ..., -3:] = False
+            m = _arange_mask(q) & pad
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+    assert not _mask_of(f, *_qkv()).endswith("->is_causal")
+
+
+def test_causal_conversion_in_the_sparse_regime_matches_is_causal():
+    """With selection active, the converted site computes exactly pisa_attention(is_causal)."""
+    n = 256
+    cfg = dict(min_seq_len=0, block_size=16, top_k=2, query_tile=16)
+    q, k, v = _qkv(n)
+
+    def f(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=_arange_mask(q))
+    out = torch.compile(f, backend="pisa", options=cfg)(q, k, v)
+    want = pisa_compile.pisa_attention(q, k, v, is_causal=True,
+                                       config=pisa_compile.PisaConfig(**cfg))
+    torch.testing.assert_close(out, want)
+
+
+def test_llama_with_explicit_mask_is_causal():
+    """transformers' Llama with the SDPA is_causal shortcut disabled (as under torch < 2.14)
+    builds the arange mask; both sites become is_causal and the logits equal eager."""
+    transformers = pytest.importorskip("transformers")
+    masking = pytest.importorskip("transformers.masking_utils")
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 64, (1, 40))
+    mp = pytest.MonkeyPatch()
+    mp.setattr(masking, "_ignore_causal_mask_sdpa", lambda *a, **k: False)
+    try:
+        ref = model(ids).logits
+        out = torch.compile(model, backend="pisa")(ids).logits
+        report = pisa_compile.explain(model, ids)
+    finally:
+        mp.undo()
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    assert [s.decision for s in report.sites] == ["rewritten"] * 2, str(report)
+    assert all(s.mask.endswith("->is_causal") for s in report.sites), str(report)

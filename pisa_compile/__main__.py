@@ -16,6 +16,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     if argv[:1] == ["eval-selection"]:
         from .selection_study import main as study_main
         return study_main(argv[1:])
+    if argv[:1] == ["train-code-model"]:
+        from .code_model import main as train_main
+        return train_main(argv[1:])
     parser = argparse.ArgumentParser(
         prog="python -m pisa_compile",
         description="PISA sparse attention for torch.compile (backend='pisa').")
@@ -28,6 +31,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     sub.add_parser("eval-selection", add_help=False,
                    help="selection recall@K and attention mass against the exact oracle, on "
                         "real MiniLM queries and keys (see `eval-selection --help`)")
+    sub.add_parser("train-code-model", add_help=False,
+                   help="GPU: train the byte-level code model with dense and with PISA "
+                        "attention and compare them (see `train-code-model --help`)")
     args = parser.parse_args(argv)
     if args.command == "demo":
         from .demo import main as demo_main

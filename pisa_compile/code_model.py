@@ -1,0 +1,379 @@
+"""A small Llama-style byte-level code model, trained with dense and with PISA attention.
+
+``python -m pisa_compile train-code-model`` (GPU) trains the same model twice, with identical
+seeds, data and steps: ``torch.compile(model)`` (Inductor, dense SDPA) and
+``torch.compile(model, backend="pisa")`` (the PISA training kernels). It then measures, for
+each: held-out bits per byte, a planted-retrieval test at 4K..32K, and training throughput,
+and writes ``code_model.json`` plus the PISA checkpoint.
+
+Data: the Python sources of the installed standard library and site-packages as bytes,
+split into train and held-out *by file* (a hash of the path). Retrieval: a line
+``name = "123456"`` planted at a depth of the context and ``assert name == "123456"`` at
+its end; a hit is all six digits predicted (argmax, teacher-forced: the same as greedy
+decoding). Training windows carry such pairs too, so both runs learn the same task.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import sysconfig
+import time
+import zlib
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+CHECKPOINT = Path(__file__).with_name("data") / "code_model_pisa.pt"
+
+
+# -- the model ---------------------------------------------------------------------------------
+
+@dataclass
+class CodeModelConfig:
+    """Llama-style decoder over bytes (RMSNorm, RoPE, GQA, SwiGLU, tied embeddings)."""
+
+    vocab_size: int = 256
+    dim: int = 384
+    n_layers: int = 6
+    n_heads: int = 6
+    n_kv_heads: int = 2
+    ffn_dim: int = 1024
+    rope_theta: float = 500000.0
+
+
+class _Attention(nn.Module):
+    def __init__(self, cfg: CodeModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv = cfg.n_heads, cfg.n_kv_heads
+        self.head_dim = cfg.dim // cfg.n_heads
+        self.wq = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, self.n_kv * self.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, self.n_kv * self.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.dim, cfg.dim, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        b, n, _ = x.shape
+        q = self.wq(x).view(b, n, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, n, self.n_kv, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, n, self.n_kv, self.head_dim).transpose(1, 2)
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.wo(out.transpose(1, 2).reshape(b, n, -1))
+
+
+def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+class _Block(nn.Module):
+    def __init__(self, cfg: CodeModelConfig):
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(cfg.dim)
+        self.attn = _Attention(cfg)
+        self.ffn_norm = nn.RMSNorm(cfg.dim)
+        self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        h = self.ffn_norm(x)
+        return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
+
+
+class CodeModel(nn.Module):
+    """``forward(ids [B, N] int64) -> logits [B, N, 256]`` (float32 under autocast)."""
+
+    def __init__(self, cfg: Optional[CodeModelConfig] = None):
+        super().__init__()
+        self.cfg = cfg = cfg or CodeModelConfig()
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(_Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = nn.RMSNorm(cfg.dim)
+        nn.init.normal_(self.embed.weight, std=0.02)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        n = ids.shape[1]
+        hd = self.cfg.dim // self.cfg.n_heads
+        inv = 1.0 / self.cfg.rope_theta ** (
+            torch.arange(0, hd, 2, device=ids.device, dtype=torch.float32) / hd)
+        ang = torch.arange(n, device=ids.device, dtype=torch.float32)[:, None] * inv[None, :]
+        cos, sin = ang.cos(), ang.sin()
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.norm(x) @ self.embed.weight.t()
+
+
+def load_checkpoint(path: Path = CHECKPOINT, device: str = "cpu") -> CodeModel:
+    """The trained PISA code model shipped with the package (bf16 weights, float32 model).
+
+    Raises:
+        FileNotFoundError: no checkpoint at ``path``.
+    """
+    if not Path(path).exists():
+        raise FileNotFoundError(f"no code-model checkpoint at {path} (train one with "
+                                "`python -m pisa_compile train-code-model`)")
+    blob = torch.load(path, map_location="cpu", weights_only=True)
+    model = CodeModel(CodeModelConfig(**blob["config"]))
+    model.load_state_dict({k: v.float() for k, v in blob["state_dict"].items()})
+    return model.to(device).eval()
+
+
+# -- data ----------------------------------------------------------------------------------------
+
+def python_sources() -> list[Path]:
+    """``*.py`` files of the standard library and site-packages, sorted."""
+    roots = {Path(sysconfig.get_paths()[k]) for k in ("stdlib", "purelib", "platlib")}
+    files = set()
+    for root in roots:
+        if root.is_dir():
+            files.update(p for p in root.rglob("*.py") if p.is_file())
+    return sorted(files)
+
+
+def held_out(path: Path, fraction: float = 0.05) -> bool:
+    """Whether a file belongs to the held-out split (a stable hash of its path)."""
+    return zlib.crc32(str(path).encode()) % 1000 < fraction * 1000
+
+
+def load_bytes(split: str, max_bytes: int) -> Tensor:
+    """Concatenated source bytes of one split (``"train"`` or ``"heldout"``), uint8."""
+    buf = bytearray()
+    for p in python_sources():
+        if held_out(p) != (split == "heldout"):
+            continue
+        try:
+            buf += p.read_bytes() + b"\n\n"
+        except OSError:
+            continue
+        if len(buf) >= max_bytes:
+            break
+    return torch.frombuffer(bytes(buf[:max_bytes]), dtype=torch.uint8).clone()
+
+
+_LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+def _pair(rng: random.Random) -> tuple[bytes, bytes]:
+    name = "key_" + "".join(rng.choice(_LETTERS) for _ in range(6))
+    value = "".join(rng.choice("0123456789") for _ in range(6))
+    return name.encode(), value.encode()
+
+
+def plant(window: Tensor, rng: random.Random, depth: float, query_at_end: bool = True
+          ) -> tuple[Tensor, int]:
+    """Overwrite ``\\nNAME = "VALUE"\\n`` at ``depth`` of ``window`` and ``\\nassert NAME ==
+    "VALUE"\\n`` at its end (or at a random later place). Returns the window and the index of
+    the first VALUE byte of the query."""
+    name, value = _pair(rng)
+    define = b"\n" + name + b' = "' + value + b'"\n'
+    query_head = b"\nassert " + name + b' == "'
+    query = query_head + value + b'"\n'
+    n = window.numel()
+    at = min(int(depth * n), n - len(define) - len(query) - 1)
+    q_at = n - len(query) if query_at_end else rng.randrange(at + len(define), n - len(query) + 1)
+    w = window.clone()
+    w[at:at + len(define)] = torch.tensor(list(define), dtype=w.dtype)
+    w[q_at:q_at + len(query)] = torch.tensor(list(query), dtype=w.dtype)
+    return w, q_at + len(query_head)
+
+
+def train_batch(data: Tensor, batch: int, length: int, rng: random.Random) -> Tensor:
+    """``batch`` random windows of ``length + 1`` bytes, each with 1-3 planted pairs."""
+    rows = []
+    for _ in range(batch):
+        s = rng.randrange(0, data.numel() - length - 2)
+        w = data[s:s + length + 1].long()
+        for _ in range(rng.randint(1, 3)):
+            w, _ = plant(w, rng, rng.uniform(0.0, 0.9), query_at_end=False)
+        rows.append(w)
+    return torch.stack(rows)
+
+
+# -- train and evaluate ------------------------------------------------------------------------
+
+def _compile(model: nn.Module, attention: str, dynamic: Optional[bool] = False,
+             options: Optional[dict] = None) -> nn.Module:
+    if attention == "pisa":
+        import pisa_compile  # noqa: F401  (registers the backend)
+        return torch.compile(model, backend="pisa", dynamic=dynamic, options=options)
+    return torch.compile(model, dynamic=dynamic)
+
+
+def train(attention: str, data: Tensor, steps: Optional[int], time_budget: Optional[float],
+          length: int, batch: int, lr: float, seed: int, device: str,
+          log=print, model_config: Optional[CodeModelConfig] = None,
+          options: Optional[dict] = None) -> tuple[CodeModel, dict]:
+    """Train one model; stop after ``steps`` steps, or when ``time_budget`` seconds of
+    training (after compiling) have passed. AdamW, linear warm-up then a constant rate (so
+    the schedule does not depend on the number of steps). Returns the model and its record.
+
+    ``attention``: ``"dense"`` (Inductor) or ``"pisa"`` (``backend="pisa"``, ``options``).
+    """
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    model = CodeModel(model_config).to(device)
+    compiled = _compile(model, attention, options=options)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1,
+                            fused=device == "cuda")
+    warmup = 50
+    losses, t_start, timed_tokens, t_timed = [], None, 0, 0.0
+    step = 0
+    while True:
+        if steps is not None and step >= steps:
+            break
+        if time_budget is not None and t_start is not None and \
+                time.perf_counter() - t_start > time_budget:
+            break
+        for g in opt.param_groups:
+            g["lr"] = lr * min(1.0, (step + 1) / warmup)
+        x = train_batch(data, batch, length, rng).to(device)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=device == "cuda"):
+            logits = compiled(x[:, :-1])
+        loss = F.cross_entropy(logits.float().reshape(-1, 256), x[:, 1:].reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        if step == 2:
+            t_start = time.perf_counter()  # compile and warm-up are over
+        if step >= 3:
+            timed_tokens += batch * length
+            t_timed += dt
+        losses.append(loss.item())
+        if step % 50 == 0:
+            log(f"{attention}: step {step} loss {loss.item():.4f} ({dt * 1e3:.0f} ms)")
+        step += 1
+    record = dict(attention=attention, steps=step, length=length, batch=batch, lr=lr,
+                  seed=seed, final_loss=sum(losses[-20:]) / max(1, len(losses[-20:])),
+                  tokens_per_s=timed_tokens / t_timed if t_timed else None,
+                  loss_curve=losses[::10])
+    return model, record
+
+
+@torch.no_grad()
+def bits_per_byte(model: nn.Module, data: Tensor, length: int, n_windows: int,
+                  device: str) -> float:
+    """Mean next-byte cross-entropy in bits over ``n_windows`` evenly spaced windows."""
+    total, count = 0.0, 0
+    stride = (data.numel() - length - 1) // n_windows
+    for i in range(n_windows):
+        w = data[i * stride:i * stride + length + 1].long().to(device)[None]
+        with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=device == "cuda"):
+            logits = model(w[:, :-1])
+        total += F.cross_entropy(logits.float()[0], w[0, 1:], reduction="sum").item()
+        count += length
+    return total / count / math.log(2)
+
+
+@torch.no_grad()
+def retrieval(model: nn.Module, data: Tensor, lengths: list[int], depths: list[float],
+              per_cell: int, device: str, seed: int = 1234) -> dict:
+    """Exact-match accuracy of the planted value, per context length and depth."""
+    rng = random.Random(seed)
+    out = {}
+    for n in lengths:
+        for d in depths:
+            hits = 0
+            for _ in range(per_cell):
+                s = rng.randrange(0, data.numel() - n - 1)
+                w, v_at = plant(data[s:s + n].long(), rng, d)
+                w = w.to(device)[None]
+                with torch.autocast(device_type=device, dtype=torch.bfloat16,
+                                    enabled=device == "cuda"):
+                    logits = model(w)
+                pred = logits[0, v_at - 1:v_at + 5].argmax(-1)
+                hits += int(torch.equal(pred, w[0, v_at:v_at + 6]))
+            out[f"{n // 1024}K@{d:.1f}"] = hits / per_cell
+    return out
+
+
+def save_checkpoint(model: CodeModel, path: Path) -> None:
+    """bf16 weights and the config (about 19 MB for the default size)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"config": asdict(model.cfg),
+                "state_dict": {k: v.detach().to(torch.bfloat16).cpu()
+                               for k, v in model.state_dict().items()}}, path)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m pisa_compile train-code-model",
+        description="Train the byte-level code model with dense and with PISA attention "
+                    "(same seed, data, steps) and compare bits/byte, retrieval, throughput.")
+    ap.add_argument("--length", type=int, default=16384, help="training context (bytes)")
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=None,
+                    help="training steps of each run (default: as many as --time-budget "
+                         "allows the first run, then the same number for the second)")
+    ap.add_argument("--time-budget", type=float, default=150.0,
+                    help="seconds of training for the first run when --steps is not given")
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--attention", default="dense,pisa",
+                    help="runs, in order, comma-separated: dense, pisa")
+    ap.add_argument("--eval-lengths", default="4096,8192,16384,32768")
+    ap.add_argument("--per-cell", type=int, default=8, help="retrieval examples per cell")
+    ap.add_argument("--train-bytes", type=int, default=64 << 20)
+    ap.add_argument("--out", default="code_model.json")
+    ap.add_argument("--checkpoint", default=None, help="where to save the PISA model")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = ap.parse_args(argv)
+    runs = [a.strip() for a in args.attention.split(",") if a.strip()]
+    if not runs or any(a not in ("dense", "pisa") for a in runs):
+        ap.error(f"--attention: expected a comma-separated list of dense, pisa; got "
+                 f"{args.attention!r} (example: --attention dense,pisa)")
+    try:
+        lengths = [int(x) for x in args.eval_lengths.split(",")]
+    except ValueError:
+        ap.error(f"--eval-lengths: expected integers like 4096,8192; got {args.eval_lengths!r}")
+    train_data = load_bytes("train", args.train_bytes)
+    held = load_bytes("heldout", max(lengths) * 8 + 1)
+    print(f"data: {train_data.numel() / 2**20:.1f} MiB train, {held.numel() / 2**20:.1f} MiB "
+          f"held out", flush=True)
+    result = dict(config=asdict(CodeModelConfig()), args=vars(args), runs={},
+                  torch=torch.__version__,
+                  device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu")
+    steps = args.steps
+    for attention in runs:
+        model, rec = train(attention, train_data, steps, None if steps else args.time_budget,
+                           args.length, args.batch, args.lr, args.seed, args.device,
+                           log=lambda m: print(m, flush=True))
+        steps = rec["steps"]
+        model.eval()
+        rec["n_params"] = sum(p.numel() for p in model.parameters())
+        for eval_attention in (attention, "pisa" if attention == "dense" else "dense"):
+            m = _compile(model, eval_attention, dynamic=True)
+            tag = "" if eval_attention == attention else f"_{eval_attention}_attention"
+            rec["bits_per_byte" + tag] = bits_per_byte(m, held, args.length, 8, args.device)
+            rec["retrieval" + tag] = retrieval(m, held, lengths, [0.1, 0.3, 0.5, 0.7, 0.9],
+                                               args.per_cell, args.device)
+            print(f"{attention} (eval {eval_attention}): bpb {rec['bits_per_byte' + tag]:.4f}, "
+                  f"retrieval {rec['retrieval' + tag]}", flush=True)
+            Path(args.out).write_text(json.dumps(result | {"partial": rec}, indent=1))
+        result["runs"][attention] = rec
+        if attention == "pisa" and args.checkpoint:
+            save_checkpoint(model, Path(args.checkpoint))
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -40,7 +40,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 
-from .kernels.dispatch import STAGES
+from .kernels.dispatch import NESTED_IN, STAGES
 
 __all__ = ["profile", "ProfileResult", "ProfileError", "parse_lengths", "SDPA_ROW", "REST_ROW"]
 
@@ -253,21 +253,31 @@ def stage_times(events: Sequence[Any], steps: int, cuda: bool) -> tuple[float, d
     Args:
         events: ``prof.events()`` of one profiling cycle (``FunctionEvent`` s).
         steps: the number of active steps in the cycle (times are averaged over them).
-        cuda: take a stage's time as the GPU time of the kernels launched inside its range
-            (``device_time_total``); else the wall time of the CPU range.
+        cuda: take a PISA stage's time on the GPU: the span of its range's GPU-side
+            annotation (Triton launches go through the driver API, so the CPU range's
+            ``device_time_total`` misses them), or, without annotations, the CPU range's
+            ``device_time_total``; dense SDPA rows use ``device_time_total``. Else the wall
+            time of the CPU ranges.
 
     Returns:
-        ``(step_ms, {row: {"ms": float, "calls": float}})``, ``step_ms`` from the
-        ``ProfilerStep`` ranges; rows are the PISA stages that occurred, :data:`SDPA_ROW`
+        ``(step_ms, {row: {"ms": float, "calls": float, "share": float}})``, ``step_ms`` from
+        the ``ProfilerStep`` ranges; rows are the PISA stages that occurred, :data:`SDPA_ROW`
         (outermost aten SDPA calls outside PISA ranges), then :data:`REST_ROW` (the step minus
-        the other rows, never negative). Nested ranges of the same stage count once.
+        the other rows, never negative). Rows are exclusive: nested ranges of the same stage
+        count once, and a stage inside another (``NESTED_IN``: the pyramid inside the
+        selection) is taken out of the enclosing row, so the rows sum to the step.
     """
     step_us = 0.0
     acc: dict[str, list[float]] = {}
+    gpu: dict[str, list[float]] = {}
     for e in events:
-        if getattr(e, "device_type", None) not in (None, torch.autograd.DeviceType.CPU):
-            continue  # GPU-side copies of ranges; their time is read off the CPU range below
         name = e.name
+        if getattr(e, "device_type", None) not in (None, torch.autograd.DeviceType.CPU):
+            if cuda and name in STAGES:  # the GPU-side annotation of a PISA range
+                slot = gpu.setdefault(name, [0.0, 0.0])
+                slot[0] += e.time_range.elapsed_us()
+                slot[1] += 1
+            continue
         if name.startswith("ProfilerStep"):
             step_us += e.time_range.elapsed_us()
             continue
@@ -285,6 +295,11 @@ def stage_times(events: Sequence[Any], steps: int, cuda: bool) -> tuple[float, d
         slot = acc.setdefault(row, [0.0, 0.0])
         slot[0] += us
         slot[1] += 1
+    for name, (us, calls) in gpu.items():  # annotations replace the CPU ranges' kernel sums
+        acc[name] = [us, acc.get(name, [0.0, calls])[1]]
+    for inner, outer in NESTED_IN.items():
+        if inner in acc and outer in acc:
+            acc[outer][0] = max(acc[outer][0] - acc[inner][0], 0.0)
     n = max(steps, 1)
     step_ms = step_us / n / 1e3
     rows = {r: {"ms": acc[r][0] / n / 1e3, "calls": acc[r][1] / n}

@@ -145,3 +145,106 @@ def test_llama_with_explicit_mask_is_causal():
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
     assert [s.decision for s in report.sites] == ["rewritten"] * 2, str(report)
     assert all(s.mask.endswith("->is_causal") for s in report.sites), str(report)
+
+
+A = torch.arange
+
+
+def _sdpa_with(mk):
+    def f(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mk(q.shape[2], k.shape[2]))
+    return f
+
+
+def _ifloordiv(nq, nk):
+    i = A(nk)
+    kv, qi = i[None, :], i[:, None]
+    i //= 2  # kv and qi are views of i
+    return kv <= qi
+
+
+def _split_mutation(nq, nk):
+    i = A(nk)
+    kv, qi = i[None, :], i[:, None]
+    i.split(nk // 2)[0].zero_()
+    return kv <= qi
+
+
+def _mutated_zeros(nq, nk):
+    z = torch.zeros(nq, nk)
+    z[:, 0] = 3.0
+    return torch.where(torch.ones(nq, nk, dtype=torch.bool).tril(), z, float("-inf"))
+
+
+LOOKALIKES = {  # found by review: each was once converted to is_causal, wrongly
+    "sub_alpha": lambda nq, nk: torch.sub(A(nk), 1, alpha=2)[None, :] <= (A(nq) - 1)[:, None],
+    "arange_end_kw": lambda nq, nk: A(nk)[None, :] <= A(3, end=nq + 3)[:, None],
+    "uint8_wrap": lambda nq, nk: ((A(nk, dtype=torch.uint8) + 200)[None, :]
+                                  <= (A(nq, dtype=torch.uint8) + 200)[:, None]),
+    "ifloordiv_alias": _ifloordiv,
+    "split_view_mutation": _split_mutation,
+    "invert_long_tril": lambda nq, nk: (~torch.ones(nq, nk, dtype=torch.long).tril()) == 0,
+    "where_broadcast_cond": lambda nq, nk: torch.where(
+        torch.ones(nq, 1, dtype=torch.bool).tril(), torch.zeros(nq, nk), float("-inf")),
+    "bool_roundtrip": lambda nq, nk: torch.where(
+        torch.ones(nq, nk, dtype=torch.bool).tril(), 0., float("-inf")).to(torch.bool)
+    .to(torch.float32),
+    "mutated_zeros": _mutated_zeros,
+}
+
+
+@pytest.mark.parametrize("name", sorted(LOOKALIKES))
+def test_review_lookalikes_keep_their_mask(name):
+    n = 100 if name == "uint8_wrap" else N
+    assert not _mask_of(_sdpa_with(LOOKALIKES[name]), *_qkv(n)).endswith("->is_causal")
+
+
+def test_symbolic_offsets_are_signed():
+    """Right-aligned masks (``arange(n) - n``) under dynamic shapes are not top-left causal."""
+    def f(q, k, v):
+        nq, nk = q.shape[2], k.shape[2]
+        m = (A(nk) - nk)[None, :] <= (A(nq) - nq)[:, None]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 8, 16, generator=g)
+    k, v = (torch.randn(1, 2, 24, 16, generator=g) for _ in range(2))
+    out = torch.compile(f, backend="pisa", dynamic=True)(q, k, v)
+    torch.testing.assert_close(out, f(q, k, v), rtol=1e-4, atol=1e-5)
+
+
+def test_mask_moved_out_of_the_last_two_dims():
+    """``tril(...)[:, None]`` puts the causal dims at -3 and -1: not a causal mask."""
+    H = 24
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, H, 1, 16, generator=g)
+    k, v = (torch.randn(1, H, H, 16, generator=g) for _ in range(2))
+
+    def f(q, k, v):
+        m = torch.ones(H, H, dtype=torch.bool).tril()[:, None]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+    assert not _mask_of(f, q, k, v).endswith("->is_causal")
+
+
+KEYWORD_FORMS = {  # once crashed the pass (the whole graph went dense); now proved causal
+    "le_other": lambda nq, nk: torch.le(A(nk)[None, :], other=A(nq)[:, None]),
+    "arange_end": lambda nq, nk: A(end=nk)[None, :] <= A(start=0, end=nq)[:, None],
+    "add_input": lambda nq, nk: torch.add(input=A(nk), other=0)[None, :] <= A(nq)[:, None],
+    "logical_and_other": lambda nq, nk: torch.logical_and(
+        A(nk)[None, :] <= A(nq)[:, None], other=torch.ones(nq, nk, dtype=torch.bool)),
+    "eq_other": lambda nq, nk: torch.eq(torch.tril(torch.ones(nq, nk)), other=1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(KEYWORD_FORMS))
+def test_keyword_argument_forms(name):
+    assert _mask_of(_sdpa_with(KEYWORD_FORMS[name]), *_qkv()).endswith("->is_causal")
+
+
+def test_half_mask_on_float_scores_is_cast_not_a_crash():
+    def f(q, k, v):
+        n = q.shape[2]
+        c = A(n)[None, :] <= A(n)[:, None]
+        m = torch.where(c, 0., torch.finfo(torch.float16).min).to(torch.float16)
+        s = (q @ k.transpose(-1, -2) + m) * 1e-4  # -65504 * 1e-4 is no longer masking
+        return s.softmax(-1) @ v
+    assert not _mask_of(f, *_qkv()).endswith("->is_causal")

@@ -61,3 +61,24 @@ def test_train_evaluate_and_checkpoint(attention, tmp_path):
 def test_missing_checkpoint_names_the_path(tmp_path):
     with pytest.raises(FileNotFoundError, match="no code-model checkpoint"):
         cm.load_checkpoint(tmp_path / "none.pt")
+
+
+def test_cli_runs_and_writes_json(tmp_path):
+    out = tmp_path / "r.json"
+    ck = tmp_path / "ck.pt"
+    rc = cm.main(["--device", "cpu", "--length", "128", "--steps", "2", "--eval-lengths", "128",
+                  "--per-cell", "1", "--train-bytes", "200000", "--attention", "pisa",
+                  "--out", str(out), "--checkpoint", str(ck)])
+    import json
+    res = json.loads(out.read_text())
+    rec = res["runs"]["pisa"]
+    assert rc == 0 and rec["steps"] == 2 and ck.exists()
+    assert {"bits_per_byte", "retrieval", "bits_per_byte_dense_attention"} <= set(rec)
+
+
+@pytest.mark.parametrize("args, flag", [(["--attention", "flash"], "--attention"),
+                                        (["--eval-lengths", "4k"], "--eval-lengths")])
+def test_cli_bad_flags_name_the_flag(args, flag, capsys):
+    with pytest.raises(SystemExit):
+        cm.main(args + ["--device", "cpu"])
+    assert flag in capsys.readouterr().err

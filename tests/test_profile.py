@@ -245,6 +245,32 @@ def test_stage_times_counts_nested_ranges_once():
     assert sum(r["ms"] for r in rows.values()) == pytest.approx(step_ms)
 
 
+def test_stage_times_on_cuda_uses_gpu_annotations_and_exclusive_rows():
+    """Triton kernels are launched through the driver API, so a CPU range's device time
+    misses them: on CUDA a PISA stage is timed by its GPU-side annotation, and the pyramid
+    (inside the selection) is taken out of the selection's row."""
+    from types import SimpleNamespace as NS
+
+    cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+
+    def ev(name, us, device=cpu, parent=None, device_us=0.0):
+        return NS(name=name, device_type=device, cpu_parent=parent,
+                  device_time_total=device_us, time_range=NS(elapsed_us=lambda: us))
+    step = ev("ProfilerStep#1", 10_000)
+    sel = ev("pisa.select", 900, parent=step, device_us=12.0)
+    events = [step, sel, ev("pisa.pyramid", 300, parent=sel, device_us=0.0),
+              ev("pisa.select", 4_000, device=cuda), ev("pisa.pyramid", 1_000, device=cuda),
+              ev("aten::_scaled_dot_product_flash_attention", 50, parent=step,
+                 device_us=2_000)]
+    step_ms, rows = stage_times(events, steps=1, cuda=True)
+    assert step_ms == pytest.approx(10.0)
+    assert rows["pisa.select"]["ms"] == pytest.approx(3.0)   # 4 ms span minus the pyramid
+    assert rows["pisa.pyramid"]["ms"] == pytest.approx(1.0)
+    assert rows[SDPA_ROW]["ms"] == pytest.approx(2.0)
+    assert rows["pisa.select"]["calls"] == 1
+    assert sum(r["ms"] for r in rows.values()) == pytest.approx(step_ms)
+
+
 # -- the CLI -----------------------------------------------------------------------------------
 
 def _cli(args, capsys):

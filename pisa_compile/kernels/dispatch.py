@@ -21,6 +21,8 @@ from . import reference
 
 # Profiler ranges, one per PISA stage (pisa_compile.profile tabulates them by these names).
 STAGES = ("pisa.pyramid", "pisa.select", "pisa.attention_fwd", "pisa.attention_bwd", "pisa.decode")
+# Stages whose range always sits inside another's: the pyramid is built by the selection.
+NESTED_IN = {"pisa.pyramid": "pisa.select"}
 MAX_HEAD_DIM = 256
 # Up to this many queries attend through the split-K decode kernel (flash-decoding style).
 DECODE_MAX_QUERIES = 16

@@ -10,19 +10,21 @@ that a mask equals the causal mask, and then drops it for ``is_causal=True``.
 
 The proof is an abstract evaluation of the mask's producers. Each node gets one of:
 
-* :class:`Index`: ``arange(n) + offset``, 1-D or laid along one dim (``-1`` keys, ``-2``
-  queries) of a broadcast tensor;
+* :class:`Index`: ``arange(n) + offset`` (int32/int64), 1-D or laid along one dim (``-1``
+  keys, ``-2`` queries) of a broadcast tensor;
 * :data:`ONES`: a tensor of ones / ``True``;
-* :class:`Causal`: ``attend(i, j) = (j <= i)`` (query ``i``, key ``j``), or its negation.
+* :class:`Causal`: 0/1 values with ``attend(i, j) = (j <= i)`` (query ``i``, key ``j``), or
+  the negation, proved over an ``n_queries x n_keys`` grid.
 
-Offsets are compared exactly: constant parts as ints, symbolic parts (a cache position) by
-node identity. Anything the evaluator does not know makes the answer "not causal": a mask
-is left as it is unless the proof goes through. The caller checks that the mask's last two
-dims are exactly ``[Nq, Nk]`` (a broadcast row would not be causal).
+Offsets are compared exactly: constant parts as ints, symbolic parts (a cache position, a
+sequence length) as signed sums of node names. Anything the evaluator does not know makes the
+answer "not causal", and so does any node of the proof that may be written in place (through
+any view). A mask is left as it is unless the proof goes through.
 """
 
 from __future__ import annotations
 
+import math
 import operator
 from collections import Counter
 from dataclasses import dataclass
@@ -39,20 +41,20 @@ __all__ = ["Index", "Causal", "ONES", "mask_value", "is_causal_bool", "is_causal
 @dataclass(frozen=True)
 class Index:
     """``arange(length) + offset``; ``axis`` None while 1-D, else the (negative) dim it runs
-    along. ``offset`` is a constant plus a multiset of symbolic terms (node names)."""
+    along. ``offset`` = ``const`` + the signed sum of the symbolic ``terms`` ((name, count))."""
 
     axis: Optional[int]
     const: int
     terms: tuple = ()
-    length: Any = None  # int or SymInt: the arange's length
+    length: Any = None  # int or SymInt
 
 
 @dataclass(frozen=True)
 class Causal:
-    """A bool (or 0/1) tensor over the last two dims: ``attend`` True means the value is
-    True exactly where ``key <= query`` (SDPA's top-left causal mask), False its negation;
-    proved over ``n_queries x n_keys`` (a broadcast row is not causal: callers compare these
-    with the mask's shape)."""
+    """0/1 (or bool) values over the last two dims: with ``attend`` True, 1 exactly where
+    ``key <= query`` (SDPA's top-left causal mask); with False, the negation. Proved over
+    ``n_queries x n_keys`` (a broadcast row is not causal: callers compare these with the
+    mask's shape)."""
 
     attend: bool
     n_queries: Any
@@ -60,10 +62,67 @@ class Causal:
 
 
 ONES = "ones"
+_INDEX_DTYPES = (torch.int32, torch.int64)
 _CMP = {operator.le: "le", operator.ge: "ge", operator.lt: "lt", operator.gt: "gt",
         torch.le: "le", torch.ge: "ge", torch.lt: "lt", torch.gt: "gt"}
-_PASS_METHODS = ("to", "bool", "contiguous", "expand", "expand_as", "clone", "detach",
-                 "float", "half", "bfloat16", "type_as")
+_CMP_METHODS = ("le", "ge", "lt", "gt", "__le__", "__ge__", "__lt__", "__gt__")
+# Value-preserving for 0/1 masks (and, for Index, between int32/int64: checked separately).
+_PASS_METHODS = ("to", "bool", "int", "long", "float", "half", "bfloat16", "type_as",
+                 "contiguous", "expand", "expand_as", "clone", "detach")
+# Ops whose result may share memory with their input: a write into the result is a write
+# into the input.
+_VIEWS = {"getitem", "view", "reshape", "expand", "expand_as", "unsqueeze", "squeeze",
+          "transpose", "permute", "t", "T", "mT", "narrow", "select", "as_strided", "flatten",
+          "unflatten", "view_as", "diagonal", "movedim", "moveaxis", "swapaxes", "swapdims",
+          "split", "split_with_sizes", "chunk", "unbind", "tensor_split", "hsplit", "vsplit",
+          "unfold", "detach", "to", "contiguous", "type_as", "type", "bool", "int", "long",
+          "float", "half", "bfloat16", "real", "imag", "view_as_real", "view_as_complex",
+          "reshape_as", "alias", "__getitem__"}
+_INPLACE_OPS = {operator.setitem, operator.iadd, operator.isub, operator.imul,
+                operator.itruediv, operator.ifloordiv, operator.imod, operator.ipow,
+                operator.ilshift, operator.irshift, operator.iand, operator.ior, operator.ixor,
+                operator.imatmul, operator.iconcat}
+
+
+def _name(n: Node) -> str:
+    return n.target if n.op == "call_method" else getattr(n.target, "__name__", "")
+
+
+def _writes(u: Node, node: Node) -> bool:
+    """Whether ``u`` may write into ``node``'s memory."""
+    if u.op == "call_module":
+        return True  # unknown code
+    if any(v is node for v in u.kwargs.values()) and "out" in u.kwargs:
+        return True
+    if not (u.args and u.args[0] is node):
+        return False
+    if u.op == "call_function" and u.target in _INPLACE_OPS:
+        return True
+    name = _name(u)
+    if not isinstance(name, str):
+        return False
+    return (name.endswith("_") and not name.startswith("__")) or name == "__setitem__" or (
+        name.startswith("__i") and name.endswith("__"))
+
+
+def _mutated(node: Node, seen: Optional[set] = None) -> bool:
+    """Whether ``node``'s tensor, or any view of it, is written in place in the graph
+    (``setitem``, ``Tensor.xxx_``, ``x //= 2``, ``out=``, an unknown module)."""
+    seen = set() if seen is None else seen
+    if node in seen:
+        return False
+    seen.add(node)
+    for u in node.users:
+        if _writes(u, node):
+            return True
+        if _name(u) in _VIEWS and u.args and u.args[0] is node and _mutated(u, seen):
+            return True
+    return False
+
+
+def _dtype(node: Any) -> Optional[torch.dtype]:
+    v = P.val(node)
+    return v.dtype if isinstance(v, torch.Tensor) else None
 
 
 def _offset(x: Any) -> Optional[tuple[int, tuple]]:
@@ -73,16 +132,33 @@ def _offset(x: Any) -> Optional[tuple[int, tuple]]:
     if isinstance(x, int):
         return x, ()
     if isinstance(x, Node) and isinstance(P.val(x), (int, torch.SymInt)):
-        return 0, (x.name,)
+        return 0, ((x.name, 1),)
     return None
 
 
-def _shifted(ix: Index, off: tuple[int, tuple], sign: int = 1) -> Optional[Index]:
+def _shifted(ix: Index, off: tuple[int, tuple], sign: int = 1) -> Index:
     c, terms = off
-    t = Counter(ix.terms)
-    for name in terms:
-        t[name] += sign
-    return Index(ix.axis, ix.const + sign * c, tuple(sorted((+t).elements())), ix.length)
+    t = Counter(dict(ix.terms))
+    for name, k in terms:
+        t[name] += sign * k
+    kept = tuple(sorted((n, k) for n, k in t.items() if k != 0))  # signed: x - s keeps -s
+    return Index(ix.axis, ix.const + sign * c, kept, ix.length)
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal without guessing: ints by value, symbols only when provably equal."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+    try:
+        return a is b or bool(statically_known_true(a == b))
+    except Exception:  # unrelated symbols
+        return False
+
+
+def _equal(x: Any, y: Any) -> bool:
+    if isinstance(x, Causal) and isinstance(y, Causal):
+        return (x.attend == y.attend and _same(x.n_queries, y.n_queries)
+                and _same(x.n_keys, y.n_keys))
+    return x == ONES and y == ONES
 
 
 def _index_axis(index: Any) -> Optional[int]:
@@ -96,6 +172,22 @@ def _index_axis(index: Any) -> Optional[int]:
     if (s.start, s.stop, s.step) != (None, None, None):
         return None
     return full[0] - len(index)
+
+
+def _keeps_last_two(index: Any) -> bool:
+    """``m[None, ..., :a, :b]``-style indexing: ``None`` only in front, then slices from 0
+    with step 1 or ``...``. The last two dims stay the original last two, cut top-left."""
+    items = index if isinstance(index, tuple) else (index,)
+    leading = True
+    for e in items:
+        if e is None and leading:
+            continue
+        leading = False
+        if e is Ellipsis:
+            continue
+        if not isinstance(e, slice) or e.start not in (None, 0) or e.step not in (None, 1):
+            return False
+    return True
 
 
 def _compare(op: str, a: Any, b: Any) -> Optional[Causal]:
@@ -112,6 +204,23 @@ def _compare(op: str, a: Any, b: Any) -> Optional[Causal]:
     return None  # key < query (strict) or key >= query: other masks
 
 
+def _arange(node: Node) -> Optional[Index]:
+    a, kw = node.args, node.kwargs
+    if len(a) >= 2:
+        start, end = a[0], a[1]
+    elif len(a) == 1:
+        start, end = (a[0], kw["end"]) if "end" in kw else (kw.get("start", 0), a[0])
+    else:
+        start, end = kw.get("start", 0), kw.get("end")
+    step = a[2] if len(a) > 2 else kw.get("step", 1)
+    v = P.val(node)
+    off = _offset(start)
+    if (end is None or isinstance(step, (bool, Node)) or step != 1 or off is None
+            or not isinstance(v, torch.Tensor) or v.dim() != 1 or v.dtype not in _INDEX_DTYPES):
+        return None
+    return Index(None, *off, v.shape[0])
+
+
 def _is_ones_call(node: Node) -> bool:
     if P._fn(node, torch.ones, torch.ones_like) or P._meth(node, "new_ones"):
         return True
@@ -121,7 +230,15 @@ def _is_ones_call(node: Node) -> bool:
     return False
 
 
-def mask_value(node: Any, depth: int = 24, _memo: Optional[dict] = None) -> Any:
+def _causal_over(node: Node, attend: bool) -> Optional[Causal]:
+    """A causal value over ``node``'s own last two dims (tril/triu of ones, a top-left cut)."""
+    v = P.val(node)
+    if not isinstance(v, torch.Tensor) or v.dim() < 2:
+        return None
+    return Causal(attend, v.shape[-2], v.shape[-1])
+
+
+def mask_value(node: Any, depth: int = 32, _memo: Optional[dict] = None) -> Any:
     """The abstract value of ``node`` (an :class:`Index`, :data:`ONES`, :class:`Causal`),
     or None when unknown."""
     memo = {} if _memo is None else _memo
@@ -129,121 +246,96 @@ def mask_value(node: Any, depth: int = 24, _memo: Optional[dict] = None) -> Any:
         return None
     if node in memo:
         return memo[node]
-    memo[node] = None  # cycles cannot happen in an FX graph; this also bounds re-entry
+    memo[node] = None
     if _mutated(node):  # `pad = ones(..); pad[0, -3:] = False`: the value is not the call's
         return None
-    ev = lambda x: mask_value(x, depth - 1, memo)  # noqa: E731
-    out = None
-    a0 = node.args[0] if node.args else None
-    if P._fn(node, torch.arange):
-        start, end = (0, a0) if len(node.args) == 1 else node.args[:2]
-        step = node.args[2] if len(node.args) > 2 else node.kwargs.get("step", 1)
-        off = _offset(start)
-        v = P.val(node)
-        if step == 1 and off is not None and isinstance(v, torch.Tensor) and v.dim() == 1:
-            out = Index(None, *off, v.shape[0])
-    elif P._fn(node, operator.add, torch.add) or P._meth(node, "add", "__add__"):
-        x, y = (node.args + (None,))[:2]
-        if isinstance(ev(y), Index) and not isinstance(ev(x), Index):
-            x, y = y, x
-        ix, off = ev(x), _offset(y)
-        if isinstance(ix, Index) and off is not None and node.kwargs.get("alpha", 1) == 1:
-            out = _shifted(ix, off)
-    elif P._fn(node, operator.sub, torch.sub) or P._meth(node, "sub", "__sub__"):
-        ix, off = ev(a0), _offset(node.args[1] if len(node.args) > 1 else None)
-        if isinstance(ix, Index) and off is not None:
-            out = _shifted(ix, off, -1)
-    elif P._fn(node, operator.getitem):
-        x = ev(a0)
-        if isinstance(x, Index) and x.axis is None:
-            axis = _index_axis(node.args[1])
-            out = None if axis is None else Index(axis, x.const, x.terms, x.length)
-        elif x == ONES:
-            out = x
-        elif isinstance(x, Causal) and _keeps_top_left(node.args[1]):
-            out = _causal_over(node, x.attend)
-    elif P._fn(node, torch.unsqueeze) or P._meth(node, "unsqueeze"):
-        x, dim = ev(a0), P.arg(node, 1, "dim")
-        if isinstance(x, Index) and x.axis is None and dim in (0, 1, -1, -2):
-            out = Index(-2 if dim in (1, -1) else -1, x.const, x.terms, x.length)
-    elif node.op == "call_function" and node.target in _CMP or \
-            P._meth(node, "le", "ge", "lt", "gt", "__le__", "__ge__", "__lt__", "__gt__"):
-        op = _CMP.get(node.target) if node.op == "call_function" else node.target.strip("_")
-        out = _compare(op, ev(a0), ev(node.args[1]))
-    elif P._fn(node, operator.and_, operator.iand, torch.logical_and, torch.bitwise_and) or \
-            P._meth(node, "logical_and", "bitwise_and", "__and__"):
-        x, y = ev(a0), ev(node.args[1])
-        if x == ONES:
-            out = y
-        elif y == ONES or x == y:
-            out = x
-    elif P._fn(node, operator.invert, torch.logical_not, torch.bitwise_not) or \
-            P._meth(node, "logical_not", "bitwise_not", "__invert__"):
-        x = ev(a0)
-        out = Causal(not x.attend, x.n_queries, x.n_keys) if isinstance(x, Causal) else None
-    elif P._fn(node, operator.eq, operator.ne, torch.eq, torch.ne) or \
-            P._meth(node, "eq", "ne", "__eq__", "__ne__"):
-        x, c = ev(a0), node.args[1]
-        if isinstance(x, Causal) and not isinstance(c, Node) and c in (0, 1, True, False):
-            keep = (c in (1, True)) == (node.target in (operator.eq, torch.eq, "eq", "__eq__"))
-            out = x if keep else Causal(not x.attend, x.n_queries, x.n_keys)
-    elif P._fn(node, torch.tril, torch.triu) or P._meth(node, "tril", "triu"):
-        x = ev(a0)
-        diag = P.arg(node, 1, "diagonal", 0)
-        lower = node.target in (torch.tril, "tril")
-        if x == ONES and (lower and diag == 0 or not lower and diag == 1):
-            out = _causal_over(node, lower)
-    elif _is_ones_call(node):
-        out = ONES
-    elif node.op == "call_method" and node.target in _PASS_METHODS:
-        out = ev(a0)
-        if isinstance(out, Index):
-            out = out if node.target in ("to", "contiguous", "clone", "detach") else None
+    out = _evaluate(node, lambda x: mask_value(x, depth - 1, memo))
     memo[node] = out
     return out
 
 
-_VIEWS = ("getitem", "view", "reshape", "expand", "expand_as", "unsqueeze", "squeeze",
-          "transpose", "permute", "t", "narrow", "select", "as_strided", "flatten", "unflatten",
-          "view_as", "diagonal", "movedim", "detach", "to", "contiguous", "type_as", "bool",
-          "float", "T", "mT")
-
-
-_INPLACE = (operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
-            operator.iand, operator.ior, operator.ixor)
-
-
-def _mutated(node: Node, depth: int = 6) -> bool:
-    """Whether ``node``'s tensor, or a view of it, is written in place anywhere in the graph
-    (``setitem``, ``Tensor.xxx_``, ``out=``). Views are followed a few steps; other ops make
-    new tensors."""
-    for u in node.users:
-        name = u.target if u.op == "call_method" else getattr(u.target, "__name__", "")
-        if u.op == "call_function" and u.target in _INPLACE and u.args and u.args[0] is node \
-                or "out" in u.kwargs:
-            return True
-        if isinstance(name, str) and name.endswith("_") and not name.startswith("__") \
-                and u.args and u.args[0] is node:
-            return True
-        if name in _VIEWS and depth > 0 and _mutated(u, depth - 1):
-            return True
-    return False
-
-
-def _causal_over(node: Node, attend: bool) -> Optional[Causal]:
-    """A causal value over ``node``'s own last two dims (tril/triu of ones, a top-left slice)."""
-    v = P.val(node)
-    if not isinstance(v, torch.Tensor) or v.dim() < 2:
+def _evaluate(node: Node, ev) -> Any:
+    x0 = P.arg(node, 0, "input")
+    x1 = P.arg(node, 1, "other")
+    if P._fn(node, torch.arange):
+        return _arange(node)
+    if P._fn(node, operator.add, torch.add) or P._meth(node, "add", "__add__", "__radd__"):
+        if node.kwargs.get("alpha", 1) != 1 or _dtype(node) not in _INDEX_DTYPES:
+            return None
+        a, b = (x0, x1) if isinstance(ev(x0), Index) else (x1, x0)
+        ix, off = ev(a), _offset(b)
+        return _shifted(ix, off) if isinstance(ix, Index) and off is not None else None
+    if P._fn(node, operator.sub, torch.sub) or P._meth(node, "sub", "__sub__"):
+        if node.kwargs.get("alpha", 1) != 1 or _dtype(node) not in _INDEX_DTYPES:
+            return None
+        ix, off = ev(x0), _offset(x1)
+        return _shifted(ix, off, -1) if isinstance(ix, Index) and off is not None else None
+    if P._fn(node, operator.getitem) or P._meth(node, "__getitem__"):
+        x = ev(node.args[0])
+        if isinstance(x, Index) and x.axis is None:
+            axis = _index_axis(node.args[1])
+            return None if axis is None else Index(axis, x.const, x.terms, x.length)
+        if x == ONES:
+            return ONES
+        if isinstance(x, Causal) and _keeps_last_two(node.args[1]):
+            return _causal_over(node, x.attend)
         return None
-    return Causal(attend, v.shape[-2], v.shape[-1])
+    if P._fn(node, torch.unsqueeze) or P._meth(node, "unsqueeze"):
+        x, dim = ev(x0), P.arg(node, 1, "dim")
+        if isinstance(x, Index) and x.axis is None and dim in (0, 1, -1, -2):
+            return Index(-2 if dim in (1, -1) else -1, x.const, x.terms, x.length)
+        return None
+    if node.op == "call_function" and node.target in _CMP or P._meth(node, *_CMP_METHODS):
+        op = _CMP.get(node.target) if node.op == "call_function" else node.target.strip("_")
+        return _compare(op, ev(x0), ev(x1))
+    if P._fn(node, operator.and_, torch.logical_and, torch.bitwise_and) or \
+            P._meth(node, "logical_and", "bitwise_and", "__and__", "__rand__"):
+        x, y = ev(x0), ev(x1)
+        if _dtype(node) != torch.bool:
+            return None
+        if x == ONES and (y == ONES or isinstance(y, Causal)):
+            return y
+        if y == ONES and isinstance(x, Causal) or _equal(x, y):
+            return x
+        return None
+    if P._fn(node, operator.invert, torch.bitwise_not) or \
+            P._meth(node, "bitwise_not", "__invert__"):
+        x = ev(x0)
+        if _dtype(x0) != torch.bool or not isinstance(x, Causal):  # ~1 == -2 on ints
+            return None
+        return Causal(not x.attend, x.n_queries, x.n_keys)
+    if P._fn(node, torch.logical_not) or P._meth(node, "logical_not"):
+        x = ev(x0)
+        return Causal(not x.attend, x.n_queries, x.n_keys) if isinstance(x, Causal) else None
+    if P._fn(node, operator.eq, operator.ne, torch.eq, torch.ne) or \
+            P._meth(node, "eq", "ne", "__eq__", "__ne__"):
+        x, c = ev(x0), x1
+        if isinstance(x, Causal) and not isinstance(c, Node) and c in (0, 1, True, False):
+            keep = (c in (1, True)) == (_name(node) in ("eq", "__eq__"))
+            return x if keep else Causal(not x.attend, x.n_queries, x.n_keys)
+        return None
+    if P._fn(node, torch.tril, torch.triu) or P._meth(node, "tril", "triu"):
+        diag = P.arg(node, 1, "diagonal", 0)
+        lower = _name(node) == "tril"
+        if ev(x0) == ONES and (lower and diag == 0 or not lower and diag == 1):
+            return _causal_over(node, lower)
+        return None
+    if _is_ones_call(node):
+        return ONES
+    if node.op == "call_method" and node.target in _PASS_METHODS:
+        x = ev(node.args[0])
+        if isinstance(x, Index):
+            return x if _dtype(node) in _INDEX_DTYPES and node.target in (
+                "to", "int", "long", "contiguous", "clone", "detach") else None
+        return x
+    return None
 
 
-def _same(a: Any, b: Any) -> bool:
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
-    try:
-        return a is b or bool(statically_known_true(a == b))
-    except Exception:  # unrelated symbols
-        return False
+def is_causal_bool(mask: Any, attend_if: bool = True) -> bool:
+    """Whether a bool mask is SDPA's causal mask, where ``mask == attend_if`` means attend."""
+    v = mask_value(mask)
+    return (isinstance(v, Causal) and v.attend == attend_if and _dtype(mask) == torch.bool
+            and _covers(mask, v))
 
 
 def _covers(mask: Any, v: Causal) -> bool:
@@ -253,59 +345,71 @@ def _covers(mask: Any, v: Causal) -> bool:
             and _same(t.shape[-1], v.n_keys))
 
 
-def _keeps_top_left(index: Any) -> bool:
-    """``mask[..., :a, :b]``-style slicing from 0 (keeps a causal mask causal)."""
-    items = index if isinstance(index, tuple) else (index,)
-    for e in items:
-        if e is Ellipsis or e is None:
-            continue
-        if not isinstance(e, slice) or e.start not in (None, 0) or e.step not in (None, 1):
-            return False
-    return True
+def _same_last_two(a: Any, b: Any) -> bool:
+    ta, tb = P.val(a), P.val(b)
+    return (isinstance(ta, torch.Tensor) and isinstance(tb, torch.Tensor) and ta.dim() >= 2
+            and tb.dim() >= 2 and _same(ta.shape[-2], tb.shape[-2])
+            and _same(ta.shape[-1], tb.shape[-1]))
 
 
-def is_causal_bool(mask: Any, attend_if: bool = True) -> bool:
-    """Whether a bool mask is SDPA's causal mask, where ``mask == attend_if`` means attend."""
-    v = mask_value(mask)
-    return (isinstance(v, Causal) and v.attend == attend_if and _is_bool(mask)
-            and _covers(mask, v))
+def _const(x: Any) -> Any:
+    if isinstance(x, Node) and _mutated(x):
+        return None
+    return P.constant_of(x)
 
 
-def is_causal_additive(mask: Any) -> bool:
-    """Whether a float mask is ``0`` where causal and a masking fill (``-inf`` or at most
-    ``finfo.min / 2``) elsewhere: ``where(causal, 0, fill)``, ``where(~causal, fill, 0)``,
-    ``zeros.masked_fill(~causal, fill)``, and casts of those."""
-    if not isinstance(mask, Node):
+def _is_zero(x: Any) -> bool:
+    """The number 0, a one-element constant 0, or a ``zeros`` tensor, never written to."""
+    c = _const(x)
+    if not isinstance(c, bool) and isinstance(c, (int, float)) and c == 0:
+        return True
+    return isinstance(x, Node) and not _mutated(x) and (
+        P._fn(x, torch.zeros, torch.zeros_like) or P._meth(x, "new_zeros"))
+
+
+def _masks(fill: Any, scale: float, scores_dtype: torch.dtype) -> bool:
+    """``fill`` added to scores of ``scores_dtype`` and then scaled by ``scale > 0`` gives
+    softmax weight exactly 0: ``-inf``, or at most ``finfo(scores_dtype).min / 2``."""
+    c = _const(fill)
+    if isinstance(c, bool) or not isinstance(c, (int, float)):
         return False
-    v = P.val(mask)
-    if not isinstance(v, torch.Tensor) or not v.is_floating_point():
+    if c == -math.inf:
+        return True
+    return scores_dtype.is_floating_point and c * scale <= torch.finfo(scores_dtype).min / 2
+
+
+def is_causal_additive(mask: Any, scale: float = 1.0,
+                       scores_dtype: Optional[torch.dtype] = None) -> bool:
+    """Whether a float mask, added to scores of ``scores_dtype`` (default: the mask's) that
+    are then scaled by ``scale``, is 0 where causal and masks everything else:
+    ``where(causal, 0, fill)``, ``where(~causal, fill, 0)``,
+    ``zeros.masked_fill(~causal, fill)``, and float-to-float casts of those."""
+    if not isinstance(mask, Node) or not (isinstance(scale, (int, float)) and scale > 0):
         return False
+    dtype = _dtype(mask)
+    if dtype is None or not dtype.is_floating_point:
+        return False
+    scores_dtype = scores_dtype or dtype
     node = mask
-    while P.as_noop_cast(node) is not None or P._meth(node, "to", "contiguous", "expand"):
-        node = node.args[0]
-    dtype = v.dtype
+    while node.op == "call_method" and node.target in ("to", "float", "half", "bfloat16",
+                                                       "type_as", "contiguous", "expand"):
+        src = node.args[0]
+        if not (isinstance(src, Node) and (_dtype(src) or torch.bool).is_floating_point):
+            return False  # a bool -> float cast turns the mask into 0/1, not 0/-inf
+        node = src
+    if _mutated(node):
+        return False
     if P._fn(node, torch.where) and len(node.args) == 3:
         cond, a, b = node.args
-        if _is_zero(a) and P.is_masking_fill(b, dtype):
+        if not _same_last_two(cond, node):
+            return False
+        if _is_zero(a) and _masks(b, scale, scores_dtype):
             return is_causal_bool(cond, True)
-        if _is_zero(b) and P.is_masking_fill(a, dtype):
+        if _is_zero(b) and _masks(a, scale, scores_dtype):
             return is_causal_bool(cond, False)
         return False
     if P._fn(node, torch.masked_fill) or P._meth(node, "masked_fill"):
         base, m, fill = node.args[0], P.arg(node, 1, "mask"), P.arg(node, 2, "value")
-        return _is_zero(base) and P.is_masking_fill(fill, dtype) and is_causal_bool(m, False)
+        return (_is_zero(base) and _same_last_two(base, node) and _same_last_two(m, node)
+                and _masks(fill, scale, scores_dtype) and is_causal_bool(m, False))
     return False
-
-
-def _is_zero(x: Any) -> bool:
-    """The number 0, a one-element constant 0, or a ``zeros`` tensor."""
-    c = P.constant_of(x)
-    if not isinstance(c, bool) and isinstance(c, (int, float)) and c == 0:
-        return True
-    return isinstance(x, Node) and (P._fn(x, torch.zeros, torch.zeros_like)
-                                    or P._meth(x, "new_zeros", "zero_"))
-
-
-def _is_bool(mask: Any) -> bool:
-    v = P.val(mask)
-    return isinstance(v, torch.Tensor) and v.dtype == torch.bool

@@ -102,16 +102,23 @@ def _spans(mask: Any, n_queries, n_keys) -> bool:
 
 
 def _causal_only(masks: list, n_queries, n_keys) -> bool:
-    """Every mask (``(kind, mask, arg)`` as in ``_Plan.masks``) is SDPA's causal mask, so the
-    site is ``is_causal=True`` with no mask tensor (:mod:`.masks` has the proof rules)."""
-    for kind, mask, extra in masks:
+    """Every mask is SDPA's causal mask, so the site is ``is_causal=True`` with no mask tensor
+    (:mod:`.masks` has the proof rules). ``masks``: ``(kind, mask, extra, dtype)`` with
+    ``kind``/``mask``/``extra`` as in ``_Plan.masks`` and ``dtype`` the dtype of the masked
+    scores (for ``"add"``, the fill must still mask after the scales that follow it)."""
+    for kind, mask, extra, dtype in masks:
         if not _spans(mask, n_queries, n_keys):
             return False
         if kind == "bool" and not M.is_causal_bool(mask, extra):
             return False
-        if kind == "add" and not (M.is_causal_additive(mask) and all(
-                isinstance(f, (int, float)) and f > 0 for f, _div in extra)):
-            return False
+        if kind == "add":
+            scale = 1.0
+            for f, div in extra:
+                if not (isinstance(f, (int, float)) and not isinstance(f, bool) and f > 0):
+                    return False
+                scale = scale / f if div else scale * f
+            if not (isinstance(dtype, torch.dtype) and M.is_causal_additive(mask, scale, dtype)):
+                return False
     return bool(masks)
 
 
@@ -288,7 +295,7 @@ def _analyze_sdpa(node: Node, site: Site) -> _Plan:
                  enable_gqa=b["enable_gqa"], owned=[node])
     if mask is not None and P.is_tensor_node(q) and P.is_tensor_node(k):
         kind = "bool" if P.val(mask).dtype == torch.bool else "add"
-        if _causal_only([(kind, mask, True if kind == "bool" else [])],
+        if _causal_only([(kind, mask, True if kind == "bool" else [], P.val(q).dtype)],
                         P.val(q).shape[-2], P.val(k).shape[-2]):
             plan.mask, plan.is_causal = None, True
             site.mask = f"{site.mask}->is_causal"
@@ -377,11 +384,11 @@ def _analyze_softmax(sm: Node, site: Site) -> tuple[Optional[_Plan], Optional[st
                     if m is not None:
                         break
         if m is not None:
-            if m.kind == "bool" and any(o.kind == "bool" for o, _ in masks):
+            if m.kind == "bool" and any(o.kind == "bool" for o, *_ in masks):
                 raise Dense("more than one bool mask op on the scores")
             if not _same_shape(s, m.scores):
                 raise Dense("the mask broadcasts the scores to a larger shape")
-            masks.append((m, list(factors)))
+            masks.append((m, list(factors), getattr(P.val(s), "dtype", None)))
             site.mask = _mask_kind(m.mask, False)
             s = m.scores
             continue
@@ -390,7 +397,7 @@ def _analyze_softmax(sm: Node, site: Site) -> tuple[Optional[_Plan], Optional[st
                         "(logit softcapping, c*tanh(s/c): PISA has no softcap)")
         raise Dense(f"score transform {P.describe(s)} between matmul and softmax")
     if masks:
-        kinds = {"bool" if o.kind == "bool" else _mask_kind(o.mask, False) for o, _ in masks}
+        kinds = {"bool" if o.kind == "bool" else _mask_kind(o.mask, False) for o, *_ in masks}
         site.mask = "+".join(sorted(kinds))
     qk = s
     owned.append(qk)
@@ -466,7 +473,7 @@ def _analyze_softmax(sm: Node, site: Site) -> tuple[Optional[_Plan], Optional[st
             plan.k, plan.v, plan.enable_gqa = kk, vv, True
             site.form += f"+gqa({form})"
 
-    for mask_op, post in masks:
+    for mask_op, post, _dtype in masks:
         if mask_op.kind == "add":
             _check_mask_tensor(mask_op.mask, float_only=True)
             # (s + m) * c == s*c + m*c
@@ -484,8 +491,9 @@ def _analyze_softmax(sm: Node, site: Site) -> tuple[Optional[_Plan], Optional[st
         _check_mask_grad(mask_op.mask)
     plan.scale = factors
     sv = P.val(x)
-    if isinstance(sv, torch.Tensor) and sv.dim() >= 2 and \
-            _causal_only(plan.masks, sv.shape[-2], sv.shape[-1]):
+    if isinstance(sv, torch.Tensor) and sv.dim() >= 2 and _causal_only(
+            [(k, m, e, dt) for (k, m, e), (_o, _p, dt) in zip(plan.masks, masks)],
+            sv.shape[-2], sv.shape[-1]):
         plan.masks, plan.is_causal = [], True
         site.mask = f"{site.mask}->is_causal"
 
@@ -556,7 +564,7 @@ def _apply(gm: GraphModule, plan: _Plan, config: PisaConfig) -> Node:
             for f, div in extra:
                 m = emit("call_function", operator.truediv if div else operator.mul, (m, f))
             mv = P.val(m)
-            if isinstance(mv, torch.Tensor) and mv.dtype != plan.dtype:
+            if not (isinstance(mv, torch.Tensor) and mv.dtype == plan.dtype):  # unknown: cast
                 m = emit("call_method", "to", (m, plan.dtype))
             float_terms.append(m)
         else:

@@ -1,22 +1,53 @@
-"""GPU: where the time of one eager PISA forward goes at small N (torch.profiler table)."""
+"""GPU: where the host time of one eager PISA forward goes at small N.
+
+    PYTHONPATH=. python3 tests/benchmarks/overhead_probe.py 8192            # torch.profiler tables
+    PYTHONPATH=. python3 tests/benchmarks/overhead_probe.py 8192 --cprofile # Python call tree
+
+The profiler tables give GPU time per kernel and self CPU time per PISA range; ``--cprofile``
+runs 200 calls under cProfile and prints the 25 most expensive functions (cumulative), which
+is where the per-call host overhead (launch path, custom-op boundary) shows up.
+"""
+
+import cProfile
+import pstats
 import sys
+
 import torch
 from torch.profiler import ProfilerActivity, profile
+
 from pisa_compile import PisaConfig, pisa_attention
 
 CFG = PisaConfig(min_seq_len=0)
-for hq, hkv, d in ((32, 8, 128), (8, 2, 32)):
-    n = int(sys.argv[1]) if len(sys.argv) > 1 else 8192
-    q = torch.randn(1, hq, n, d, device="cuda", dtype=torch.bfloat16)
-    k, v = (torch.randn(1, hkv, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    f = lambda: pisa_attention(q, k, v, is_causal=True, enable_gqa=True, config=CFG)  # noqa
-    for _ in range(3):
-        f()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
-        for _ in range(5):
+
+
+def main(argv):
+    n = int(argv[0]) if argv else 8192
+    for hq, hkv, d in ((32, 8, 128), (8, 2, 32)):
+        q = torch.randn(1, hq, n, d, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(1, hkv, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+
+        def f():
+            return pisa_attention(q, k, v, is_causal=True, enable_gqa=True, config=CFG)
+        for _ in range(3):
             f()
         torch.cuda.synchronize()
-    print(f"== Hq={hq} Hkv={hkv} D={d} N={n}: 5 calls")
-    print(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=14))
-    print(p.key_averages().table(sort_by="self_cuda_time_total", row_limit=8))
+        print(f"== Hq={hq} Hkv={hkv} D={d} N={n}")
+        if "--cprofile" in argv:
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(200):
+                f()
+            torch.cuda.synchronize()
+            prof.disable()
+            pstats.Stats(prof).sort_stats("cumulative").print_stats(25)
+            continue
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+            for _ in range(5):
+                f()
+            torch.cuda.synchronize()
+        print(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=14))
+        print(p.key_averages().table(sort_by="self_cuda_time_total", row_limit=8))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

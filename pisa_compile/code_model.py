@@ -8,7 +8,7 @@ and writes ``code_model.json`` plus the PISA checkpoint.
 
 Data: the Python sources of the installed standard library and site-packages as bytes,
 split into train and held-out *by file* (a hash of the path). Retrieval: a line
-``name = "123456"`` planted at a depth of the context and ``assert name == "123456"`` at
+``name = "123456"`` planted at a depth of the context and the same line again at
 its end; a hit is all six digits predicted (argmax, teacher-forced: the same as greedy
 decoding). Training windows carry such pairs too, so both runs learn the same task.
 """
@@ -175,12 +175,12 @@ def _pair(rng: random.Random) -> tuple[bytes, bytes]:
 
 def plant(window: Tensor, rng: random.Random, depth: float, query_at_end: bool = True
           ) -> tuple[Tensor, int]:
-    """Overwrite ``\\nNAME = "VALUE"\\n`` at ``depth`` of ``window`` and ``\\nassert NAME ==
-    "VALUE"\\n`` at its end (or at a random later place). Returns the window and the index of
-    the first VALUE byte of the query."""
+    """Overwrite ``\\nNAME = "VALUE"\\n`` at ``depth`` of ``window`` and the same line again at
+    its end (or at a random later place): the model must recall VALUE there. Returns the
+    window and the index of the first VALUE byte of the repeat."""
     name, value = _pair(rng)
     define = b"\n" + name + b' = "' + value + b'"\n'
-    query_head = b"\nassert " + name + b' == "'
+    query_head = b"\n" + name + b' = "'  # the definition's own prefix: recall it
     query = query_head + value + b'"\n'
     n = window.numel()
     at = min(int(depth * n), n - len(define) - len(query) - 1)
@@ -191,16 +191,16 @@ def plant(window: Tensor, rng: random.Random, depth: float, query_at_end: bool =
     return w, q_at + len(query_head)
 
 
-def train_batch(data: Tensor, batch: int, length: int, rng: random.Random
-                ) -> tuple[Tensor, Tensor]:
-    """``batch`` random windows of ``length + 1`` bytes, each with 2-6 planted pairs, and a
-    bool mask ``[batch, length]`` of the targets that are planted query values."""
+def train_batch(data: Tensor, batch: int, length: int, rng: random.Random,
+                pairs: tuple[int, int] = (1, 1)) -> tuple[Tensor, Tensor]:
+    """``batch`` random windows of ``length + 1`` bytes, each with ``pairs`` (a range) planted
+    pairs, and a bool mask ``[batch, length]`` of the targets that are planted query values."""
     rows, marks = [], []
     for _ in range(batch):
         s = rng.randrange(0, data.numel() - length - 2)
         w = data[s:s + length + 1].long()
         mark = torch.zeros(length, dtype=torch.bool)
-        for _ in range(rng.randint(2, 6)):
+        for _ in range(rng.randint(*pairs)):
             w, v_at = plant(w, rng, rng.uniform(0.0, 0.9), query_at_end=False)
             mark[v_at - 1:v_at + 5] = True  # logits at t predict byte t + 1
         rows.append(w)
@@ -317,7 +317,7 @@ def retrieval(model: nn.Module, data: Tensor, lengths: list[int], depths: list[f
                     logits = model(w)
                 pred = logits[0, v_at - 1:v_at + 5].argmax(-1)
                 hits += int(torch.equal(pred, w[0, v_at:v_at + 6]))
-            out[f"{n // 1024}K@{d:.1f}"] = hits / per_cell
+            out[f"{n / 1024:g}K@{d:.1f}"] = hits / per_cell
     return out
 
 

@@ -309,7 +309,7 @@ def select_blocks(q: Tensor, k: Tensor, attn_mask: Optional[Tensor], is_causal: 
     from .dispatch import max_blocks  # the one definition of the output width
 
     p = _Problem.make(q, k, attn_mask, is_causal, config)
-    g, beam, top_k = config.branching, config.effective_beam, config.top_k
+    g, beam = config.branching, config.effective_beam
     dev = q.device
     states, key_live = leaf_states(p)
     states = states.to(dev)

@@ -173,18 +173,24 @@ def _pair(rng: random.Random) -> tuple[bytes, bytes]:
     return name.encode(), value.encode()
 
 
-def plant(window: Tensor, rng: random.Random, depth: float, query_at_end: bool = True
-          ) -> tuple[Tensor, int]:
+def plant(window: Tensor, rng: random.Random, depth: float, query_at_end: bool = True,
+          distance: Optional[int] = None) -> tuple[Tensor, int]:
     """Overwrite ``\\nNAME = "VALUE"\\n`` at ``depth`` of ``window`` and the same line again at
     its end (or at a random later place): the model must recall VALUE there. Returns the
-    window and the index of the first VALUE byte of the repeat."""
+    window and the index of the first VALUE byte of the repeat. ``distance``: bytes from the
+    end of the definition to the repeat (with ``query_at_end=False``; default: random)."""
     name, value = _pair(rng)
     define = b"\n" + name + b' = "' + value + b'"\n'
     query_head = b"\n" + name + b' = "'  # the definition's own prefix: recall it
     query = query_head + value + b'"\n'
     n = window.numel()
     at = min(int(depth * n), n - len(define) - len(query) - 1)
-    q_at = n - len(query) if query_at_end else rng.randrange(at + len(define), n - len(query) + 1)
+    if query_at_end:
+        q_at = n - len(query)
+    elif distance is not None:
+        q_at = min(at + len(define) + distance, n - len(query))
+    else:
+        q_at = rng.randrange(at + len(define), n - len(query) + 1)
     w = window.clone()
     w[at:at + len(define)] = torch.tensor(list(define), dtype=w.dtype)
     w[q_at:q_at + len(query)] = torch.tensor(list(query), dtype=w.dtype)
@@ -192,17 +198,33 @@ def plant(window: Tensor, rng: random.Random, depth: float, query_at_end: bool =
 
 
 def train_batch(data: Tensor, batch: int, length: int, rng: random.Random,
-                pairs: tuple[int, int] = (1, 1)) -> tuple[Tensor, Tensor]:
-    """``batch`` random windows of ``length + 1`` bytes, each with ``pairs`` (a range) planted
-    pairs, and a bool mask ``[batch, length]`` of the targets that are planted query values."""
+                pairs: Optional[tuple[int, int]] = None) -> tuple[Tensor, Tensor]:
+    """``batch`` random windows of ``length + 1`` bytes with planted pairs, and a bool mask
+    ``[batch, length]`` of the targets that are planted values.
+
+    Each window gets ``pairs`` (a range; default 1 to ``length / 2048``) non-overlapping
+    pairs; the distance from a definition to its repeat is log-uniform from 16 bytes to the
+    window, so short-range recall is learned first and stretched to long range.
+    """
+    lo, hi = pairs or (1, max(1, length // 2048))
     rows, marks = [], []
     for _ in range(batch):
         s = rng.randrange(0, data.numel() - length - 2)
         w = data[s:s + length + 1].long()
         mark = torch.zeros(length, dtype=torch.bool)
-        for _ in range(rng.randint(*pairs)):
-            w, v_at = plant(w, rng, rng.uniform(0.0, 0.9), query_at_end=False)
-            mark[v_at - 1:v_at + 5] = True  # logits at t predict byte t + 1
+        taken: list[tuple[int, int]] = []
+        for _ in range(rng.randint(lo, hi)):
+            for _try in range(8):  # rejection: planted lines must not overwrite each other
+                trial = random.Random(rng.random())
+                dist = int(math.exp(rng.uniform(math.log(16), math.log(length))))
+                w2, v_at = plant(w, trial, rng.uniform(0.0, 0.95), query_at_end=False,
+                                 distance=dist)
+                span = (int((w2 != w).nonzero()[0]), v_at + 8)
+                if all(span[1] < a or span[0] > b for a, b in taken):
+                    w = w2
+                    taken.append(span)
+                    mark[v_at - 1:v_at + 5] = True  # logits at t predict byte t + 1
+                    break
         rows.append(w)
         marks.append(mark)
     return torch.stack(rows), torch.stack(marks)

@@ -76,15 +76,8 @@ def reference_trace(q, k, is_causal, scale, config):
         s = ref._internal_scores(q_rows, mus[level - 1], counts[level - 1], pool, g, scale)
         S, kept = _scores(s, cand, row_ok, beam)
         out.append((level, pool, S, kept))
-        keep_idx = ref._first_true(pool, kept, beam)
-        exp_idx = torch.cat([ref._first_true(pool, forced_anc, e_max - beam),
-                             ref._first_true(pool, expand & ~forced_anc, beam)], -1)
-        parents = torch.cat([keep_idx, exp_idx], -1)
-        kids = parents[..., None] * g + torch.arange(g, device=dev)
-        n_next = mus[level - 1].shape[2]
-        kids = torch.where((parents[..., None] >= 0) & (kids < n_next), kids, -1)
-        pool = torch.sort(torch.where(kids < 0, n_next, kids).flatten(-2), dim=-1).values
-        pool = torch.where(pool >= n_next, -1, pool)
+        pool = ref.next_pool(pool, kept, forced_anc, expand, beam, e_max, g,
+                             mus[level - 1].shape[2])
         level -= 1
 
 

@@ -404,17 +404,23 @@ def _select_chunk(p, config, q_rows, k, mus, counts, flags, states, t0, t1, scal
         cand = valid & ~expand & vis
         s = _internal_scores(q_rows, mus[level - 1], counts[level - 1], pool, g, scale)
         kept = _top(s, cand, row_ok, beam)
-        keep_idx = _first_true(pool, kept, beam)
-        # Forced ancestors first: mixed nodes past the bound are dropped, forced ones never.
-        exp_idx = torch.cat([_first_true(pool, forced_anc, e_max - beam),
-                             _first_true(pool, expand & ~forced_anc, beam)], -1)
-        parents = torch.cat([keep_idx, exp_idx], -1)  # [B, Hkv, nt, beam + e_max]
-        kids = parents[..., None] * g + torch.arange(g, device=dev)
-        n_next = mus[level - 1].shape[2]
-        kids = torch.where((parents[..., None] >= 0) & (kids < n_next), kids, -1)
-        pool = torch.sort(torch.where(kids < 0, n_next, kids).flatten(-2), dim=-1).values
-        pool = torch.where(pool >= n_next, -1, pool)
+        pool = next_pool(pool, kept, forced_anc, expand, beam, e_max, g, mus[level - 1].shape[2])
         level -= 1
+
+
+def next_pool(pool: Tensor, kept: Tensor, forced_anc: Tensor, expand: Tensor, beam: int,
+              e_max: int, g: int, n_next: int) -> Tensor:
+    """The next level's pool: the children of the kept nodes and of the expanded ones,
+    ascending, -1 padded (``[..., g * (beam + e_max)]``); ``n_next`` nodes exist there."""
+    keep_idx = _first_true(pool, kept, beam)
+    # Forced ancestors first: mixed nodes past the bound are dropped, forced ones never.
+    exp_idx = torch.cat([_first_true(pool, forced_anc, e_max - beam),
+                         _first_true(pool, expand & ~forced_anc, beam)], -1)
+    parents = torch.cat([keep_idx, exp_idx], -1)  # [B, Hkv, nt, beam + e_max]
+    kids = parents[..., None] * g + torch.arange(g, device=pool.device)
+    kids = torch.where((parents[..., None] >= 0) & (kids < n_next), kids, -1)
+    pool = torch.sort(torch.where(kids < 0, n_next, kids).flatten(-2), dim=-1).values
+    return torch.where(pool >= n_next, -1, pool)
 
 
 def _first_true(pool: Tensor, sel: Tensor, n: int) -> Tensor:

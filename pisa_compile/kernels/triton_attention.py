@@ -107,12 +107,27 @@ def _n_iters(e0, e1, C: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _need_mask(kpos, kvalid, q_lo, IS_CAUSAL: tl.constexpr):
-    """True when a key tile has a padding key, or (causal) a key after the first row's query."""
-    need = tl.min(kvalid.to(tl.int32), 0) == 0
-    if IS_CAUSAL:
-        need = need | (tl.max(tl.where(kvalid, kpos, 0), 0) > q_lo)
-    return need
+def _tile_program(BC, BI, scb, sch, sct, sib, sih, sit, Hkv, Nq, G: tl.constexpr,
+                  TQ: tl.constexpr, TQE: tl.constexpr, BLOCK_M: tl.constexpr,
+                  N_SUB: tl.constexpr):
+    """This program's rows (program ids ``(tile * N_SUB + sub, b * Hkv + hkv)``), its tile's
+    block count and the tile's row of ``block_indices``."""
+    pid0 = tl.program_id(0)
+    bh = tl.program_id(1)
+    t = pid0 // N_SUB
+    sub = pid0 % N_SUB
+    b = bh // Hkv
+    hkv = bh % Hkv
+    head, qi, row_ok = _rows(t, sub, hkv, Nq, G, TQ, TQE, BLOCK_M)
+    count = tl.load(BC + b * scb + hkv * sch + t * sct)
+    bi_row = BI + b * sib + hkv * sih + t * sit
+    return b, hkv, head, qi, row_ok, count, bi_row
+
+
+@triton.jit
+def _key_extent(kpos, kvalid):
+    """``(any padding key, last valid key)`` of a key tile."""
+    return tl.min(kvalid.to(tl.int32), 0) == 0, tl.max(tl.where(kvalid, kpos, 0), 0)
 
 
 @triton.jit
@@ -133,6 +148,26 @@ def _apply_mask(s, b, head, qi, row_ok, kpos, kvalid, Mask, smb, smh, smq, smk, 
             vis = vis & (mf > mask_thr)  # HF's convention: <= finfo.min / 2 is masked
             s = s + tl.where(vis, mf, 0.0) * 1.4426950408889634
     return tl.where(vis, s, float("-inf"))
+
+
+@triton.jit
+def _masked_scores(s, b, head, qi, row_ok, kpos, kvalid, any_pad, k_hi, q_lo, Mask, smb, smh,
+                   smq, smk, mask_thr, IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
+                   MASK_BOOL: tl.constexpr):
+    """:func:`_apply_mask` where the tile needs it: always with a mask; else only for a key
+    tile with padding (``any_pad``) or, causal, a key (``k_hi``) after the first row's query
+    (``q_lo``)."""
+    if HAS_MASK:
+        s = _apply_mask(s, b, head, qi, row_ok, kpos, kvalid, Mask, smb, smh, smq, smk,
+                        mask_thr, IS_CAUSAL, HAS_MASK, MASK_BOOL)
+    else:
+        need = any_pad
+        if IS_CAUSAL:
+            need = need | (k_hi > q_lo)
+        if need:
+            s = _apply_mask(s, b, head, qi, row_ok, kpos, kvalid, Mask, smb, smh, smq, smk,
+                            mask_thr, IS_CAUSAL, HAS_MASK, MASK_BOOL)
+    return s
 
 
 # -- forward ----------------------------------------------------------------------------------
@@ -159,22 +194,14 @@ def _fwd_kernel(
     # Inductor may pass Python floats as fp64 scalars; keep the math in fp32.
     qk_scale = tl.cast(qk_scale, tl.float32)
     mask_thr = tl.cast(mask_thr, tl.float32)
-    pid0 = tl.program_id(0)
-    bh = tl.program_id(1)
-    t = pid0 // N_SUB
-    sub = pid0 % N_SUB
-    b = bh // Hkv
-    hkv = bh % Hkv
-    head, qi, row_ok = _rows(t, sub, hkv, Nq, G, TQ, TQE, BLOCK_M)
-
-    count = tl.load(BC + b * scb + hkv * sch + t * sct)
+    b, hkv, head, qi, row_ok, count, bi_row = _tile_program(
+        BC, BI, scb, sch, sct, sib, sih, sit, Hkv, Nq, G, TQ, TQE, BLOCK_M, N_SUB)
     if SPLIT:
         e0 = tl.program_id(2) * EPS
         e1 = tl.minimum(count, e0 + EPS)
     else:
         e0 = 0
         e1 = count
-    bi_row = BI + b * sib + hkv * sih + t * sit
 
     offs_d = tl.arange(0, HEAD_DIM)
     offs_dv = tl.arange(0, HEAD_DIM_V)
@@ -195,13 +222,9 @@ def _fwd_kernel(
         kt = tl.load(k_base + kpos[None, :].to(tl.int64) * skn + offs_d[:, None] * skd,
                      mask=kvalid[None, :] & (offs_d[:, None] < D), other=0.0)
         s = tl.dot(q, kt) * qk_scale
-        if HAS_MASK:
-            s = _apply_mask(s, b, head, qi, row_ok, kpos, kvalid, Mask, smb, smh, smq, smk,
-                            mask_thr, IS_CAUSAL, HAS_MASK, MASK_BOOL)
-        else:
-            if _need_mask(kpos, kvalid, q_lo, IS_CAUSAL):
-                s = _apply_mask(s, b, head, qi, row_ok, kpos, kvalid, Mask, smb, smh, smq, smk,
-                                mask_thr, IS_CAUSAL, HAS_MASK, MASK_BOOL)
+        any_pad, k_hi = _key_extent(kpos, kvalid)
+        s = _masked_scores(s, b, head, qi, row_ok, kpos, kvalid, any_pad, k_hi, q_lo, Mask,
+                           smb, smh, smq, smk, mask_thr, IS_CAUSAL, HAS_MASK, MASK_BOOL)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row that has seen no visible key yet keeps m = -inf; subtract 0 instead (no NaN).
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -271,15 +294,8 @@ def _bwd_dq_kernel(
     qk_scale = tl.cast(qk_scale, tl.float32)
     sm_scale = tl.cast(sm_scale, tl.float32)
     mask_thr = tl.cast(mask_thr, tl.float32)
-    pid0 = tl.program_id(0)
-    bh = tl.program_id(1)
-    t = pid0 // N_SUB
-    sub = pid0 % N_SUB
-    b = bh // Hkv
-    hkv = bh % Hkv
-    head, qi, row_ok = _rows(t, sub, hkv, Nq, G, TQ, TQE, BLOCK_M)
-    count = tl.load(BC + b * scb + hkv * sch + t * sct)
-    bi_row = BI + b * sib + hkv * sih + t * sit
+    b, hkv, head, qi, row_ok, count, bi_row = _tile_program(
+        BC, BI, scb, sch, sct, sib, sih, sit, Hkv, Nq, G, TQ, TQE, BLOCK_M, N_SUB)
 
     offs_d = tl.arange(0, HEAD_DIM)
     offs_dv = tl.arange(0, HEAD_DIM_V)
@@ -309,13 +325,9 @@ def _bwd_dq_kernel(
         v = tl.load(v_base + kpos[:, None].to(tl.int64) * svn + offs_dv[None, :] * svd,
                     mask=kvalid[:, None] & (offs_dv[None, :] < DV), other=0.0)
         s = tl.dot(q, tl.trans(k)) * qk_scale
-        if HAS_MASK:
-            s = _apply_mask(s, b, head, qi, row_ok, kpos, kvalid, Mask, smb, smh, smq, smk,
-                            mask_thr, IS_CAUSAL, HAS_MASK, MASK_BOOL)
-        else:
-            if _need_mask(kpos, kvalid, q_lo, IS_CAUSAL):
-                s = _apply_mask(s, b, head, qi, row_ok, kpos, kvalid, Mask, smb, smh, smq, smk,
-                                mask_thr, IS_CAUSAL, HAS_MASK, MASK_BOOL)
+        any_pad, k_hi = _key_extent(kpos, kvalid)
+        s = _masked_scores(s, b, head, qi, row_ok, kpos, kvalid, any_pad, k_hi, q_lo, Mask,
+                           smb, smh, smq, smk, mask_thr, IS_CAUSAL, HAS_MASK, MASK_BOOL)
         p = tl.math.exp2(s - lse2[:, None])
         dp = tl.dot(do, tl.trans(v))
         ds = p * (dp - delta[:, None])
@@ -392,8 +404,7 @@ def _bwd_dkdv_kernel(
     v = tl.load(V + b64 * svb + hk64 * svh + kpos[:, None].to(tl.int64) * svn
                 + offs_dv[None, :] * svd,
                 mask=kload[:, None] & (offs_dv[None, :] < DV), other=0.0)
-    any_pad = tl.min(kvalid.to(tl.int32), 0) == 0
-    k_hi = tl.max(tl.where(kvalid, kpos, 0), 0)
+    any_pad, k_hi = _key_extent(kpos, kvalid)  # one key tile per program: once
 
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM_V], tl.float32)
@@ -414,17 +425,9 @@ def _bwd_dkdv_kernel(
             row = (b64 * (Hkv * G) + head.to(tl.int64)) * Nq + qi
             delta = tl.load(Delta + row, mask=row_ok, other=0.0)
             s = tl.dot(q, tl.trans(k)) * qk_scale
-            if HAS_MASK:
-                s = _apply_mask(s, b, head, qi, row_ok, kpos, kvalid, Mask, smb, smh, smq, smk,
-                                mask_thr, IS_CAUSAL, HAS_MASK, MASK_BOOL)
-            else:
-                q_lo = tl.min(tl.where(row_ok, qi, Nq), 0)
-                need = any_pad
-                if IS_CAUSAL:
-                    need = need | (k_hi > q_lo)
-                if need:
-                    s = _apply_mask(s, b, head, qi, row_ok, kpos, kvalid, Mask, smb, smh, smq,
-                                    smk, mask_thr, IS_CAUSAL, HAS_MASK, MASK_BOOL)
+            q_lo = tl.min(tl.where(row_ok, qi, Nq), 0)
+            s = _masked_scores(s, b, head, qi, row_ok, kpos, kvalid, any_pad, k_hi, q_lo, Mask,
+                               smb, smh, smq, smk, mask_thr, IS_CAUSAL, HAS_MASK, MASK_BOOL)
             p = tl.math.exp2(s - lse2[:, None])
             dv += tl.dot(tl.trans(p.to(do.dtype)), do)
             dp = tl.dot(do, tl.trans(v))

@@ -35,7 +35,8 @@ from torch.fx import Node
 
 from . import patterns as P
 
-__all__ = ["Index", "Causal", "ONES", "mask_value", "is_causal_bool", "is_causal_additive"]
+__all__ = ["Index", "Causal", "ONES", "mask_value", "is_causal_bool", "is_causal_additive",
+           "spans"]
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,9 @@ class Causal:
     attend: bool
     n_queries: Any
     n_keys: Any
+
+    def negated(self) -> "Causal":
+        return Causal(not self.attend, self.n_queries, self.n_keys)
 
 
 ONES = "ones"
@@ -145,19 +149,10 @@ def _shifted(ix: Index, off: tuple[int, tuple], sign: int = 1) -> Index:
     return Index(ix.axis, ix.const + sign * c, kept, ix.length)
 
 
-def _same(a: Any, b: Any) -> bool:
-    """Equal without guessing: ints by value, symbols only when provably equal."""
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
-    try:
-        return a is b or bool(statically_known_true(a == b))
-    except Exception:  # unrelated symbols
-        return False
-
-
 def _equal(x: Any, y: Any) -> bool:
     if isinstance(x, Causal) and isinstance(y, Causal):
-        return (x.attend == y.attend and _same(x.n_queries, y.n_queries)
-                and _same(x.n_keys, y.n_keys))
+        return (x.attend == y.attend and P.known_equal(x.n_queries, y.n_queries)
+                and P.known_equal(x.n_keys, y.n_keys))
     return x == ONES and y == ONES
 
 
@@ -303,16 +298,16 @@ def _evaluate(node: Node, ev) -> Any:
         x = ev(x0)
         if _dtype(x0) != torch.bool or not isinstance(x, Causal):  # ~1 == -2 on ints
             return None
-        return Causal(not x.attend, x.n_queries, x.n_keys)
+        return x.negated()
     if P._fn(node, torch.logical_not) or P._meth(node, "logical_not"):
         x = ev(x0)
-        return Causal(not x.attend, x.n_queries, x.n_keys) if isinstance(x, Causal) else None
+        return x.negated() if isinstance(x, Causal) else None
     if P._fn(node, operator.eq, operator.ne, torch.eq, torch.ne) or \
             P._meth(node, "eq", "ne", "__eq__", "__ne__"):
         x, c = ev(x0), x1
         if isinstance(x, Causal) and not isinstance(c, Node) and c in (0, 1, True, False):
             keep = (c in (1, True)) == (_name(node) in ("eq", "__eq__"))
-            return x if keep else Causal(not x.attend, x.n_queries, x.n_keys)
+            return x if keep else x.negated()
         return None
     if P._fn(node, torch.tril, torch.triu) or P._meth(node, "tril", "triu"):
         diag = P.arg(node, 1, "diagonal", 0)
@@ -335,21 +330,20 @@ def is_causal_bool(mask: Any, attend_if: bool = True) -> bool:
     """Whether a bool mask is SDPA's causal mask, where ``mask == attend_if`` means attend."""
     v = mask_value(mask)
     return (isinstance(v, Causal) and v.attend == attend_if and _dtype(mask) == torch.bool
-            and _covers(mask, v))
+            and spans(mask, v.n_queries, v.n_keys))
 
 
-def _covers(mask: Any, v: Causal) -> bool:
-    """The causal proof spans the mask's own last two dims (no broadcast row or column)."""
+def spans(mask: Any, n_queries, n_keys) -> bool:
+    """The mask's last two dims are exactly ``[n_queries, n_keys]`` (no size-1 dim that would
+    broadcast)."""
     t = P.val(mask)
-    return (isinstance(t, torch.Tensor) and t.dim() >= 2 and _same(t.shape[-2], v.n_queries)
-            and _same(t.shape[-1], v.n_keys))
+    return (isinstance(t, torch.Tensor) and t.dim() >= 2
+            and P.known_equal(t.shape[-2], n_queries) and P.known_equal(t.shape[-1], n_keys))
 
 
 def _same_last_two(a: Any, b: Any) -> bool:
-    ta, tb = P.val(a), P.val(b)
-    return (isinstance(ta, torch.Tensor) and isinstance(tb, torch.Tensor) and ta.dim() >= 2
-            and tb.dim() >= 2 and _same(ta.shape[-2], tb.shape[-2])
-            and _same(ta.shape[-1], tb.shape[-1]))
+    tb = P.val(b)
+    return isinstance(tb, torch.Tensor) and tb.dim() >= 2 and spans(a, *tb.shape[-2:])
 
 
 def _const(x: Any) -> Any:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import inspect
 from typing import Optional
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor
 

@@ -77,7 +77,7 @@ __all__ = [
     "SDPA_TARGETS", "val", "is_tensor_node", "arg", "is_softmax", "softmax_input",
     "matmul_kind", "as_scale", "as_cast", "as_dropout", "as_view_perm", "as_contiguous",
     "as_repeat_kv", "as_mask_add", "as_masked_fill", "as_where", "parse_einsum", "describe",
-    "constant_of", "is_softcap", "as_noop_cast",
+    "constant_of", "is_softcap", "as_noop_cast", "known_equal",
 ]
 
 # -- node helpers ----------------------------------------------------------------------------
@@ -91,6 +91,12 @@ def val(x: Any) -> Any:
 
 def is_tensor_node(x: Any) -> bool:
     return isinstance(x, Node) and isinstance(val(x), torch.Tensor)
+
+
+def known_equal(a: Any, b: Any) -> bool:
+    """``a == b`` provably (ints, or SymInts equal for every value the shape env allows)."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+    return bool(statically_known_true(a == b))
 
 
 def is_number(x: Any) -> bool:

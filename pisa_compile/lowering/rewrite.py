@@ -80,10 +80,6 @@ def _permuted_val(node: Node, perm: Optional[list]):
     return v if _identity(perm) else v.permute(*perm)
 
 
-def _eq(a, b) -> bool:
-    return statically_known_true(a == b)
-
-
 def _may_eq(a, b) -> bool:
     return not statically_known_true(a != b)
 
@@ -91,14 +87,7 @@ def _may_eq(a, b) -> bool:
 def _same_shape(a: Node, b: Node) -> bool:
     va, vb = P.val(a), P.val(b)
     return (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) and va.dim() == vb.dim()
-            and all(_eq(x, y) for x, y in zip(va.shape, vb.shape)))
-
-
-def _spans(mask: Any, n_queries, n_keys) -> bool:
-    """The mask's last two dims are the scores' own (a size-1 dim would broadcast)."""
-    v = P.val(mask)
-    return (isinstance(v, torch.Tensor) and v.dim() >= 2 and _eq(v.shape[-2], n_queries)
-            and _eq(v.shape[-1], n_keys))
+            and all(P.known_equal(x, y) for x, y in zip(va.shape, vb.shape)))
 
 
 def _causal_only(masks: list, n_queries, n_keys) -> bool:
@@ -107,7 +96,7 @@ def _causal_only(masks: list, n_queries, n_keys) -> bool:
     ``kind``/``mask``/``extra`` as in ``_Plan.masks`` and ``dtype`` the dtype of the masked
     scores (for ``"add"``, the fill must still mask after the scales that follow it)."""
     for kind, mask, extra, dtype in masks:
-        if not _spans(mask, n_queries, n_keys):
+        if not M.spans(mask, n_queries, n_keys):
             return False
         if kind == "bool" and not M.is_causal_bool(mask, extra):
             return False
@@ -251,16 +240,16 @@ def _check_shapes(plan: _Plan) -> tuple:
     plan.dtype = q.dtype
     if not (q.dtype == k.dtype == v.dtype) or not q.is_floating_point():
         raise Dense(f"dtypes differ or are not floating: q {q.dtype}, k {k.dtype}, v {v.dtype}")
-    if not (_eq(q.shape[0], k.shape[0]) and _eq(k.shape[0], v.shape[0])):
+    if not (P.known_equal(q.shape[0], k.shape[0]) and P.known_equal(k.shape[0], v.shape[0])):
         raise Dense("batch dims of q, k, v differ (broadcast matmul)")
     if not plan.rank3:
         hq, hk = q.shape[1], k.shape[1]
-        if not _eq(hk, v.shape[1]):
+        if not P.known_equal(hk, v.shape[1]):
             raise Dense("k and v head counts differ")
         if plan.enable_gqa:
             if not statically_known_true(hq % hk == 0):
                 raise Dense(f"q heads {hq} not a multiple of k heads {hk}")
-        elif not _eq(hq, hk):
+        elif not P.known_equal(hq, hk):
             raise Dense(f"q heads {hq} != k heads {hk}")
     # The site's own matmuls (or SDPA) already require q/k head dims and k/v lengths to
     # agree at run time, so "not provably different" is enough: a KV cache gives k and v

@@ -174,10 +174,11 @@ def _pair(rng: random.Random) -> tuple[bytes, bytes]:
 
 
 def plant(window: Tensor, rng: random.Random, depth: float, query_at_end: bool = True,
-          distance: Optional[int] = None) -> tuple[Tensor, int]:
+          distance: Optional[int] = None) -> tuple[Tensor, int, int]:
     """Overwrite ``\\nNAME = "VALUE"\\n`` at ``depth`` of ``window`` and the same line again at
     its end (or at a random later place): the model must recall VALUE there. Returns the
-    window and the index of the first VALUE byte of the repeat. ``distance``: bytes from the
+    window, the index of the first VALUE byte of the repeat (the planted bytes end 8 later)
+    and the index of the definition's first byte. ``distance``: bytes from the
     end of the definition to the repeat (with ``query_at_end=False``; default: random)."""
     name, value = _pair(rng)
     define = b"\n" + name + b' = "' + value + b'"\n'
@@ -194,7 +195,7 @@ def plant(window: Tensor, rng: random.Random, depth: float, query_at_end: bool =
     w = window.clone()
     w[at:at + len(define)] = torch.tensor(list(define), dtype=w.dtype)
     w[q_at:q_at + len(query)] = torch.tensor(list(query), dtype=w.dtype)
-    return w, q_at + len(query_head)
+    return w, q_at + len(query_head), at
 
 
 def train_batch(data: Tensor, batch: int, length: int, rng: random.Random,
@@ -215,11 +216,10 @@ def train_batch(data: Tensor, batch: int, length: int, rng: random.Random,
         taken: list[tuple[int, int]] = []
         for _ in range(rng.randint(lo, hi)):
             for _try in range(8):  # rejection: planted lines must not overwrite each other
-                trial = random.Random(rng.random())
                 dist = int(math.exp(rng.uniform(math.log(16), math.log(length))))
-                w2, v_at = plant(w, trial, rng.uniform(0.0, 0.95), query_at_end=False,
-                                 distance=dist)
-                span = (int((w2 != w).nonzero()[0]), v_at + 8)
+                w2, v_at, start = plant(w, rng, rng.uniform(0.0, 0.95), query_at_end=False,
+                                        distance=dist)
+                span = (start, v_at + 8)
                 if all(span[1] < a or span[0] > b for a, b in taken):
                     w = w2
                     taken.append(span)
@@ -332,7 +332,7 @@ def retrieval(model: nn.Module, data: Tensor, lengths: list[int], depths: list[f
             hits = 0
             for _ in range(per_cell):
                 s = rng.randrange(0, data.numel() - n - 1)
-                w, v_at = plant(data[s:s + n].long(), rng, d)
+                w, v_at, _ = plant(data[s:s + n].long(), rng, d)
                 w = w.to(device)[None]
                 with torch.autocast(device_type=device, dtype=torch.bfloat16,
                                     enabled=device == "cuda"):

@@ -17,7 +17,8 @@ SPARSE = {"min_seq_len": 0, "block_size": 16, "query_tile": 16, "top_k": 2}
 
 def test_plant_writes_definition_and_query():
     w = torch.full((400,), ord("x"), dtype=torch.long)
-    out, v_at = cm.plant(w, random.Random(0), 0.3)
+    out, v_at, start = cm.plant(w, random.Random(0), 0.3)
+    assert start == 120
     text = bytes(out.tolist()).decode()
     value = text[v_at:v_at + 6]
     assert value.isdigit()

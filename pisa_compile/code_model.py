@@ -259,6 +259,7 @@ def train(attention: str, data: Tensor, steps: Optional[int], time_budget: Optio
                             fused=device == "cuda")
     warmup = 50
     losses, value_losses, t_start, timed_tokens, t_timed = [], [], None, 0, 0.0
+    step_s = []
     step = 0
     while True:
         if steps is not None and step >= steps:
@@ -293,6 +294,7 @@ def train(attention: str, data: Tensor, steps: Optional[int], time_budget: Optio
         if step >= 3:
             timed_tokens += batch * length
             t_timed += dt
+            step_s.append(dt)
         losses.append(loss.item())
         value_losses.append(value_loss.item())
         if step % 50 == 0:
@@ -301,6 +303,7 @@ def train(attention: str, data: Tensor, steps: Optional[int], time_budget: Optio
     record = dict(attention=attention, steps=step, length=length, batch=batch, lr=lr,
                   seed=seed, final_loss=sum(losses[-20:]) / max(1, len(losses[-20:])),
                   tokens_per_s=timed_tokens / t_timed if t_timed else None,
+                  step_ms_median=sorted(step_s)[len(step_s) // 2] * 1e3 if step_s else None,
                   final_value_loss=sum(value_losses[-20:]) / max(1, len(value_losses[-20:])),
                   loss_curve=losses[::10], value_loss_curve=value_losses[::10])
     return model, record
@@ -368,7 +371,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--attention", default="pisa,dense",
                     help="runs, in order, comma-separated: dense, pisa")
     ap.add_argument("--eval-lengths", default="4096,8192,16384,32768")
-    ap.add_argument("--per-cell", type=int, default=8, help="retrieval examples per cell")
+    ap.add_argument("--per-cell", type=int, default=20, help="retrieval examples per cell")
+    ap.add_argument("--bpb-windows", type=int, default=32,
+                    help="held-out windows of --length bytes for bits per byte")
     ap.add_argument("--train-bytes", type=int, default=64 << 20)
     ap.add_argument("--out", default="code_model.json")
     ap.add_argument("--checkpoint", default=None, help="where to save the PISA model")
@@ -383,7 +388,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ValueError:
         ap.error(f"--eval-lengths: expected integers like 4096,8192; got {args.eval_lengths!r}")
     train_data = load_bytes("train", args.train_bytes)
-    held = load_bytes("heldout", max(lengths) * 8 + 1)
+    held = load_bytes("heldout", max(max(lengths) * 8, args.bpb_windows * args.length) + 1)
     print(f"data: {train_data.numel() / 2**20:.1f} MiB train, {held.numel() / 2**20:.1f} MiB "
           f"held out", flush=True)
     result = dict(config=asdict(CodeModelConfig()), args=vars(args), runs={},
@@ -408,7 +413,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             t0 = time.perf_counter()
             m = _compile(model, eval_attention, dynamic=True)
             tag = "" if eval_attention == attention else f"_{eval_attention}_attention"
-            rec["bits_per_byte" + tag] = bits_per_byte(m, held, args.length, 8, args.device)
+            rec["bits_per_byte" + tag] = bits_per_byte(m, held, args.length, args.bpb_windows,
+                                                         args.device)
             t1 = time.perf_counter()
             rec["retrieval" + tag] = retrieval(m, held, lengths, [0.1, 0.3, 0.5, 0.7, 0.9],
                                                args.per_cell, args.device)

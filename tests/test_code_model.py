@@ -68,7 +68,8 @@ def test_cli_runs_and_writes_json(tmp_path):
     out = tmp_path / "r.json"
     ck = tmp_path / "ck.pt"
     rc = cm.main(["--device", "cpu", "--length", "128", "--steps", "2", "--eval-lengths", "128",
-                  "--per-cell", "1", "--train-bytes", "200000", "--attention", "pisa",
+                  "--per-cell", "1", "--bpb-windows", "2", "--train-bytes", "200000",
+                  "--attention", "pisa",
                   "--out", str(out), "--checkpoint", str(ck)])
     import json
     res = json.loads(out.read_text())

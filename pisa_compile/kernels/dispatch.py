@@ -75,6 +75,17 @@ def _tracing(t: Tensor) -> bool:
     return isinstance(t, (FakeTensor, FunctionalTensor)) or torch.compiler.is_compiling()
 
 
+def launcher(kernel, t: Tensor):
+    """``kernel`` itself for a call on real tensors, ``wrap_triton(kernel)`` while a graph is
+    traced (a ``triton_op`` body) or a dispatch mode is active. Eager ``wrap_triton`` goes
+    through a higher-order op and pytree flattening: hundreds of microseconds of host time per
+    launch on the H200 (``tests/benchmarks/overhead_probe.py --cprofile``)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+    if _tracing(t) or _get_current_dispatch_mode() is not None:
+        return torch.library.wrap_triton(kernel)
+    return kernel
+
+
 def stage_range(name: str, t: Tensor):
     """A profiler range for one PISA stage (a no-op while a graph is being traced)."""
     return contextlib.nullcontext() if _tracing(t) else torch.profiler.record_function(name)

@@ -28,8 +28,8 @@ Dtypes: float16 and bfloat16 (``tl.dot`` in the input dtype, fp32 accumulation) 
 not supported (the dispatcher keeps it on the reference). Head dims up to 256 (64 and 128 are the
 tuned ones); ``Dv`` may differ from ``D``.
 
-Every launch goes through ``torch.library.wrap_triton`` so callers can wrap these functions in
-``torch.library.triton_op``; nothing here syncs with the host or has data-dependent shapes, so
+Every launch goes through ``dispatch.launcher`` (``wrap_triton`` while traced) so callers can
+wrap these functions in ``torch.library.triton_op``; nothing here syncs with the host or has data-dependent shapes, so
 the functions can be captured in CUDA graphs.
 """
 
@@ -43,6 +43,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..config import PisaConfig
+from .dispatch import launcher
 
 __all__ = ["sparse_attention", "sparse_attention_backward", "transposed_index", "tile_params"]
 
@@ -53,11 +54,6 @@ MAX_HEAD_DIM = 256
 SEG_TILES = 128
 # Benchmark sweeps may set tile choices here (keys of :func:`tile_params`); empty in normal use.
 TUNE_OVERRIDES: dict = {}
-
-
-def _wrap(kernel):
-    """``wrap_triton(kernel)`` so a ``triton_op`` caller can trace the launch."""
-    return torch.library.wrap_triton(kernel)
 
 
 def _pow2(x: int, lo: int = 16) -> int:
@@ -524,7 +520,7 @@ def transposed_index(block_indices: Tensor, block_counts: Tensor,
     bi = block_indices.contiguous()
     bc = block_counts.contiguous()
     counts = torch.zeros(B, H, n_leaves, dtype=torch.int32, device=bi.device)
-    _wrap(_hist_kernel)[(T, B * H)](bi, bc, counts, T, n_leaves, M, BLOCK=_pow2(M, 2))
+    launcher(_hist_kernel, bi)[(T, B * H)](bi, bc, counts, T, n_leaves, M, BLOCK=_pow2(M, 2))
     offsets = torch.zeros(B, H, n_leaves + 1, dtype=torch.int32, device=bi.device)
     offsets[..., 1:] = torch.cumsum(counts, -1, dtype=torch.int32)
     j = torch.arange(M, device=bi.device, dtype=torch.int32)
@@ -650,7 +646,7 @@ def sparse_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor
     lse = torch.empty(B, Hq, Nq, dtype=torch.float32, device=q.device)
     T = bi.shape[2]
     grid = (T * meta["N_SUB"], B * Hkv, 1)
-    _wrap(_fwd_kernel)[grid](
+    launcher(_fwd_kernel, q)[grid](
         q, k, v, mask, bi, bc, out, lse, out, lse,
         *q.stride(), *k.stride(), *v.stride(), *mstr, *out.stride(), *lse.stride(),
         *bi.stride()[:3], *bc.stride(),
@@ -679,7 +675,7 @@ def sparse_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor,
     L = -(-Nk // C)
     delta = torch.empty(B, Hq, Nq, dtype=torch.float32, device=q.device)
     rows = 64 if meta["HEAD_DIM_V"] <= 128 else 32
-    _wrap(_bwd_delta_kernel)[(triton.cdiv(Nq, rows), B * Hq)](
+    launcher(_bwd_delta_kernel, q)[(triton.cdiv(Nq, rows), B * Hq)](
         out, grad_out, delta, Hq, Nq, *out.stride(), *grad_out.stride(),
         DV=Dv, HEAD_DIM_V=meta["HEAD_DIM_V"], ROWS=rows)
     lse = lse.float()
@@ -687,7 +683,7 @@ def sparse_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor,
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     qk_scale = float(scale) * LOG2E
-    _wrap(_bwd_dq_kernel)[(T * meta["N_SUB"], B * Hkv)](
+    launcher(_bwd_dq_kernel, q)[(T * meta["N_SUB"], B * Hkv)](
         q, k, v, mask, bi, bc, grad_out, lse, delta, dq,
         *q.stride(), *k.stride(), *v.stride(), *mstr, *grad_out.stride(), *lse.stride(),
         *dq.stride(), *bi.stride()[:3], *bc.stride(),
@@ -704,14 +700,14 @@ def sparse_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor,
         part_v = torch.empty(2 * W, C, Dv, dtype=torch.float32, device=q.device)
     else:
         work = slot_base = part_k = part_v = offsets  # unused: no leaf has two segments
-    _wrap(_bwd_dkdv_kernel)[(BHL + W, nch)](
+    launcher(_bwd_dkdv_kernel, q)[(BHL + W, nch)](
         q, k, v, mask, offsets, tiles, work, slot_base, grad_out, lse, delta, dk, dv,
         part_k, part_v,
         *q.stride(), *k.stride(), *v.stride(), *mstr, *grad_out.stride(), *lse.stride(),
         *dk.stride(), *dv.stride(),
         Hkv, Nq, Nk, L, BHL, tiles.shape[-1], seg, qk_scale, float(scale), thr, **meta)
     if W:
-        _wrap(_bwd_reduce_kernel)[(BHL, nch)](
+        launcher(_bwd_reduce_kernel, q)[(BHL, nch)](
             offsets, slot_base, part_k, part_v, dk, dv, *dk.stride(), *dv.stride(),
             Hkv, Nk, L, seg, C=C, D=D, DV=Dv, BLOCK_N=meta["BLOCK_N"],
             HEAD_DIM=meta["HEAD_DIM"], HEAD_DIM_V=meta["HEAD_DIM_V"], num_warps=4)

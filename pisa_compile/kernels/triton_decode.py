@@ -18,7 +18,8 @@ import triton.language as tl
 from torch import Tensor
 
 from ..config import PisaConfig
-from .triton_attention import LOG2E, _common, _fwd_kernel, _wrap
+from .dispatch import launcher
+from .triton_attention import LOG2E, _common, _fwd_kernel
 
 __all__ = ["decode_attention", "num_splits"]
 
@@ -108,14 +109,14 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor
     n_rows = B * Hq * Nq
     o_part = torch.empty(ns, n_rows, Dv, dtype=torch.float32, device=q.device)
     l_part = torch.empty(ns, n_rows, dtype=torch.float32, device=q.device)
-    _wrap(_fwd_kernel)[(T * meta["N_SUB"], B * Hkv, ns)](
+    launcher(_fwd_kernel, q)[(T * meta["N_SUB"], B * Hkv, ns)](
         q, k, v, mask, bi, bc, out, lse, o_part, l_part,
         *q.stride(), *k.stride(), *v.stride(), *mstr, *out.stride(), *lse.stride(),
         *bi.stride()[:3], *bc.stride(),
         Hkv, Nq, Nk, float(scale) * LOG2E, thr, eps, n_rows * Dv, n_rows,
         SPLIT=True, **meta)
     rows = 16
-    _wrap(_combine_kernel)[(triton.cdiv(n_rows, rows),)](
+    launcher(_combine_kernel, q)[(triton.cdiv(n_rows, rows),)](
         o_part, l_part, out, lse, n_rows, ns, n_rows * Dv, n_rows,
         DV=Dv, HEAD_DIM_V=meta["HEAD_DIM_V"], ROWS=rows, num_warps=4)
     return out, lse

@@ -25,6 +25,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..config import PisaConfig
+from .dispatch import launcher
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -154,12 +155,12 @@ def pyramid_buffers(k: Tensor, config: PisaConfig, live_limit: Optional[int] = N
     else:
         live_arg, sl = cnt, (0, 0, 0)  # unused
     limit = Nk if live_limit is None else live_limit  # the kernel also stops at Nk
-    torch.library.wrap_triton(_leaf_kernel)[(L, B * Hkv)](
+    launcher(_leaf_kernel, k)[(L, B * Hkv)](
         k, live_arg, mu, cnt, *k.stride(), *sl, Hkv, Nk, limit, total, D,
         C=C, KC=KC, BD=BD, HAS_LIVE=key_live is not None, num_warps=4)
     DB = min(BD, 32)
     g = config.branching
-    torch.library.wrap_triton(_upper_kernel)[(B * Hkv, triton.cdiv(BD, DB))](
+    launcher(_upper_kernel, k)[(B * Hkv, triton.cdiv(BD, DB))](
         mu, cnt, L, total, D, GB=g, TOP=g * config.effective_beam,
         GP=triton.next_power_of_2(g), NB=64, DB=DB, num_warps=4)
     return mu, cnt, total

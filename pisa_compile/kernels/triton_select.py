@@ -55,6 +55,7 @@ from torch import Tensor
 
 from ..config import PisaConfig
 from . import reference
+from .dispatch import launcher
 from .triton_pyramid import level_sizes, n_levels, pyramid_buffers
 
 
@@ -528,7 +529,7 @@ def select_blocks(q: Tensor, k: Tensor, attn_mask: Optional[Tensor], is_causal: 
     mu_dot = mu.to(q.dtype)
     # Per program, two rows of P slots for the pool compaction (see _children).
     scratch = torch.empty(B * Hkv * T * 2 * P, dtype=torch.int32, device=q.device)
-    torch.library.wrap_triton(_select_kernel)[(T, B * Hkv)](
+    launcher(_select_kernel, q)[(T, B * Hkv)](
         q, k, mu_dot, lcnt, idx, counts, trace_arg, scratch,
         *q.stride(), *k.stride(),
         Hkv, Nq, Nk, L, total, T, M,

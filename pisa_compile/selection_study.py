@@ -73,15 +73,19 @@ def code_model_qk(length: int, checkpoint=None, device: str = "cpu"
                   ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer of the trained code model, the real ``(q, k)`` (after RoPE) of the first
     ``length`` bytes of held-out Python source: float32 ``[1, 6, length, 64]`` and
-    ``[1, 2, length, 64]`` (6 query heads, 2 KV heads).
+    ``[1, 2, length, 64]`` (6 query heads, 2 KV heads; computed in bf16 on CUDA).
 
     Raises:
         FileNotFoundError: no checkpoint (see :func:`pisa_compile.code_model.load_checkpoint`).
+        ValueError: fewer than ``length`` held-out bytes.
     """
     from . import code_model as cm
 
     model = cm.load_checkpoint(checkpoint or cm.CHECKPOINT, device)
-    ids = cm.load_bytes("heldout", length + 1)[:length].long().to(device)[None]
+    data = cm.load_bytes("heldout", length)
+    if data.numel() < length:
+        raise ValueError(f"length {length}: only {data.numel()} held-out bytes on this machine")
+    ids = data[:length].long().to(device)[None]
     captured = []
 
     def grab(att, args):
@@ -92,7 +96,9 @@ def code_model_qk(length: int, checkpoint=None, device: str = "cpu"
         captured.append((cm._rope(q, cos, sin).float(), cm._rope(k, cos, sin).float()))
 
     hooks = [layer.attn.register_forward_pre_hook(grab) for layer in model.layers]
-    with torch.no_grad():
+    # bf16 on CUDA: the model's own SDPA then takes the flash kernel; in float32 it takes the
+    # math kernel, whose N x N scores do not fit at 64K.
+    with torch.no_grad(), torch.autocast("cuda", torch.bfloat16, enabled=ids.is_cuda):
         model(ids)
     for h in hooks:
         h.remove()
@@ -241,10 +247,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         # beyond the Triton kernel's register budget; selection times are the reference's.
         base = PisaConfig(block_size=block, top_k=top_k, query_tile=64, min_seq_len=0,
                           kernel="reference")
-        title = (f"Selection quality, trained code model (6 layers x 6 heads, causal, held-out "
-                 f"source), block_size={block}, top_k={top_k}")
         for n in lengths:  # reported one by one: long lengths are slow (the ceiling is dense)
             layers = code_model_qk(n, args.checkpoint, args.device)
+            title = (f"Selection quality, trained code model ({len(layers)} layers x "
+                     f"{layers[0][0].shape[1]} heads, causal, held-out source), "
+                     f"block_size={block}, top_k={top_k}")
             label = f"{n / 1024:g}K"
             groups[label] = run_study(layers, base, top_k, is_causal=True, query_tiles=tiles)
             report(label, groups[label])

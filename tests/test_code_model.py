@@ -52,11 +52,14 @@ def test_train_evaluate_and_checkpoint(attention, tmp_path):
     acc = cm.retrieval(model, data, [128], [0.5], 2, "cpu")
     assert set(acc) == {"0.125K@0.5"} and 0 <= acc["0.125K@0.5"] <= 1
     path = tmp_path / "m.pt"
-    cm.save_checkpoint(model, path)
+    cm.save_checkpoint(model, path, SPARSE if attention == "pisa" else None)
     back = cm.load_checkpoint(path)
+    assert back.pisa_options == (SPARSE if attention == "pisa" else {})
     ids = torch.randint(0, 256, (1, 64))
-    torch.testing.assert_close(back(ids), model.to(torch.bfloat16).float()(ids),
-                               rtol=1e-4, atol=1e-4)
+    with torch.no_grad():  # the weights round to bf16; the RoPE buffer is rebuilt in fp32
+        for prm in model.parameters():
+            prm.copy_(prm.to(torch.bfloat16).float())
+    torch.testing.assert_close(back(ids), model(ids), rtol=1e-4, atol=1e-4)
 
 
 def test_missing_checkpoint_names_the_path(tmp_path):
@@ -75,12 +78,38 @@ def test_cli_runs_and_writes_json(tmp_path):
     res = json.loads(out.read_text())
     rec = res["runs"]["pisa"]
     assert rc == 0 and rec["steps"] == 2 and ck.exists()
+    assert rec["pisa_sites_rewritten"] == cm.CodeModelConfig().n_layers
     assert {"bits_per_byte", "retrieval", "bits_per_byte_dense_attention"} <= set(rec)
 
 
 @pytest.mark.parametrize("args, flag", [(["--attention", "flash"], "--attention"),
-                                        (["--eval-lengths", "4k"], "--eval-lengths")])
+                                        (["--eval-lengths", "4k"], "--eval-lengths"),
+                                        (["--options", "{bad json"], "--options"),
+                                        (["--options", '{"top_k": 0}'], "--options"),
+                                        (["--options", "[1]"], "--options"),
+                                        (["--options", '{"local_block": 8}'], "--options")])
 def test_cli_bad_flags_name_the_flag(args, flag, capsys):
     with pytest.raises(SystemExit):
         cm.main(args + ["--device", "cpu"])
     assert flag in capsys.readouterr().err
+
+
+def test_training_fails_loudly_when_pisa_rewrites_nothing(monkeypatch):
+    """A PISA run that silently trained dense would poison the comparison."""
+    monkeypatch.setattr(cm, "_compile", lambda model, attention, **kw: model)
+    data = cm.load_bytes("train", 1 << 16)
+    with pytest.raises(RuntimeError, match="rewrote 0 attention sites"):
+        cm.train("pisa", data, steps=1, time_budget=None, length=64, batch=1, lr=1e-3, seed=0,
+                 device="cpu", log=lambda m: None, model_config=TINY)
+
+
+def test_shipped_checkpoint_loads_with_its_options():
+    """The shipped weights are the recorded PISA run's, with the options it trained with."""
+    import json
+    from pathlib import Path
+    record = json.loads((Path(__file__).parents[1] / "profiles" / "code_model.json").read_text())
+    model = cm.load_checkpoint()
+    assert model.cfg == cm.CodeModelConfig(**record["config"])
+    assert sum(p.numel() for p in model.parameters()) == record["runs"]["pisa"]["n_params"]
+    assert model.pisa_options == record["runs"]["pisa"]["options"] != {}
+    assert cm.CHECKPOINT.stat().st_size < 20 * 10**6

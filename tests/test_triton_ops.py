@@ -100,3 +100,26 @@ def test_triton_ops_under_compile_and_opcheck():
     bi, bc = _select_blocks_triton_op(*sel)
     torch.library.opcheck(_attention_triton_op, (q, k, v, None, bi, bc, True, 0.25,
                                                  cfg.block_size, cfg.query_tile))
+
+
+def test_launcher_wraps_kernels_only_while_traced(monkeypatch):
+    """Eager calls launch the kernel itself (wrap_triton's eager path costs host time per
+    launch); traced calls (fake tensors, as in a triton_op body under compile) get
+    wrap_triton's traceable wrapper."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from pisa_compile.kernels.dispatch import launcher
+    from pisa_compile.kernels.triton_attention import _fwd_kernel
+    monkeypatch.setattr(torch.library, "wrap_triton", lambda kernel: ("wrapped", kernel))
+    assert launcher(_fwd_kernel, torch.zeros(2)) is _fwd_kernel
+    with FakeTensorMode():
+        fake = torch.zeros(2)
+        assert launcher(_fwd_kernel, fake) == ("wrapped", _fwd_kernel)
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Passthrough(TorchDispatchMode):  # as make_fx's proxy mode over real tensors
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+    with Passthrough():
+        assert launcher(_fwd_kernel, torch.zeros(2)) == ("wrapped", _fwd_kernel)

@@ -30,7 +30,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                         "plots, TensorBoard/Perfetto traces (see `profile --help`)")
     sub.add_parser("eval-selection", add_help=False,
                    help="selection recall@K and attention mass against the exact oracle, on "
-                        "real MiniLM queries and keys (see `eval-selection --help`)")
+                        "real MiniLM or code-model queries and keys (see `eval-selection "
+                        "--help`)")
     sub.add_parser("train-code-model", add_help=False,
                    help="GPU: train the byte-level code model with dense and with PISA "
                         "attention and compare them (see `train-code-model --help`)")

@@ -237,8 +237,13 @@ def train_batch(data: Tensor, batch: int, length: int, rng: random.Random,
 
 # -- train and evaluate ------------------------------------------------------------------------
 
-def _compile(model: nn.Module, attention: str, dynamic: Optional[bool] = False,
-             options: Optional[dict] = None) -> nn.Module:
+DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)  # retrieval: where the definition is planted
+
+
+def compile_model(model: nn.Module, attention: str, dynamic: Optional[bool] = False,
+                  options: Optional[dict] = None) -> nn.Module:
+    """``torch.compile(model)`` with ``attention="dense"`` (Inductor) or ``"pisa"``
+    (``backend="pisa"`` with ``options``), after a Dynamo reset."""
     # Every call compiles the same forward code object, and Dynamo's per-code cache stops at
     # its recompile limit (8 entries) and then runs the model eagerly, dense, without a word.
     # The reset drops every compiled graph of the process: this module compiles one at a time.
@@ -247,6 +252,20 @@ def _compile(model: nn.Module, attention: str, dynamic: Optional[bool] = False,
         from .backend import pisa_backend  # the object: works without the installed entry point
         return torch.compile(model, backend=pisa_backend, dynamic=dynamic, options=options)
     return torch.compile(model, dynamic=dynamic)
+
+
+def pisa_shortfall(before: dict, n_layers: int) -> tuple[int, Optional[str]]:
+    """Attention sites rewritten since the ``counters["pisa"]`` snapshot ``before``, and why
+    that is not a whole PISA model (fewer than ``n_layers`` sites, or any left dense), else
+    ``None``. Dynamo may trace a graph twice (``dynamic=True`` restarts), so counts of at least
+    ``n_layers`` pass."""
+    from torch._dynamo.utils import counters
+    rewritten = counters["pisa"]["rewritten"] - before.get("rewritten", 0)
+    left = counters["pisa"]["left_dense"] - before.get("left_dense", 0)
+    if rewritten < n_layers or left:
+        return rewritten, (f"backend='pisa' rewrote {rewritten} attention sites and left {left} "
+                           f"dense ({n_layers} layers)")
+    return rewritten, None
 
 
 def train(attention: str, data: Tensor, steps: Optional[int], time_budget: Optional[float],
@@ -263,7 +282,7 @@ def train(attention: str, data: Tensor, steps: Optional[int], time_budget: Optio
     torch.manual_seed(seed)
     rng = random.Random(seed)
     model = CodeModel(model_config).to(device)
-    compiled = _compile(model, attention, options=options)
+    compiled = compile_model(model, attention, options=options)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1,
                             fused=device == "cuda")
     warmup = 50
@@ -308,14 +327,11 @@ def train(attention: str, data: Tensor, steps: Optional[int], time_budget: Optio
             t_timed += dt
             step_s.append(dt)
         if step == 0:
-            rewritten = counters["pisa"]["rewritten"] - before.get("rewritten", 0)
-            left = counters["pisa"]["left_dense"] - before.get("left_dense", 0)
+            rewritten, why = pisa_shortfall(before, model.cfg.n_layers)
             # Checked at once: a PISA run with a site left dense would waste its budget and
             # poison the comparison.
-            if attention == "pisa" and (rewritten < model.cfg.n_layers or left):
-                raise RuntimeError(
-                    f"backend='pisa' rewrote {rewritten} attention sites and left {left} dense "
-                    f"({model.cfg.n_layers} layers): the run would not be a PISA run")
+            if attention == "pisa" and why:
+                raise RuntimeError(f"{why}: the run would not be a PISA run")
         losses.append(loss.item())
         value_losses.append(value_loss.item())
         if step % 50 == 0:
@@ -366,6 +382,36 @@ def retrieval(model: nn.Module, data: Tensor, lengths: list[int], depths: list[f
                 hits += int(torch.equal(pred, w[0, v_at:v_at + 6]))
             out[f"{n / 1024:g}K@{d:.1f}"] = hits / per_cell
     return out
+
+
+def evaluate(model: CodeModel, attention: str, held: Tensor, length: int, n_windows: int,
+             lengths: list[int], per_cell: int, device: str,
+             options: Optional[dict] = None) -> dict:
+    """Compile ``model`` for evaluation (``dynamic=True``) with ``attention``; then
+    :func:`bits_per_byte` over ``n_windows`` windows of ``length`` bytes of ``held`` and
+    :func:`retrieval` at ``lengths`` x :data:`DEPTHS`, ``per_cell`` each.
+
+    Returns ``{"bits_per_byte": float, "retrieval": {cell: accuracy}, "eval_wall_s": {...}}``.
+
+    Raises:
+        RuntimeError: ``attention="pisa"`` did not rewrite every layer (the numbers would be
+            dense ones).
+    """
+    from torch._dynamo.utils import counters
+    before = dict(counters["pisa"])
+    t0 = time.perf_counter()
+    m = compile_model(model, attention, dynamic=True,
+                      options=options if attention == "pisa" else None)
+    bpb = bits_per_byte(m, held, length, n_windows, device)
+    if attention == "pisa":
+        _, why = pisa_shortfall(before, model.cfg.n_layers)
+        if why:
+            raise RuntimeError(f"{why}: this evaluation would be dense")
+    t1 = time.perf_counter()
+    ret = retrieval(m, held, lengths, list(DEPTHS), per_cell, device)
+    t2 = time.perf_counter()
+    return dict(bits_per_byte=bpb, retrieval=ret,
+                eval_wall_s={"bits_per_byte (incl. compile)": t1 - t0, "retrieval": t2 - t1})
 
 
 def save_checkpoint(model: CodeModel, path: Path, pisa_options: Optional[dict] = None) -> None:
@@ -445,21 +491,15 @@ def main(argv: Optional[list[str]] = None) -> int:
             save_checkpoint(model, Path(args.checkpoint), options)
         Path(args.out).write_text(json.dumps(result, indent=1))
         for eval_attention in (attention, "pisa" if attention == "dense" else "dense"):
-            t0 = time.perf_counter()
-            m = _compile(model, eval_attention, dynamic=True,
-                         options=options if eval_attention == "pisa" else None)
+            r = evaluate(model, eval_attention, held, args.length, args.bpb_windows, lengths,
+                         args.per_cell, args.device, options)
             tag = "" if eval_attention == attention else f"_{eval_attention}_attention"
-            rec["bits_per_byte" + tag] = bits_per_byte(m, held, args.length, args.bpb_windows,
-                                                         args.device)
-            t1 = time.perf_counter()
-            rec["retrieval" + tag] = retrieval(m, held, lengths, [0.1, 0.3, 0.5, 0.7, 0.9],
-                                               args.per_cell, args.device)
-            t2 = time.perf_counter()
-            rec["eval_wall_s" + tag] = {"bits_per_byte (incl. compile)": t1 - t0,
-                                        "retrieval": t2 - t1}
-            print(f"{attention} (eval {eval_attention}): bpb {rec['bits_per_byte' + tag]:.4f} "
-                  f"({t1 - t0:.0f} s), retrieval {rec['retrieval' + tag]} ({t2 - t1:.0f} s)",
-                  flush=True)
+            for key, value in r.items():
+                rec[key + tag] = value
+            wall = r["eval_wall_s"]
+            print(f"{attention} (eval {eval_attention}): bpb {r['bits_per_byte']:.4f} "
+                  f"({wall['bits_per_byte (incl. compile)']:.0f} s), retrieval "
+                  f"{r['retrieval']} ({wall['retrieval']:.0f} s)", flush=True)
             Path(args.out).write_text(json.dumps(result, indent=1))
     return 0
 

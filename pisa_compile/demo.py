@@ -257,11 +257,12 @@ def run_code_model(progress: tqdm) -> list[str]:
         cases.append((depth, w, v_at))
     preds, bits, secs = {}, {}, {}
     problems = []
+    from torch._dynamo.utils import counters
     for attention in ("dense", "pisa"):
         progress.set_description(f"code model: {attention}")
-        _reset_counters()
-        compiled = cm._compile(model, attention, dynamic=True,
-                               options=model.pisa_options if attention == "pisa" else None)
+        before = dict(counters["pisa"])
+        compiled = cm.compile_model(model, attention, dynamic=True,
+                                    options=model.pisa_options if attention == "pisa" else None)
         t0 = time.perf_counter()
         out, nll = [], 0.0
         for _, w, v_at in cases:
@@ -272,12 +273,9 @@ def run_code_model(progress: tqdm) -> list[str]:
         secs[attention] = time.perf_counter() - t0
         bits[attention] = nll / (len(cases) * (CODE_LENGTH - 1)) / 0.6931471805599453
         preds[attention] = out
-        rewritten, left = _rewritten()
-        # Under dynamic=True Dynamo may trace the graph twice (a float-symbol restart inside
-        # nn.Embedding), so the count is a multiple of the layers; nothing may stay dense.
-        if attention == "pisa" and (rewritten < model.cfg.n_layers or left):
-            problems.append(f"code model: {rewritten} attention sites rewritten, {left} left "
-                            f"dense ({model.cfg.n_layers} layers)")
+        _, why = cm.pisa_shortfall(before, model.cfg.n_layers)
+        if attention == "pisa" and why:
+            problems.append(f"code model: {why}")
         progress.update(1)
     rows = []
     for i, (depth, w, v_at) in enumerate(cases):

@@ -41,7 +41,8 @@ def _cfg(block_size, top_k, branching, beam, sink_blocks, local_blocks, query_ti
 
 # -- ops ------------------------------------------------------------------------------------
 # Two implementations of one contract: `pisa::*` run the PyTorch reference (any device);
-# `pisa::*_triton` launch the Triton kernels (through `wrap_triton`, ready for `triton_op`).
+# `pisa::*_triton` launch the Triton kernels (through `dispatch.launcher`, ready for
+# `triton_op`).
 # Selection and attention are separate ops: the selection carries no gradient.
 #
 # The Triton ops are opaque custom ops for now. As `triton_op`s (Inductor traces their bodies)

@@ -96,7 +96,7 @@ def test_cli_bad_flags_name_the_flag(args, flag, capsys):
 
 def test_training_fails_loudly_when_pisa_rewrites_nothing(monkeypatch):
     """A PISA run that silently trained dense would poison the comparison."""
-    monkeypatch.setattr(cm, "_compile", lambda model, attention, **kw: model)
+    monkeypatch.setattr(cm, "compile_model", lambda model, attention, **kw: model)
     data = cm.load_bytes("train", 1 << 16)
     with pytest.raises(RuntimeError, match="rewrote 0 attention sites"):
         cm.train("pisa", data, steps=1, time_budget=None, length=64, batch=1, lr=1e-3, seed=0,

@@ -29,8 +29,8 @@ not supported (the dispatcher keeps it on the reference). Head dims up to 256 (6
 tuned ones); ``Dv`` may differ from ``D``.
 
 Every launch goes through ``dispatch.launcher`` (``wrap_triton`` while traced) so callers can
-wrap these functions in ``torch.library.triton_op``; nothing here syncs with the host or has data-dependent shapes, so
-the functions can be captured in CUDA graphs.
+wrap these functions in ``torch.library.triton_op``; nothing here syncs with the host or has
+data-dependent shapes, so the functions can be captured in CUDA graphs.
 """
 
 from __future__ import annotations

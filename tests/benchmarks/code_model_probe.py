@@ -15,9 +15,21 @@ import time
 
 import torch
 import torch.nn.functional as F
-from torch.profiler import ProfilerActivity, profile
+from overhead_probe import profile_tables  # this folder: scripts run from here
 
-from pisa_compile.code_model import CodeModel, _compile, load_bytes, train_batch
+from pisa_compile.code_model import CodeModel, compile_model, load_bytes, train_batch
+
+
+def timed(fn, n: int) -> list[float]:
+    """Wall seconds of ``n`` calls of ``fn``, each between two CUDA syncs."""
+    times = []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return times
 
 
 def step_times(attention: str, length: int, batch: int, steps: int, data,
@@ -25,7 +37,7 @@ def step_times(attention: str, length: int, batch: int, steps: int, data,
     torch.manual_seed(0)
     rng = random.Random(0)
     model = CodeModel().cuda()
-    compiled = _compile(model, attention)
+    compiled = compile_model(model, attention)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
 
     def one():
@@ -38,52 +50,32 @@ def step_times(attention: str, length: int, batch: int, steps: int, data,
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    times = []
-    for i in range(steps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        one()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
+    times = timed(one, steps)
     print(f"== {attention}: first step {times[0]:.1f} s, median of the rest "
           f"{statistics.median(times[3:]) * 1e3:.1f} ms", flush=True)
     for seg in seg_tiles:  # dk/dv split of popular leaves (triton_attention.SEG_TILES)
         from pisa_compile.kernels import triton_attention
         old, triton_attention.SEG_TILES = triton_attention.SEG_TILES, seg
-        times = []
-        for _ in range(8):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            one()
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
+        times = timed(one, 8)
         triton_attention.SEG_TILES = old
         print(f"   SEG_TILES={seg}: median {statistics.median(times[2:]) * 1e3:.1f} ms",
               flush=True)
     if not tables:
         return
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
-        for _ in range(3):
-            one()
-        torch.cuda.synchronize()
-    print(p.key_averages().table(sort_by="self_cuda_time_total", row_limit=14))
-    print(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=10), flush=True)
+    profile_tables(one, 3, (("self_cuda_time_total", 14), ("self_cpu_time_total", 10)))
 
 
 @torch.no_grad()
 def eval_times(attention: str, lengths: list[int], data) -> None:
     model = CodeModel().cuda().eval()
-    m = _compile(model, attention, dynamic=True)
+    m = compile_model(model, attention, dynamic=True)
     for n in lengths:
         x = data[:n].long().cuda()[None]
-        row = []
-        for _ in range(2):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
+
+        def fwd():
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 m(x)
-            torch.cuda.synchronize()
-            row.append(time.perf_counter() - t0)
+        row = timed(fwd, 2)
         print(f"eval {attention} {n}: first {row[0]:.2f} s, second {row[1] * 1e3:.1f} ms",
               flush=True)
 

@@ -33,21 +33,6 @@ CANDIDATES = {
     "block 32, top_k 32, local_blocks=16": {"block_size": 32, "top_k": 32,
                                             "local_blocks": 16},
 }
-DEPTHS = [0.1, 0.3, 0.5, 0.7, 0.9]
-
-
-def evaluate(model, attention, options, held, length, n_windows, lengths, per_cell, device):
-    from torch._dynamo.utils import counters
-    t0 = time.perf_counter()
-    m = cm._compile(model, attention, dynamic=True, options=options)
-    before = counters["pisa"]["rewritten"]
-    bpb = cm.bits_per_byte(m, held, length, n_windows, device)
-    if attention == "pisa" and counters["pisa"]["rewritten"] == before:
-        raise RuntimeError("no attention site rewritten: this evaluation would be dense")
-    ret = cm.retrieval(m, held, lengths, DEPTHS, per_cell, device)
-    return dict(bits_per_byte=bpb, retrieval=ret, eval_s=time.perf_counter() - t0)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=4000)
@@ -84,7 +69,8 @@ def main() -> int:
         path.write_text(json.dumps(result, indent=1))
         if attention == "pisa":  # before the evaluation: a timeout then loses only that
             cm.save_checkpoint(model, args.out / "code_model_pisa.pt", options)
-        rec.update(evaluate(model, attention, options, held, args.length, 32, lengths, 20, dev))
+        rec.update(cm.evaluate(model, attention, held, args.length, 32, lengths, 20, dev,
+                               options))
         log(f"{attention} {options}: bpb {rec['bits_per_byte']:.4f} {rec['retrieval']}")
         result["runs"][attention] = rec
         path.write_text(json.dumps(result, indent=1))
@@ -97,14 +83,14 @@ def main() -> int:
             log(f"sweep: out of time, {name} skipped")
             continue
         try:
-            r = evaluate(dense, "pisa", options, held, args.length, 8, lengths[:3], 10, dev)
+            r = cm.evaluate(dense, "pisa", held, args.length, 8, lengths[:3], 10, dev, options)
         except Exception as e:  # one broken candidate must not lose the run
             result["sweep"][name] = dict(options=options, error=repr(e))
             log(f"sweep {name}: failed: {e!r}")
             continue
         r["options"] = options
         result["sweep"][name] = r
-        log(f"sweep {name}: bpb {r['bits_per_byte']:.4f} ({r['eval_s']:.0f} s) {r['retrieval']}")
+        log(f"sweep {name}: bpb {r['bits_per_byte']:.4f} {r['retrieval']}")
         path.write_text(json.dumps(result, indent=1))
     best = min((n for n in result["sweep"] if "bits_per_byte" in result["sweep"][n]),
                key=lambda n: result["sweep"][n]["bits_per_byte"])

@@ -20,6 +20,18 @@ from pisa_compile import PisaConfig, pisa_attention
 CFG = PisaConfig(min_seq_len=0)
 
 
+def profile_tables(fn, repeats: int, sorts=(("self_cpu_time_total", 14),
+                                             ("self_cuda_time_total", 8))) -> None:
+    """Run ``fn`` ``repeats`` times under torch.profiler (CPU and CUDA) and print one
+    key-averages table per ``(sort key, rows)``."""
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+        for _ in range(repeats):
+            fn()
+        torch.cuda.synchronize()
+    for key, rows in sorts:
+        print(p.key_averages().table(sort_by=key, row_limit=rows), flush=True)
+
+
 def main(argv):
     n = int(argv[0]) if argv else 8192
     for hq, hkv, d in ((32, 8, 128), (8, 2, 32)):
@@ -41,12 +53,7 @@ def main(argv):
             prof.disable()
             pstats.Stats(prof).sort_stats("cumulative").print_stats(25)
             continue
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
-            for _ in range(5):
-                f()
-            torch.cuda.synchronize()
-        print(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=14))
-        print(p.key_averages().table(sort_by="self_cuda_time_total", row_limit=8))
+        profile_tables(f, 5)
 
 
 if __name__ == "__main__":

@@ -241,17 +241,21 @@ DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)  # retrieval: where the definition is planted
 
 
 def compile_model(model: nn.Module, attention: str, dynamic: Optional[bool] = False,
-                  options: Optional[dict] = None) -> nn.Module:
-    """``torch.compile(model)`` with ``attention="dense"`` (Inductor) or ``"pisa"``
-    (``backend="pisa"`` with ``options``), after a Dynamo reset."""
+                  options: Optional[dict] = None, mode: Optional[str] = None) -> nn.Module:
+    """``torch.compile(model, mode=mode)`` with ``attention="dense"`` (Inductor) or ``"pisa"``
+    (``backend="pisa"`` with ``options``), after a Dynamo reset. ``mode="reduce-overhead"``
+    runs both under CUDA graphs."""
     # Every call compiles the same forward code object, and Dynamo's per-code cache stops at
     # its recompile limit (8 entries) and then runs the model eagerly, dense, without a word.
     # The reset drops every compiled graph of the process: this module compiles one at a time.
     torch._dynamo.reset()
     if attention == "pisa":
         from .backend import pisa_backend  # the object: works without the installed entry point
+        if mode is not None:  # torch.compile takes mode or options, not both
+            from torch._inductor import list_mode_options
+            options = {**list_mode_options(mode), **(options or {})}
         return torch.compile(model, backend=pisa_backend, dynamic=dynamic, options=options)
-    return torch.compile(model, dynamic=dynamic)
+    return torch.compile(model, dynamic=dynamic, mode=mode)
 
 
 def pisa_shortfall(before: dict, n_layers: int) -> tuple[int, Optional[str]]:
@@ -271,18 +275,27 @@ def pisa_shortfall(before: dict, n_layers: int) -> tuple[int, Optional[str]]:
 def train(attention: str, data: Tensor, steps: Optional[int], time_budget: Optional[float],
           length: int, batch: int, lr: float, seed: int, device: str,
           log=print, model_config: Optional[CodeModelConfig] = None,
-          options: Optional[dict] = None) -> tuple[CodeModel, dict]:
+          options: Optional[dict] = None, mode: Optional[str] = None,
+          dense_warmup_steps: int = 0) -> tuple[CodeModel, dict]:
     """Train one model; stop after ``steps`` steps, or when ``time_budget`` seconds of
     training (after compiling) have passed. AdamW, linear warm-up then a constant rate (so
     the schedule does not depend on the number of steps); loss: next-byte cross-entropy plus
     the mean cross-entropy of the planted values. Returns the model and its record.
 
     ``attention``: ``"dense"`` (Inductor) or ``"pisa"`` (``backend="pisa"``, ``options``).
+    ``mode``: the ``torch.compile`` mode of both (e.g. ``"reduce-overhead"``: CUDA graphs).
+    ``dense_warmup_steps``: with ``"pisa"``, the first steps train with dense attention (the
+    step count and throughput include them).
+
+    Raises:
+        RuntimeError: ``"pisa"`` did not rewrite every layer (checked at its first step).
     """
     torch.manual_seed(seed)
     rng = random.Random(seed)
     model = CodeModel(model_config).to(device)
-    compiled = compile_model(model, attention, options=options)
+    first_pisa = dense_warmup_steps if attention == "pisa" else -1
+    compiled = compile_model(model, "dense" if first_pisa > 0 else attention, options=options,
+                             mode=mode)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1,
                             fused=device == "cuda")
     warmup = 50
@@ -300,6 +313,9 @@ def train(attention: str, data: Tensor, steps: Optional[int], time_budget: Optio
             break
         for g in opt.param_groups:
             g["lr"] = lr * min(1.0, (step + 1) / warmup)
+        if step == first_pisa and step > 0:
+            before = dict(counters["pisa"])
+            compiled = compile_model(model, "pisa", options=options, mode=mode)
         x, mark = train_batch(data, batch, length, rng)
         x, mark = x.to(device), mark.to(device)
         if device == "cuda":
@@ -326,7 +342,7 @@ def train(attention: str, data: Tensor, steps: Optional[int], time_budget: Optio
             timed_tokens += batch * length
             t_timed += dt
             step_s.append(dt)
-        if step == 0:
+        if step == max(0, first_pisa):
             rewritten, why = pisa_shortfall(before, model.cfg.n_layers)
             # Checked at once: a PISA run with a site left dense would waste its budget and
             # poison the comparison.
@@ -338,6 +354,7 @@ def train(attention: str, data: Tensor, steps: Optional[int], time_budget: Optio
             log(f"{attention}: step {step} loss {loss.item():.4f} ({dt * 1e3:.0f} ms)")
         step += 1
     record = dict(attention=attention, steps=step, pisa_sites_rewritten=rewritten,
+                  mode=mode, dense_warmup_steps=max(0, first_pisa),
                   length=length, batch=batch, lr=lr,
                   seed=seed, final_loss=sum(losses[-20:]) / max(1, len(losses[-20:])),
                   tokens_per_s=timed_tokens / t_timed if t_timed else None,
@@ -448,8 +465,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--options", default="{}",
                     help='PISA options (JSON) for training and evaluating with PISA, e.g. '
                          '\'{"local_blocks": 8}\'')
+    ap.add_argument("--mode", default=None,
+                    help="torch.compile mode of both runs, e.g. reduce-overhead (CUDA graphs)")
+    ap.add_argument("--dense-warmup-steps", type=int, default=0,
+                    help="the PISA run's first steps use dense attention (counted in --steps)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args(argv)
+    if args.dense_warmup_steps < 0:
+        ap.error(f"--dense-warmup-steps: expected an integer >= 0; got {args.dense_warmup_steps}")
+    if args.mode is not None:
+        from torch._inductor import list_mode_options
+        if args.mode not in list_mode_options():
+            ap.error(f"--mode: expected one of {sorted(list_mode_options())}; got {args.mode!r}")
     runs = [a.strip() for a in args.attention.split(",") if a.strip()]
     if not runs or any(a not in ("dense", "pisa") for a in runs):
         ap.error(f"--attention: expected a comma-separated list of dense, pisa; got "
@@ -480,7 +507,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         model, rec = train(attention, train_data, steps, None if steps else args.time_budget,
                            args.length, args.batch, args.lr, args.seed, args.device,
                            log=lambda m: print(m, flush=True),
-                           options=options if attention == "pisa" else None)
+                           options=options if attention == "pisa" else None, mode=args.mode,
+                           dense_warmup_steps=args.dense_warmup_steps)
         rec["train_wall_s"] = time.perf_counter() - t0
         steps = rec["steps"]
         model.eval()

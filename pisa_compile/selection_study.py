@@ -10,6 +10,8 @@ code model (``--source code-model``, causal, held-out Python source at ``--lengt
 - flat pooled scoring (MoBA/BSA style): a beam as wide as the leaf count, so the first pool
   holds every leaf and no pyramid level prunes;
 - the flat exact scan (quality ceiling, quadratic): flat, with ``leaf_scoring="exact"``;
+- pyramid PISA with exact leaf scoring, ``beam`` = 1x, 2x, 4x ``top_k`` (exact scoring of
+  ``g * beam`` leaf candidates: the cost grows with the beam, the recall towards the ceiling);
 - ``query_tile`` in {1, 4, 16, 64}; exact against pooled leaf scoring at equal FLOPs
   (exact scoring of the ``g * top_k`` leaf candidates costs about as much as attending
   ``2 * top_k`` blocks, so pooled gets ``2 * top_k``; DESIGN.md "Scoring").
@@ -116,6 +118,10 @@ def variants(top_k: int, n_leaves: int, base: PisaConfig,
         "flat pooled": base.replace(top_k=top_k, beam=flat),
         "flat exact (ceiling)": base.replace(top_k=top_k, beam=flat, leaf_scoring="exact"),
         "pyramid exact leaves": base.replace(top_k=top_k, beam=top_k, leaf_scoring="exact"),
+        "pyramid exact leaves, beam=2k": base.replace(top_k=top_k, beam=2 * top_k,
+                                                      leaf_scoring="exact"),
+        "pyramid exact leaves, beam=4k": base.replace(top_k=top_k, beam=4 * top_k,
+                                                      leaf_scoring="exact"),
         "pyramid pooled, 2k blocks (FLOPs of exact)": base.replace(top_k=2 * top_k,
                                                                    beam=2 * top_k),
     }

@@ -62,6 +62,25 @@ def test_train_evaluate_and_checkpoint(attention, tmp_path):
     torch.testing.assert_close(back(ids), model(ids), rtol=1e-4, atol=1e-4)
 
 
+def test_dense_warmup_switches_to_pisa_after_its_steps():
+    """``dense_warmup_steps``: dense steps first, then the PISA rewrite of every layer; the
+    switch is checked like a PISA run's first step."""
+    from torch._dynamo.utils import counters
+    data = cm.load_bytes("train", 1 << 18)
+    seen = []
+    _, rec = cm.train("pisa", data, steps=4, time_budget=None, length=128, batch=2, lr=1e-3,
+                      seed=0, device="cpu", log=lambda m: None, model_config=TINY,
+                      options=SPARSE, dense_warmup_steps=2)
+    assert rec["steps"] == 4 and rec["dense_warmup_steps"] == 2
+    assert rec["pisa_sites_rewritten"] == TINY.n_layers == counters["pisa"]["rewritten"]
+    # Without the switch no site is rewritten: the warm-up alone is dense.
+    counters.clear()
+    _, rec = cm.train("pisa", data, steps=2, time_budget=None, length=128, batch=2, lr=1e-3,
+                      seed=0, device="cpu", log=seen.append, model_config=TINY,
+                      options=SPARSE, dense_warmup_steps=5)
+    assert counters["pisa"]["rewritten"] == 0 and rec["pisa_sites_rewritten"] == 0
+
+
 def test_missing_checkpoint_names_the_path(tmp_path):
     with pytest.raises(FileNotFoundError, match="no code-model checkpoint"):
         cm.load_checkpoint(tmp_path / "none.pt")
@@ -87,7 +106,9 @@ def test_cli_runs_and_writes_json(tmp_path):
                                         (["--options", "{bad json"], "--options"),
                                         (["--options", '{"top_k": 0}'], "--options"),
                                         (["--options", "[1]"], "--options"),
-                                        (["--options", '{"local_block": 8}'], "--options")])
+                                        (["--options", '{"local_block": 8}'], "--options"),
+                                        (["--mode", "fast"], "--mode"),
+                                        (["--dense-warmup-steps", "-1"], "--dense-warmup-steps")])
 def test_cli_bad_flags_name_the_flag(args, flag, capsys):
     with pytest.raises(SystemExit):
         cm.main(args + ["--device", "cpu"])

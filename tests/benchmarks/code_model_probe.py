@@ -2,6 +2,7 @@
 evaluation forwards take (compile included) at each retrieval length.
 
     PYTHONPATH=. python3 tests/benchmarks/code_model_probe.py [--length 16384] [--steps 12]
+        [--mode reduce-overhead] [--options '{"local_blocks": 8}']
 
 Prints, per attention: the median step time, a torch.profiler table of the last steps (GPU
 time per kernel, self CPU time per op) and, for the evaluation model (``dynamic=True``), the
@@ -9,6 +10,7 @@ first and second forward time at each length.
 """
 
 import argparse
+import json
 import random
 import statistics
 import time
@@ -33,11 +35,12 @@ def timed(fn, n: int) -> list[float]:
 
 
 def step_times(attention: str, length: int, batch: int, steps: int, data,
-               tables: bool = True, seg_tiles: tuple = ()) -> None:
+               tables: bool = True, seg_tiles: tuple = (), options=None, mode=None) -> None:
     torch.manual_seed(0)
     rng = random.Random(0)
     model = CodeModel().cuda()
-    compiled = compile_model(model, attention)
+    compiled = compile_model(model, attention, options=options if attention == "pisa" else None,
+                             mode=mode)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
 
     def one():
@@ -51,7 +54,7 @@ def step_times(attention: str, length: int, batch: int, steps: int, data,
         opt.zero_grad(set_to_none=True)
 
     times = timed(one, steps)
-    print(f"== {attention}: first step {times[0]:.1f} s, median of the rest "
+    print(f"== {attention} (mode {mode}, options {options}): first step {times[0]:.1f} s, median of the rest "
           f"{statistics.median(times[3:]) * 1e3:.1f} ms", flush=True)
     for seg in seg_tiles:  # dk/dv split of popular leaves (triton_attention.SEG_TILES)
         from pisa_compile.kernels import triton_attention
@@ -88,12 +91,18 @@ def main() -> None:
     ap.add_argument("--eval-lengths", default="4096,8192,16384,32768")
     ap.add_argument("--seg-tiles", default="", help="SEG_TILES values to time, e.g. 128,64,32")
     ap.add_argument("--pisa-only", action="store_true")
+    ap.add_argument("--no-tables", action="store_true")
+    ap.add_argument("--no-eval", action="store_true")
+    ap.add_argument("--mode", default=None, help="torch.compile mode, e.g. reduce-overhead")
+    ap.add_argument("--options", default="{}", help="PISA options (JSON)")
     args = ap.parse_args()
     data = load_bytes("train", 8 << 20)
+    kw = dict(tables=not args.no_tables, options=json.loads(args.options), mode=args.mode)
     step_times("pisa", args.length, args.batch, args.steps, data,
-               seg_tiles=tuple(int(x) for x in args.seg_tiles.split(",") if x))
+               seg_tiles=tuple(int(x) for x in args.seg_tiles.split(",") if x), **kw)
     if not args.pisa_only:
-        step_times("dense", args.length, args.batch, args.steps, data)
+        step_times("dense", args.length, args.batch, args.steps, data, **kw)
+    if not (args.pisa_only or args.no_eval):
         for attention in ("pisa", "dense"):
             eval_times(attention, [int(x) for x in args.eval_lengths.split(",")], data)
 

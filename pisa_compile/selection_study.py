@@ -186,10 +186,10 @@ def _plot(groups: dict[str, dict], path: Path, title: str) -> None:
     for a in ax:
         a.set_xlim(0, 1)
         a.grid(axis="x", alpha=0.3)
-    if len(groups) > 1:
-        ax[1].legend(loc="lower left")
+    if len(groups) > 1:  # outside the axes: every bar region can reach 1.0
+        ax[1].legend(loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.suptitle(title)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.98))
     fig.savefig(path, dpi=100)
     plt.close(fig)
 

@@ -39,8 +39,8 @@ def step_times(attention: str, length: int, batch: int, steps: int, data,
     torch.manual_seed(0)
     rng = random.Random(0)
     model = CodeModel().cuda()
-    compiled = compile_model(model, attention, options=options if attention == "pisa" else None,
-                             mode=mode)
+    options = options if attention == "pisa" else None
+    compiled = compile_model(model, attention, options=options, mode=mode)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
 
     def one():

@@ -1,0 +1,74 @@
+"""What PISA's quality options cost: forward and forward+backward time of the public op under
+each option set of the selection study, against dense SDPA, side by side in one process.
+
+    PYTHONPATH=. python3 tests/benchmarks/bench_options.py [--sizes 16384 32768 65536]
+        [--json profiles/bench_options.json]
+
+Shape: B=1, Hq=32, Hkv=8, D=128, bf16, causal, block_size=64, top_k=16 (``bench_pisa.py``'s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+
+from pisa_compile import PisaConfig, pisa_attention
+
+B, HQ, HKV, D = 1, 32, 8, 128
+OPTIONS = {
+    "default (pooled, beam=k, query_tile=64)": {},
+    "exact leaves": {"leaf_scoring": "exact"},
+    "exact leaves, beam=2k": {"leaf_scoring": "exact", "beam": 32},
+    "exact leaves, beam=4k": {"leaf_scoring": "exact", "beam": 64},
+    "code model's (exact, local_blocks=8, query_tile=16)": {"leaf_scoring": "exact",
+                                                            "local_blocks": 8, "query_tile": 16},
+}
+
+
+def main(argv=None) -> int:
+    import triton.testing
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", type=int, nargs="*", default=[16384, 32768, 65536])
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    ms: dict = {}
+    for n in args.sizes:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        mk = lambda h: torch.randn(B, h, n, D, device="cuda", dtype=torch.bfloat16,  # noqa: E731
+                                   generator=g).requires_grad_()
+        q, k, v = mk(HQ), mk(HKV), mk(HKV)
+        do = torch.randn_like(q)
+        fns = {"dense SDPA": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                                    enable_gqa=True)}
+        for name, opts in OPTIONS.items():
+            cfg = PisaConfig(min_seq_len=0, **opts)
+            fns[name] = lambda cfg=cfg: pisa_attention(q, k, v, is_causal=True, enable_gqa=True,
+                                                       config=cfg)
+        for name, f in fns.items():
+            row = {}
+            try:
+                with torch.no_grad():
+                    row["fwd_ms"] = triton.testing.do_bench(f, warmup=25, rep=200,
+                                                            return_mode="median")
+                row["fwd_bwd_ms"] = triton.testing.do_bench(
+                    lambda: f().backward(do), warmup=10, rep=200, grad_to_none=[q, k, v],
+                    return_mode="median")
+            except Exception as e:  # report, keep the other rows
+                row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            ms[f"N={n // 1024}K {name}"] = row
+            print(f"N={n // 1024}K {name:55s} {row}", flush=True)
+            torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"shape": dict(B=B, Hq=HQ, Hkv=HKV, D=D, dtype="bfloat16", causal=True),
+                       "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                       "options": OPTIONS, "ms": ms}, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

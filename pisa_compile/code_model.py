@@ -284,12 +284,20 @@ def train(attention: str, data: Tensor, steps: Optional[int], time_budget: Optio
 
     ``attention``: ``"dense"`` (Inductor) or ``"pisa"`` (``backend="pisa"``, ``options``).
     ``mode``: the ``torch.compile`` mode of both (e.g. ``"reduce-overhead"``: CUDA graphs).
-    ``dense_warmup_steps``: with ``"pisa"``, the first steps train with dense attention (the
-    step count and throughput include them).
+    ``dense_warmup_steps``: optimizer steps that a ``"pisa"`` run first takes with dense
+    attention before it recompiles with PISA (ignored for ``"dense"``). ``steps`` counts them;
+    the throughput leaves out each compile's first three steps.
 
     Raises:
-        RuntimeError: ``"pisa"`` did not rewrite every layer (checked at its first step).
+        ValueError: ``dense_warmup_steps`` is negative, or not below ``steps``.
+        RuntimeError: ``"pisa"`` did not rewrite every layer (checked at its first PISA step),
+            or ``time_budget`` ended the run inside its dense warm-up.
     """
+    if dense_warmup_steps < 0:
+        raise ValueError(f"dense_warmup_steps must be >= 0, got {dense_warmup_steps}")
+    if attention == "pisa" and steps is not None and dense_warmup_steps >= max(steps, 1):
+        raise ValueError(f"dense_warmup_steps ({dense_warmup_steps}) must be below steps "
+                         f"({steps}): the PISA run would take no PISA step")
     torch.manual_seed(seed)
     rng = random.Random(seed)
     model = CodeModel(model_config).to(device)
@@ -305,6 +313,7 @@ def train(attention: str, data: Tensor, steps: Optional[int], time_budget: Optio
     before = dict(counters["pisa"])
     rewritten = 0
     step = 0
+    last_compile = 0
     while True:
         if steps is not None and step >= steps:
             break
@@ -316,6 +325,7 @@ def train(attention: str, data: Tensor, steps: Optional[int], time_budget: Optio
         if step == first_pisa and step > 0:
             before = dict(counters["pisa"])
             compiled = compile_model(model, "pisa", options=options, mode=mode)
+            last_compile = step
         x, mark = train_batch(data, batch, length, rng)
         x, mark = x.to(device), mark.to(device)
         if device == "cuda":
@@ -338,10 +348,12 @@ def train(attention: str, data: Tensor, steps: Optional[int], time_budget: Optio
         dt = time.perf_counter() - t0
         if step == 2:
             t_start = time.perf_counter()  # compile and warm-up are over
-        if step >= 3:
+        if step >= 3 and step - last_compile >= 3:
             timed_tokens += batch * length
             t_timed += dt
             step_s.append(dt)
+        elif t_start is not None:
+            t_start += dt  # a recompile's first steps are not training time
         if step == max(0, first_pisa):
             rewritten, why = pisa_shortfall(before, model.cfg.n_layers)
             # Checked at once: a PISA run with a site left dense would waste its budget and
@@ -353,6 +365,9 @@ def train(attention: str, data: Tensor, steps: Optional[int], time_budget: Optio
         if step % 50 == 0:
             log(f"{attention}: step {step} loss {loss.item():.4f} ({dt * 1e3:.0f} ms)")
         step += 1
+    if attention == "pisa" and step <= first_pisa:
+        raise RuntimeError(f"the PISA run ended at step {step}, inside its dense warm-up of "
+                           f"{first_pisa} steps: it took no PISA step")
     record = dict(attention=attention, steps=step, pisa_sites_rewritten=rewritten,
                   mode=mode, dense_warmup_steps=max(0, first_pisa),
                   length=length, batch=batch, lr=lr,
@@ -471,8 +486,12 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="the PISA run's first steps use dense attention (counted in --steps)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args(argv)
-    if args.dense_warmup_steps < 0:
-        ap.error(f"--dense-warmup-steps: expected an integer >= 0; got {args.dense_warmup_steps}")
+    if args.dense_warmup_steps < 0 or (args.dense_warmup_steps and args.steps is not None
+                                       and args.dense_warmup_steps >= args.steps):
+        ap.error(f"--dense-warmup-steps: expected an integer >= 0 and below --steps; got "
+                 f"{args.dense_warmup_steps} (--steps {args.steps})")
+    if args.dense_warmup_steps and "pisa" not in args.attention:
+        ap.error("--dense-warmup-steps applies to the pisa run; --attention has none")
     if args.mode is not None:
         from torch._inductor import list_mode_options
         if args.mode not in list_mode_options():

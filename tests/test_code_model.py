@@ -63,22 +63,44 @@ def test_train_evaluate_and_checkpoint(attention, tmp_path):
 
 
 def test_dense_warmup_switches_to_pisa_after_its_steps():
-    """``dense_warmup_steps``: dense steps first, then the PISA rewrite of every layer; the
-    switch is checked like a PISA run's first step."""
+    """``dense_warmup_steps``: the first steps are a dense run's (same seed: same losses), then
+    every layer is rewritten to PISA, which changes the loss from there on."""
     from torch._dynamo.utils import counters
     data = cm.load_bytes("train", 1 << 18)
-    seen = []
-    _, rec = cm.train("pisa", data, steps=4, time_budget=None, length=128, batch=2, lr=1e-3,
-                      seed=0, device="cpu", log=lambda m: None, model_config=TINY,
-                      options=SPARSE, dense_warmup_steps=2)
-    assert rec["steps"] == 4 and rec["dense_warmup_steps"] == 2
-    assert rec["pisa_sites_rewritten"] == TINY.n_layers == counters["pisa"]["rewritten"]
-    # Without the switch no site is rewritten: the warm-up alone is dense.
+    kw = dict(time_budget=None, length=128, batch=2, lr=1e-3, seed=0, device="cpu",
+              log=lambda m: None, model_config=TINY, options=SPARSE)
+    _, dense = cm.train("dense", data, steps=4, **kw)
     counters.clear()
-    _, rec = cm.train("pisa", data, steps=2, time_budget=None, length=128, batch=2, lr=1e-3,
-                      seed=0, device="cpu", log=seen.append, model_config=TINY,
-                      options=SPARSE, dense_warmup_steps=5)
-    assert counters["pisa"]["rewritten"] == 0 and rec["pisa_sites_rewritten"] == 0
+    _, warm = cm.train("pisa", data, steps=4, dense_warmup_steps=2, **kw)
+    assert warm["steps"] == 4 and warm["dense_warmup_steps"] == 2
+    assert warm["pisa_sites_rewritten"] == TINY.n_layers == counters["pisa"]["rewritten"]
+    # loss_curve keeps every 10th step: step 0 only; compare the final losses too.
+    assert warm["loss_curve"][0] == pytest.approx(dense["loss_curve"][0], rel=1e-5)
+    assert warm["final_loss"] != pytest.approx(dense["final_loss"], rel=1e-6)
+
+
+def test_compile_mode_reaches_both_backends(monkeypatch):
+    """``torch.compile`` takes mode or options, not both: for PISA the mode's Inductor options
+    are merged under the PISA ones, which the backend validates and splits."""
+    calls = []
+    monkeypatch.setattr(torch, "compile", lambda model, **kw: calls.append(kw) or model)
+    m = cm.CodeModel(TINY)
+    cm.compile_model(m, "pisa", options={"top_k": 2}, mode="reduce-overhead")
+    cm.compile_model(m, "dense", mode="reduce-overhead")
+    assert calls[0]["options"] == {"triton.cudagraphs": True, "top_k": 2}
+    assert "mode" not in calls[0] and calls[1]["mode"] == "reduce-overhead"
+    from pisa_compile.backend import split_options
+    config, patches = split_options(calls[0]["options"])
+    assert config.top_k == 2 and patches == {"triton.cudagraphs": True}
+
+
+@pytest.mark.parametrize("warmup, steps", [(-1, 4), (4, 4), (9, 4)])
+def test_dense_warmup_that_leaves_no_pisa_step_is_refused(warmup, steps):
+    data = cm.load_bytes("train", 1 << 16)
+    with pytest.raises(ValueError, match="dense_warmup_steps"):
+        cm.train("pisa", data, steps=steps, time_budget=None, length=64, batch=1, lr=1e-3,
+                 seed=0, device="cpu", log=lambda m: None, model_config=TINY,
+                 dense_warmup_steps=warmup)
 
 
 def test_missing_checkpoint_names_the_path(tmp_path):
@@ -108,7 +130,11 @@ def test_cli_runs_and_writes_json(tmp_path):
                                         (["--options", "[1]"], "--options"),
                                         (["--options", '{"local_block": 8}'], "--options"),
                                         (["--mode", "fast"], "--mode"),
-                                        (["--dense-warmup-steps", "-1"], "--dense-warmup-steps")])
+                                        (["--dense-warmup-steps", "-1"], "--dense-warmup-steps"),
+                                        (["--dense-warmup-steps", "5", "--steps", "5"],
+                                         "--dense-warmup-steps"),
+                                        (["--dense-warmup-steps", "5", "--attention", "dense"],
+                                         "--dense-warmup-steps")])
 def test_cli_bad_flags_name_the_flag(args, flag, capsys):
     with pytest.raises(SystemExit):
         cm.main(args + ["--device", "cpu"])

@@ -18,11 +18,12 @@ import torch.nn.functional as F
 from pisa_compile import PisaConfig, pisa_attention
 
 B, HQ, HKV, D = 1, 32, 8, 128
+K = PisaConfig().top_k
 OPTIONS = {
     "default (pooled, beam=k, query_tile=64)": {},
     "exact leaves": {"leaf_scoring": "exact"},
-    "exact leaves, beam=2k": {"leaf_scoring": "exact", "beam": 32},
-    "exact leaves, beam=4k": {"leaf_scoring": "exact", "beam": 64},
+    "exact leaves, beam=2k": {"leaf_scoring": "exact", "beam": 2 * K},
+    "exact leaves, beam=4k": {"leaf_scoring": "exact", "beam": 4 * K},
     "code model's (exact, local_blocks=8, query_tile=16)": {"leaf_scoring": "exact",
                                                             "local_blocks": 8, "query_tile": 16},
 }
@@ -42,7 +43,7 @@ def main(argv=None) -> int:
                                    generator=g).requires_grad_()
         q, k, v = mk(HQ), mk(HKV), mk(HKV)
         do = torch.randn_like(q)
-        fns = {"dense SDPA": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True,
+        fns = {"dense SDPA (default backend)": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                                                     enable_gqa=True)}
         for name, opts in OPTIONS.items():
             cfg = PisaConfig(min_seq_len=0, **opts)
@@ -66,7 +67,9 @@ def main(argv=None) -> int:
         with open(args.json, "w") as fh:
             json.dump({"shape": dict(B=B, Hq=HQ, Hkv=HKV, D=D, dtype="bfloat16", causal=True),
                        "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                       "options": OPTIONS, "ms": ms}, fh, indent=1)
+                       "options": OPTIONS, "ms": ms,
+                       "sdpa_backend_note": "SDPA picks its backend; with enable_gqa=True on "
+                                            "bf16 CUDA that may not be FlashAttention"}, fh, indent=1)
     return 0
 
 

@@ -5,23 +5,25 @@ and with dense attention, side by side (bits per byte and planted retrieval).
 
 Each row adds its options to the checkpoint's own (``model.pisa_options``); ``dense`` runs the
 same weights with Inductor's dense attention. Bits per byte over 8 held-out windows of 16K
-bytes; retrieval at 4K, 8K and 16K, 10 examples per cell.
+bytes spread over 1 MiB; retrieval at 4K, 8K and 16K, 10 examples per cell.
 """
 
 import json
 import sys
 
+from pisa_compile import PisaConfig
 from pisa_compile import code_model as cm
 
-ROWS = [("trained options", {}), ("beam=2k", {"beam": 32}), ("beam=4k", {"beam": 64}),
-        ("dense", None)]
 
 
 def main(path: str) -> int:
     model = cm.load_checkpoint(device="cuda")
-    held = cm.load_bytes("heldout", 8 * 16384 + 1)
+    k = PisaConfig.from_options(model.pisa_options).top_k
+    rows = [("trained options", {}), ("beam=2k", {"beam": 2 * k}), ("beam=4k", {"beam": 4 * k}),
+            ("dense", None)]
+    held = cm.load_bytes("heldout", 64 * 16384 + 1)  # 8 windows, far apart
     out = {}
-    for name, extra in ROWS:
+    for name, extra in rows:
         try:
             r = cm.evaluate(model, "dense" if extra is None else "pisa", held, 16384, 8,
                             [4096, 8192, 16384], 10, "cuda",

@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 from overhead_probe import profile_tables  # this folder: scripts run from here
 
-from pisa_compile.code_model import CodeModel, compile_model, load_bytes, train_batch
+from pisa_compile.code_model import (CodeModel, compile_model, load_bytes, pisa_shortfall,
+                                     train_batch)
 
 
 def timed(fn, n: int) -> list[float]:
@@ -40,6 +41,8 @@ def step_times(attention: str, length: int, batch: int, steps: int, data,
     rng = random.Random(0)
     model = CodeModel().cuda()
     options = options if attention == "pisa" else None
+    from torch._dynamo.utils import counters
+    before = dict(counters["pisa"])
     compiled = compile_model(model, attention, options=options, mode=mode)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
 
@@ -54,6 +57,10 @@ def step_times(attention: str, length: int, batch: int, steps: int, data,
         opt.zero_grad(set_to_none=True)
 
     times = timed(one, steps)
+    if attention == "pisa":  # a silent dense fallback would time dense as PISA
+        _, why = pisa_shortfall(before, model.cfg.n_layers)
+        if why:
+            raise RuntimeError(why)
     print(f"== {attention} (mode {mode}, options {options}): first step {times[0]:.1f} s, median of the rest "
           f"{statistics.median(times[3:]) * 1e3:.1f} ms", flush=True)
     for seg in seg_tiles:  # dk/dv split of popular leaves (triton_attention.SEG_TILES)

@@ -272,6 +272,16 @@ def pisa_shortfall(before: dict, n_layers: int) -> tuple[int, Optional[str]]:
     return rewritten, None
 
 
+def check_dense_warmup(dense_warmup_steps: int, steps: Optional[int]) -> None:
+    """Raises ``ValueError`` unless ``dense_warmup_steps >= 0`` and, with ``steps`` given,
+    leaves the PISA run at least one PISA step."""
+    if dense_warmup_steps < 0:
+        raise ValueError(f"dense_warmup_steps must be >= 0, got {dense_warmup_steps}")
+    if steps is not None and dense_warmup_steps >= max(steps, 1):
+        raise ValueError(f"dense_warmup_steps ({dense_warmup_steps}) must be below steps "
+                         f"({steps}): the PISA run would take no PISA step")
+
+
 def train(attention: str, data: Tensor, steps: Optional[int], time_budget: Optional[float],
           length: int, batch: int, lr: float, seed: int, device: str,
           log=print, model_config: Optional[CodeModelConfig] = None,
@@ -293,11 +303,7 @@ def train(attention: str, data: Tensor, steps: Optional[int], time_budget: Optio
         RuntimeError: ``"pisa"`` did not rewrite every layer (checked at its first PISA step),
             or ``time_budget`` ended the run inside its dense warm-up.
     """
-    if dense_warmup_steps < 0:
-        raise ValueError(f"dense_warmup_steps must be >= 0, got {dense_warmup_steps}")
-    if attention == "pisa" and steps is not None and dense_warmup_steps >= max(steps, 1):
-        raise ValueError(f"dense_warmup_steps ({dense_warmup_steps}) must be below steps "
-                         f"({steps}): the PISA run would take no PISA step")
+    check_dense_warmup(dense_warmup_steps, steps if attention == "pisa" else None)
     torch.manual_seed(seed)
     rng = random.Random(seed)
     model = CodeModel(model_config).to(device)
@@ -486,16 +492,18 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="the PISA run's first steps use dense attention (counted in --steps)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args(argv)
-    if args.dense_warmup_steps < 0 or (args.dense_warmup_steps and args.steps is not None
-                                       and args.dense_warmup_steps >= args.steps):
-        ap.error(f"--dense-warmup-steps: expected an integer >= 0 and below --steps; got "
-                 f"{args.dense_warmup_steps} (--steps {args.steps})")
+    try:
+        check_dense_warmup(args.dense_warmup_steps,
+                           args.steps if args.dense_warmup_steps else None)
+    except ValueError as e:
+        ap.error(f"--dense-warmup-steps: {e}")
     if args.dense_warmup_steps and "pisa" not in args.attention:
         ap.error("--dense-warmup-steps applies to the pisa run; --attention has none")
-    if args.mode is not None:
-        from torch._inductor import list_mode_options
-        if args.mode not in list_mode_options():
-            ap.error(f"--mode: expected one of {sorted(list_mode_options())}; got {args.mode!r}")
+    from .backend import split_options
+    try:
+        split_options(None, args.mode)  # the backend's own check of a mode
+    except ValueError as e:
+        ap.error(f"--mode: {e}")
     runs = [a.strip() for a in args.attention.split(",") if a.strip()]
     if not runs or any(a not in ("dense", "pisa") for a in runs):
         ap.error(f"--attention: expected a comma-separated list of dense, pisa; got "
@@ -504,7 +512,6 @@ def main(argv: Optional[list[str]] = None) -> int:
         options = json.loads(args.options)
         if not isinstance(options, dict):
             raise TypeError(f"a JSON {type(options).__name__}, not an object")
-        from .backend import split_options
         split_options(options)  # unknown keys are errors here, not after the first run
     except (ValueError, TypeError) as e:
         ap.error(f"--options: expected a JSON object of PISA options like "

@@ -14,10 +14,10 @@ import json
 
 import torch
 import torch.nn.functional as F
+from bench_pisa import B, D, HKV, HQ, inputs  # this folder: scripts run from here
 
 from pisa_compile import PisaConfig, pisa_attention
 
-B, HQ, HKV, D = 1, 32, 8, 128
 K = PisaConfig().top_k
 OPTIONS = {
     "default (pooled, beam=k, query_tile=64)": {},
@@ -38,10 +38,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     ms: dict = {}
     for n in args.sizes:
-        g = torch.Generator(device="cuda").manual_seed(0)
-        mk = lambda h: torch.randn(B, h, n, D, device="cuda", dtype=torch.bfloat16,  # noqa: E731
-                                   generator=g).requires_grad_()
-        q, k, v = mk(HQ), mk(HKV), mk(HKV)
+        q, k, v = inputs(n, grad=True)
         do = torch.randn_like(q)
         fns = {"dense SDPA (default backend)": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                                                     enable_gqa=True)}

@@ -5,35 +5,34 @@ and with dense attention, side by side (bits per byte and planted retrieval).
 
 Each row adds its options to the checkpoint's own (``model.pisa_options``); ``dense`` runs the
 same weights with Inductor's dense attention. Bits per byte over 8 held-out windows of 16K
-bytes spread over 1 MiB; retrieval at 4K, 8K and 16K, 10 examples per cell.
+bytes spread over 1 MiB; retrieval at 4K, 8K and 16K, 10 examples per cell
+(``code_model_sweep.evaluate_options``).
 """
 
 import json
 import sys
 
+from code_model_sweep import evaluate_options  # this folder: scripts run from here
+
 from pisa_compile import PisaConfig
 from pisa_compile import code_model as cm
 
 
-
 def main(path: str) -> int:
     model = cm.load_checkpoint(device="cuda")
-    k = PisaConfig.from_options(model.pisa_options).top_k
-    rows = [("trained options", {}), ("beam=2k", {"beam": 2 * k}), ("beam=4k", {"beam": 4 * k}),
-            ("dense", None)]
+    base = model.pisa_options
+    k = PisaConfig.from_options(base).top_k
+    rows = {"trained options": base, "beam=2k": {**base, "beam": 2 * k},
+            "beam=4k": {**base, "beam": 4 * k}, "dense": None}
     held = cm.load_bytes("heldout", 64 * 16384 + 1)  # 8 windows, far apart
-    out = {}
-    for name, extra in rows:
-        try:
-            r = cm.evaluate(model, "dense" if extra is None else "pisa", held, 16384, 8,
-                            [4096, 8192, 16384], 10, "cuda",
-                            {**model.pisa_options, **(extra or {})})
-            out[name] = r
-            print(name, json.dumps(r), flush=True)
-        except Exception as e:  # report, keep the other rows
-            print(name, "FAILED", type(e).__name__, str(e)[:300], flush=True)
+    out: dict = {}
+
+    def write():
         with open(path, "w") as fh:
             json.dump(out, fh, indent=1)
+    evaluate_options(model, rows, held, 16384, [4096, 8192, 16384], "cuda",
+                     lambda m: print(m, flush=True), out, on_row=write)
+    write()
     return 0
 
 

@@ -18,6 +18,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -33,6 +34,31 @@ CANDIDATES = {
     "block 32, top_k 32, local_blocks=16": {"block_size": 32, "top_k": 32,
                                             "local_blocks": 16},
 }
+def evaluate_options(model, candidates: dict, held, length: int, lengths: list, device: str,
+                     log, rows: dict, on_row=lambda: None, budget: Optional[float] = None) -> dict:
+    """``cm.evaluate`` of ``model`` under each named option set (``None``: dense attention):
+    bits per byte on 8 windows of ``length`` bytes, retrieval at ``lengths`` with 10 per cell.
+    Each result (options included) goes into ``rows[name]``, then ``on_row()`` runs; a failing
+    set is recorded as an error, not raised; past ``budget`` seconds the rest are skipped."""
+    t0 = time.perf_counter()
+    for name, options in candidates.items():
+        if budget is not None and time.perf_counter() - t0 > budget:
+            log(f"sweep: out of time, {name} skipped")
+            continue
+        try:
+            r = cm.evaluate(model, "dense" if options is None else "pisa", held, length, 8,
+                            lengths, 10, device, options)
+        except Exception as e:  # one broken candidate must not lose the run
+            rows[name] = dict(options=options, error=repr(e))
+            log(f"sweep {name}: failed: {e!r}")
+            continue
+        r["options"] = options
+        rows[name] = r
+        log(f"sweep {name}: bpb {r['bits_per_byte']:.4f} {r['retrieval']}")
+        on_row()
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=4000)
@@ -77,21 +103,9 @@ def main() -> int:
         return model
 
     dense = run("dense", None)
-    t_sweep = time.perf_counter()
-    for name, options in CANDIDATES.items():
-        if time.perf_counter() - t_sweep > args.sweep_budget:
-            log(f"sweep: out of time, {name} skipped")
-            continue
-        try:
-            r = cm.evaluate(dense, "pisa", held, args.length, 8, lengths[:3], 10, dev, options)
-        except Exception as e:  # one broken candidate must not lose the run
-            result["sweep"][name] = dict(options=options, error=repr(e))
-            log(f"sweep {name}: failed: {e!r}")
-            continue
-        r["options"] = options
-        result["sweep"][name] = r
-        log(f"sweep {name}: bpb {r['bits_per_byte']:.4f} {r['retrieval']}")
-        path.write_text(json.dumps(result, indent=1))
+    evaluate_options(dense, CANDIDATES, held, args.length, lengths[:3], dev, log,
+                     result["sweep"], on_row=lambda: path.write_text(json.dumps(result, indent=1)),
+                     budget=args.sweep_budget)
     best = min((n for n in result["sweep"] if "bits_per_byte" in result["sweep"][n]),
                key=lambda n: result["sweep"][n]["bits_per_byte"])
     result["chosen"] = best

@@ -16,14 +16,14 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pisa_compile demo
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m experiments.demo
 
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -q tests
 
 # GPU only: pytest-benchmark suite, PISA beside its dense baselines in one process.
 bench: $(STAMP)
-	$(PY) -m pytest -q tests/benchmarks -o python_files='bench_*.py' --benchmark-enable \
+	$(PY) -m pytest -q benchmarks -o python_files='bench_*.py' --benchmark-enable \
 		--benchmark-json=profiles/bench.json
 
 clean:

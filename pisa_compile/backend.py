@@ -18,9 +18,9 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
-from .config import PisaConfig
+from .config import split_options
 
-__all__ = ["pisa_backend", "split_options"]
+__all__ = ["pisa_backend"]
 
 log = logging.getLogger("pisa_compile")
 
@@ -39,58 +39,8 @@ def _source_fingerprint() -> str:
             h.update(p.read_bytes())
         except OSError:
             pass
-    from . import __version__
+    from ._version import __version__
     return f"{__version__}+{h.hexdigest()[:16]}"
-
-
-def split_options(options: Optional[Mapping[str, Any]] = None,
-                  mode: Optional[str] = None) -> tuple[PisaConfig, dict]:
-    """Split ``torch.compile``'s ``options=``/``mode=`` into a config and Inductor patches.
-
-    Args:
-        options: PisaConfig keys (validated by :class:`PisaConfig`) and/or any
-            ``torch._inductor.config`` key (``-`` may stand for ``_``), as ``torch.compile``
-            passes them unvalidated.
-        mode: a ``torch.compile`` mode, mapped with ``torch._inductor.list_mode_options``.
-
-    Returns:
-        ``(PisaConfig, inductor_config_patches)``; explicit ``options`` override ``mode``.
-
-    Raises:
-        ValueError: an unknown key (the message lists the valid keys), an unknown mode, a bad
-            PisaConfig value (the message names the field) or an Inductor value of the
-            wrong type.
-    """
-    from torch._inductor import config as inductor_config, list_mode_options
-
-    if options is not None and not isinstance(options, Mapping):
-        raise TypeError(f"options must be a dict, got {type(options).__name__}")
-    patches: dict = {}
-    if mode is not None and mode != "default":
-        modes = list_mode_options()
-        if mode not in modes:
-            raise ValueError(f"unknown mode {mode!r} for backend 'pisa': valid modes are "
-                             f"{sorted(modes)}")
-        patches.update(list_mode_options(mode))
-    pisa_keys = PisaConfig.field_names()
-    known = inductor_config.get_config_copy()
-    pisa: dict = {}
-    for key, value in (options or {}).items():
-        if key in pisa_keys:
-            pisa[key] = value
-            continue
-        name = str(key).replace("-", "_")
-        if name not in known:
-            raise ValueError(
-                f"unknown option {key!r} for backend 'pisa'. Valid keys: the PISA keys "
-                f"{', '.join(pisa_keys)}; or any torch._inductor.config key (e.g. "
-                f"'max_autotune', 'triton.cudagraphs')")
-        expected = inductor_config.get_type(name)
-        if isinstance(expected, type) and not isinstance(value, expected):
-            raise ValueError(f"option {key!r} (torch._inductor.config) must be "
-                             f"{expected.__name__}, got {type(value).__name__} {value!r}")
-        patches[name] = value
-    return PisaConfig.from_options(pisa), patches
 
 
 def _copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
@@ -132,7 +82,7 @@ def pisa_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
         The compiled callable from ``torch._inductor.compile_fx.compile_fx``.
 
     Raises:
-        ValueError: bad ``options``/``mode`` (see :func:`split_options`).
+        ValueError: bad ``options``/``mode`` (see :func:`pisa_compile.config.split_options`).
         TypeError: an unexpected keyword argument.
 
     A failure inside the rewrite pass never fails the model: it warns once and compiles the

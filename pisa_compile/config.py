@@ -1,4 +1,5 @@
-"""PisaConfig: the validated options of PISA attention and of the ``pisa`` backend."""
+"""PisaConfig: the validated options of PISA attention and of the ``pisa`` backend, and
+:func:`split_options`, which separates them from Inductor's in ``torch.compile(options=...)``."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
-__all__ = ["PisaConfig"]
+__all__ = ["PisaConfig", "split_options"]
 
 LEAF_SCORINGS = ("pooled", "exact")
 KERNELS = ("auto", "triton", "reference")
@@ -97,4 +98,74 @@ class PisaConfig:
         return cls(**{k: v for k, v in options.items() if k in cls.field_names()})
 
     def replace(self, **changes: Any) -> "PisaConfig":
+        """A copy with ``changes`` applied (validated again)."""
         return dataclasses.replace(self, **changes)
+
+    def selection_args(self) -> tuple:
+        """The selection options in the order of the ``pisa::select_blocks`` schema:
+        ``block_size, top_k, branching, beam (resolved), sink_blocks, local_blocks,
+        query_tile, leaf_scoring``."""
+        return (self.block_size, self.top_k, self.branching, self.effective_beam,
+                self.sink_blocks, self.local_blocks, self.query_tile, self.leaf_scoring)
+
+    def attention_options(self) -> dict:
+        """``block_size`` and ``query_tile``: what the attention kernels need to read a
+        selection."""
+        return dict(block_size=self.block_size, query_tile=self.query_tile)
+
+    def selection_options(self) -> dict:
+        """:meth:`selection_args` by name (the keyword arguments of the selection kernels)."""
+        names = ("block_size", "top_k", "branching", "beam", "sink_blocks", "local_blocks",
+                 "query_tile", "leaf_scoring")
+        return dict(zip(names, self.selection_args()))
+
+
+def split_options(options: Optional[Mapping[str, Any]] = None,
+                  mode: Optional[str] = None) -> tuple[PisaConfig, dict]:
+    """Split ``torch.compile``'s ``options=``/``mode=`` into a config and Inductor patches.
+
+    Args:
+        options: PisaConfig keys (validated by :class:`PisaConfig`) and/or any
+            ``torch._inductor.config`` key (``-`` may stand for ``_``), as ``torch.compile``
+            passes them unvalidated.
+        mode: a ``torch.compile`` mode, mapped with ``torch._inductor.list_mode_options``.
+
+    Returns:
+        ``(PisaConfig, inductor_config_patches)``; explicit ``options`` override ``mode``.
+
+    Raises:
+        TypeError: ``options`` is not a mapping.
+        ValueError: an unknown key (the message lists the valid keys), an unknown mode, a bad
+            PisaConfig value (the message names the field) or an Inductor value of the
+            wrong type.
+    """
+    from torch._inductor import config as inductor_config, list_mode_options
+
+    if options is not None and not isinstance(options, Mapping):
+        raise TypeError(f"options must be a dict, got {type(options).__name__}")
+    patches: dict = {}
+    if mode is not None and mode != "default":
+        modes = list_mode_options()
+        if mode not in modes:
+            raise ValueError(f"unknown mode {mode!r} for backend 'pisa': valid modes are "
+                             f"{sorted(modes)}")
+        patches.update(list_mode_options(mode))
+    pisa_keys = PisaConfig.field_names()
+    known = inductor_config.get_config_copy()
+    pisa: dict = {}
+    for key, value in (options or {}).items():
+        if key in pisa_keys:
+            pisa[key] = value
+            continue
+        name = str(key).replace("-", "_")
+        if name not in known:
+            raise ValueError(
+                f"unknown option {key!r} for backend 'pisa'. Valid keys: the PISA keys "
+                f"{', '.join(pisa_keys)}; or any torch._inductor.config key (e.g. "
+                f"'max_autotune', 'triton.cudagraphs')")
+        expected = inductor_config.get_type(name)
+        if isinstance(expected, type) and not isinstance(value, expected):
+            raise ValueError(f"option {key!r} (torch._inductor.config) must be "
+                             f"{expected.__name__}, got {type(value).__name__} {value!r}")
+        patches[name] = value
+    return PisaConfig.from_options(pisa), patches

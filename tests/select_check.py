@@ -14,14 +14,19 @@ import torch
 
 from pisa_compile.kernels import reference as ref
 from pisa_compile.kernels import triton_select as ts
-from pisa_compile.kernels.dispatch import max_blocks
+from pisa_compile.kernels.geometry import (block_width, forced_ranges, level_sizes,
+                                           local_bound)
+
+
+def _pyramid_args(config):
+    return config.block_size, config.branching, config.effective_beam
 
 
 def check_pyramid(k, key_live, config):
     """The Triton pyramid equals the reference's: same levels, means to 1e-5, exact counts."""
     from pisa_compile.kernels import triton_pyramid as tp
-    m1, c1 = ref.build_pyramid(k, key_live, config)
-    m2, c2 = tp.build_pyramid(k, key_live, config)
+    m1, c1 = ref.build_pyramid(k, key_live, *_pyramid_args(config))
+    m2, c2 = tp.build_pyramid(k, key_live, *_pyramid_args(config))
     assert len(m1) == len(m2)
     for a, b in zip(m1, m2):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
@@ -31,14 +36,17 @@ def check_pyramid(k, key_live, config):
 
 def reference_trace(q, k, is_causal, scale, config):
     """Per level (top first): ``(level, pool [B,H,T,P], S [B,H,T,P], kept bool)``."""
-    p = ref._Problem.make(q, k, None, is_causal, config)
+    p = ref._Problem.make(q, k, None, is_causal, config.block_size, config.query_tile)
+    sel = ref._Select(config.top_k, config.branching, config.effective_beam, config.sink_blocks,
+                      config.local_blocks, config.leaf_scoring == "exact")
     g, beam, top_k = config.branching, config.effective_beam, config.top_k
     dev = q.device
     states, key_live = ref.leaf_states(p)
     states = states.to(dev)
-    mus, counts = ref.build_pyramid(k.float(), key_live.to(dev), config)
+    mus, counts = ref.build_pyramid(k.float(), key_live.to(dev), *_pyramid_args(config))
     flags = ref._node_flags(states, g, len(mus))
-    n_forced = min(config.sink_blocks, p.L) + ref.max_local_blocks(config)
+    n_forced = min(config.sink_blocks, p.L) + local_bound(config.local_blocks,
+                                                           config.query_tile, config.block_size)
     e_max = n_forced + beam
     P = g * (beam + e_max)
     R = p.G * p.Tq
@@ -47,7 +55,8 @@ def reference_trace(q, k, is_causal, scale, config):
         p.B, p.Hkv, p.T, R, p.D)
     t0, t1 = 0, p.T
     t = torch.arange(t0, t1, device=dev)
-    n_sink, lo, hi = ref._forced_ranges(p, config, t)
+    n_sink, lo, hi = forced_ranges(t, p.Nq, p.Nk, p.offset, p.C, p.Tq, config.sink_blocks,
+                                   config.local_blocks)
     row_ok = ref._row_valid(p, t0, t1, dev)
     level = len(mus) - 1
     n_top = mus[level].shape[2]
@@ -66,7 +75,7 @@ def reference_trace(q, k, is_causal, scale, config):
             st = ref._gather_tile_flags(states, pool)
             forced = valid & ((pool < n_sink) | ((pool >= lo_b) & (pool <= hi_b)))
             cand = valid & ~forced & ((st == ref.CLEAN) | (st == ref.PARTIAL))
-            s = ref._leaf_scores(p, config, q_rows, k.float(), mus[0], counts[0], pool, st, cand,
+            s = ref._leaf_scores(p, sel, q_rows, k.float(), mus[0], counts[0], pool, st, cand,
                                  t0, t1, scale)
             S, kept = _scores(s, cand, row_ok, top_k)
             out.append((0, pool, S, kept))
@@ -95,13 +104,14 @@ def check_selection(q, k, is_causal, scale, config, tol=1e-4, max_tie_frac=0.05)
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     T = -(-Nq // config.query_tile)
-    from pisa_compile.kernels.triton_pyramid import level_sizes
-    n_levels = len(level_sizes(Nk, config))
-    TW = ts.trace_width(config)
+    n_levels = len(level_sizes(Nk, *_pyramid_args(config)))
+    TW = ts.trace_width(config.effective_beam)
     trace = torch.full((B, Hkv, T, n_levels, TW), -7, dtype=torch.int32, device=q.device)
-    idx, cnt = ts.select_blocks(q, k, None, is_causal, scale, config, trace=trace)
-    ridx, rcnt = ref.select_blocks(q, k, None, is_causal, scale, config)
-    assert idx.shape == ridx.shape == (B, Hkv, T, max_blocks(Nq, Nk, config))
+    idx, cnt = ts.select_blocks(q, k, is_causal, scale, **config.selection_options(), trace=trace)
+    ridx, rcnt = ref.select_blocks(q, k, None, is_causal, scale, **config.selection_options())
+    M = block_width(Nk, config.block_size, config.top_k, config.sink_blocks, config.local_blocks,
+                    config.query_tile)
+    assert idx.shape == ridx.shape == (B, Hkv, T, M)
     assert idx.dtype == torch.int32 and cnt.dtype == torch.int32
     levels = reference_trace(q, k, is_causal, scale, config)
     assert len(levels) == n_levels

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pisa_compile.kernels.dispatch import max_blocks
+from pisa_compile.kernels.geometry import block_width, cdiv, forced_ranges
 
 
 def synthetic_selection(B, Hkv, Nq, Nk, cfg, seed=0, device="cuda"):
@@ -14,13 +14,12 @@ def synthetic_selection(B, Hkv, Nq, Nk, cfg, seed=0, device="cuda"):
     ``block_counts`` int32 ``[B, Hkv, T]``, as ``select_blocks`` does.
     """
     C, Tq = cfg.block_size, cfg.query_tile
-    L, T = -(-Nk // C), -(-Nq // Tq)
-    M = max_blocks(Nq, Nk, cfg)
+    L, T = cdiv(Nk, C), cdiv(Nq, Tq)
+    M = block_width(Nk, C, cfg.top_k, cfg.sink_blocks, cfg.local_blocks, Tq)
     t = torch.arange(T, device=device)
-    hi = ((t + 1) * Tq - 1).clamp(max=Nq - 1) // C
-    lo = (t * Tq // C - (cfg.local_blocks - 1)).clamp(min=0)
+    n_sink, lo, hi = forced_ranges(t, Nq, Nk, 0, C, Tq, cfg.sink_blocks, cfg.local_blocks)
     leaf = torch.arange(L, device=device)
-    forced = (leaf < cfg.sink_blocks) | ((leaf >= lo[:, None]) & (leaf <= hi[:, None]))
+    forced = (leaf < n_sink) | ((leaf >= lo[:, None]) & (leaf <= hi[:, None]))
     eligible = (leaf < lo[:, None]) & ~forced
     g = torch.Generator(device=device).manual_seed(seed)
     bi = torch.empty(B, Hkv, T, M, dtype=torch.int32, device=device)

@@ -15,7 +15,7 @@ from torch._dynamo.utils import counters
 
 import pisa_compile
 from pisa_compile import backend as backend_mod
-from pisa_compile.backend import split_options
+from pisa_compile.config import split_options
 
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")

@@ -1,4 +1,4 @@
-"""Issue 4: dynamic shapes, recompiles, the compile caches, and the pass's own cost.
+"""Dynamic shapes, recompiles, the compile caches, and the pass's own cost.
 
 - Five prompt lengths recompile at most twice (static first graph, then one dynamic one).
 - A second process with the same ``TORCHINDUCTOR_CACHE_DIR`` hits the FX graph cache (and

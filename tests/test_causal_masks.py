@@ -176,7 +176,7 @@ def _mutated_zeros(nq, nk):
     return torch.where(torch.ones(nq, nk, dtype=torch.bool).tril(), z, float("-inf"))
 
 
-LOOKALIKES = {  # found by review: each was once converted to is_causal, wrongly
+LOOKALIKES = {  # masks that look causal but are not: each must keep its mask
     "sub_alpha": lambda nq, nk: torch.sub(A(nk), 1, alpha=2)[None, :] <= (A(nq) - 1)[:, None],
     "arange_end_kw": lambda nq, nk: A(nk)[None, :] <= A(3, end=nq + 3)[:, None],
     "uint8_wrap": lambda nq, nk: ((A(nk, dtype=torch.uint8) + 200)[None, :]
@@ -194,7 +194,7 @@ LOOKALIKES = {  # found by review: each was once converted to is_causal, wrongly
 
 
 @pytest.mark.parametrize("name", sorted(LOOKALIKES))
-def test_review_lookalikes_keep_their_mask(name):
+def test_causal_lookalikes_keep_their_mask(name):
     n = 100 if name == "uint8_wrap" else N
     assert not _mask_of(_sdpa_with(LOOKALIKES[name]), *_qkv(n)).endswith("->is_causal")
 

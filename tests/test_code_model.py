@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from pisa_compile import code_model as cm
+from experiments import code_model as cm
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 TINY = cm.CodeModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128)
@@ -89,7 +89,7 @@ def test_compile_mode_reaches_both_backends(monkeypatch):
     cm.compile_model(m, "dense", mode="reduce-overhead")
     assert calls[0]["options"] == {"triton.cudagraphs": True, "top_k": 2}
     assert "mode" not in calls[0] and calls[1]["mode"] == "reduce-overhead"
-    from pisa_compile.backend import split_options
+    from pisa_compile.config import split_options
     config, patches = split_options(calls[0]["options"])
     assert config.top_k == 2 and patches == {"triton.cudagraphs": True}
 

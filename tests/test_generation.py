@@ -1,4 +1,4 @@
-"""Issue 4: ``model.generate()`` under ``backend="pisa"``: greedy tokens equal eager, and the
+"""``model.generate()`` under ``backend="pisa"``: greedy tokens equal eager, and the
 decode step (one query, keys from the cache, masks from transformers) runs the PISA op.
 
 Options ``min_seq_len=0, block_size=16, top_k=64``: the sparse path runs (``pisa::attention``)

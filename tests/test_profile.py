@@ -24,11 +24,11 @@ import pytest
 import torch
 
 from pisa_compile import profiling_cli
-from pisa_compile.profiling import (REST_ROW, SDPA_ROW, ProfileError, format_table,
+from pisa_compile.profiling import (REST_ROW, SDPA_ROW, ProfileError, stage_table,
                                     parse_lengths, profile, stage_times)
 
 OPTIONS = {"min_seq_len": 0, "block_size": 16, "top_k": 2}
-FAST = dict(warmup=1, repeats=2, profile_steps=1, progress=False, verbose=False)
+FAST = dict(warmup=1, repeats=2, profile_steps=1, progress=False)
 REPO = Path(__file__).resolve().parents[1]
 
 # A user's model file, as `--model FILE.py:FUNC` takes it: FUNC() -> (model, make_inputs).
@@ -191,7 +191,7 @@ def test_summary_json(run):
 
 def test_table(run):
     table = (run.run_dir / "table.txt").read_text()
-    assert table == run.table == format_table(run.summary)
+    assert table == run.table == stage_table(run.summary)
     for word in ("PISA ms", "dense ms", "pisa.select", "pisa.attention_fwd", SDPA_ROW, REST_ROW,
                  "step (profiled)", "step (timed, median)", "peak extra MiB", "128", "256"):
         assert word in table

@@ -1,4 +1,6 @@
-"""Properties of the PISA op on its reference path (DESIGN.md; issue 2, properties a-e, g)."""
+"""Properties of the PISA op on its reference path (DESIGN.md "The algorithm"): the exact
+regime equals SDPA, sparse output equals SDPA under the selection's block mask, no leaks,
+the selection's structure, gradients, bad input, and the op under torch.library/compile."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 
 from pisa_compile import PisaConfig, pisa_attention, select_blocks
 from pisa_compile.kernels import reference
-from pisa_compile.kernels.dispatch import max_blocks
+from pisa_compile.kernels.geometry import block_width, forced_ranges, query_offset
 from tests.strategies import (Problem, oracle, problems, selection_mask, sparse_configs,
                               tolerance)
 
@@ -113,9 +115,10 @@ def test_selection_holds_forced_and_top_k(p: Problem, cfg: PisaConfig):
     Nq, Nk = p.q.shape[2], p.k.shape[2]
     C, L = cfg.block_size, (Nk + cfg.block_size - 1) // cfg.block_size
     assert bi.dtype == torch.int32 and bc.dtype == torch.int32
-    assert T == (Nq + cfg.query_tile - 1) // cfg.query_tile and M == max_blocks(Nq, Nk, cfg)
-    prob = reference._Problem.make(p.q, p.k, p.attn_mask, p.is_causal, cfg)
-    n_sink, lo, hi = reference._forced_ranges(prob, cfg, torch.arange(T))
+    assert T == (Nq + cfg.query_tile - 1) // cfg.query_tile
+    assert M == block_width(Nk, C, cfg.top_k, cfg.sink_blocks, cfg.local_blocks, cfg.query_tile)
+    n_sink, lo, hi = forced_ranges(torch.arange(T), Nq, Nk, query_offset(Nq, Nk, p.is_causal), C,
+                                   cfg.query_tile, cfg.sink_blocks, cfg.local_blocks)
     # Leaves each tile's rows can see at all (dense, test-side).
     vis = p.visibility().expand(B, p.q.shape[1], Nq, Nk)
     vis = F.pad(vis, (0, L * C - Nk, 0, T * cfg.query_tile - Nq))
@@ -251,7 +254,7 @@ SPARSE = PisaConfig(block_size=8, top_k=2, query_tile=8, min_seq_len=0, kernel="
 
 @pytest.mark.parametrize("mask", [None, "bool", "float"])
 def test_opcheck(mask):
-    from pisa_compile.ops import _attention_op, _op_args, _select_blocks_op
+    from pisa_compile.ops import _attention_op, _select_blocks_op
     q = torch.randn(1, 4, 40, 16, requires_grad=True)
     k = torch.randn(1, 2, 40, 16, requires_grad=True)
     v = torch.randn(1, 2, 40, 8, requires_grad=True)
@@ -260,11 +263,11 @@ def test_opcheck(mask):
         m = torch.rand(1, 1, 40, 40) > 0.2
     elif mask == "float":
         m = torch.randn(1, 4, 40, 40).masked_fill(torch.rand(1, 4, 40, 40) > 0.8, float("-inf"))
-    sel_args = (q.detach(), k.detach(), m, causal, 0.25, *_op_args(SPARSE))
+    sel_args = (q.detach(), k.detach(), m, causal, 0.25, *SPARSE.selection_args(), "reference")
     torch.library.opcheck(_select_blocks_op, sel_args)
     bi, bc = _select_blocks_op(*sel_args)
     torch.library.opcheck(_attention_op, (q, k, v, m, bi, bc, causal, 0.25, SPARSE.block_size,
-                                          SPARSE.query_tile))
+                                          SPARSE.query_tile, "reference"))
 
 
 def _attn(q, k, v):

@@ -1,4 +1,4 @@
-"""The selection study (``python -m pisa_compile eval-selection``) on small inputs."""
+"""The selection study (``python -m experiments.selection_study``) on small inputs."""
 
 import json
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pisa_compile import PisaConfig
-from pisa_compile.selection_study import main, run_study, variants
+from experiments.selection_study import main, run_study, variants
 
 
 def test_variants_share_top_k_and_flat_means_one_pool():
@@ -39,12 +39,12 @@ def test_cli_rejects_bad_top_k(capsys):
 
 def test_code_model_source_end_to_end(tmp_path):
     """``--source code-model``: real q/k of a (tiny, saved) code model, causal, per length."""
-    from pisa_compile import code_model as cm
+    from experiments import code_model as cm
     torch.manual_seed(0)
     ck = tmp_path / "tiny.pt"
     cm.save_checkpoint(cm.CodeModel(cm.CodeModelConfig(dim=64, n_layers=2, n_heads=4,
                                                        n_kv_heads=2, ffn_dim=128)), ck)
-    from pisa_compile.selection_study import code_model_qk
+    from experiments.selection_study import code_model_qk
     layers = code_model_qk(192, ck, "cpu")
     assert len(layers) == 2 and layers[0][0].shape == (1, 4, 192, 16)
     assert layers[0][1].shape == (1, 2, 192, 16)

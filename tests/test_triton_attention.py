@@ -65,11 +65,12 @@ def _mask(kind, B, Hq, Nq, Nk, dtype, seed=1):
 def _compare(q, k, v, mask, causal, cfg, backward=True, selection=None):
     scale = q.shape[-1] ** -0.5
     if selection is None:
-        bi, bc = ref.select_blocks(q, k, mask, causal, scale, cfg)
+        bi, bc = ref.select_blocks(q, k, mask, causal, scale, **cfg.selection_options())
     else:
         bi, bc = selection
-    out, lse = ta.sparse_attention(q, k, v, mask, causal, scale, bi, bc, cfg)
-    r_out, r_lse = ref.sparse_attention(q, k, v, mask, causal, scale, bi, bc, cfg)
+    out, lse = ta.sparse_attention(q, k, v, mask, causal, scale, bi, bc, **cfg.attention_options())
+    r_out, r_lse = ref.sparse_attention(q, k, v, mask, causal, scale, bi, bc,
+                                        **cfg.attention_options())
     tol = TOL[q.dtype]
     torch.testing.assert_close(out, r_out, **tol)
     assert lse.dtype == torch.float32
@@ -77,9 +78,10 @@ def _compare(q, k, v, mask, causal, cfg, backward=True, selection=None):
     if not backward:
         return out, lse
     go = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(out)
-    grads = ta.sparse_attention_backward(go, q, k, v, mask, out, lse, bi, bc, causal, scale, cfg)
+    grads = ta.sparse_attention_backward(go, q, k, v, mask, out, lse, bi, bc, causal, scale,
+                                         **cfg.attention_options())
     r_grads = ref.sparse_attention_backward(go, q, k, v, mask, r_out, r_lse, bi, bc, causal,
-                                            scale, cfg)
+                                            scale, **cfg.attention_options())
     for name, a, b in zip(("dq", "dk", "dv"), grads, r_grads):
         assert a.dtype == b.dtype, name
         torch.testing.assert_close(a, b, **GTOL[q.dtype], msg=lambda m: f"{name}: {m}")
@@ -178,9 +180,11 @@ def test_decode_matches_reference(dtype, Nq, causal, n_splits):
     cfg = PisaConfig(block_size=16, top_k=3, query_tile=16, min_seq_len=0)
     q, k, v = _make(2, 2, 4, Nq, 150, 32, 16, dtype, seed=Nq)
     scale = 0.2
-    bi, bc = ref.select_blocks(q, k, None, causal, scale, cfg)
-    out, lse = td.decode_attention(q, k, v, None, causal, scale, bi, bc, cfg, n_splits=n_splits)
-    r_out, r_lse = ref.sparse_attention(q, k, v, None, causal, scale, bi, bc, cfg)
+    bi, bc = ref.select_blocks(q, k, None, causal, scale, **cfg.selection_options())
+    out, lse = td.decode_attention(q, k, v, None, causal, scale, bi, bc,
+                                   **cfg.attention_options(), n_splits=n_splits)
+    r_out, r_lse = ref.sparse_attention(q, k, v, None, causal, scale, bi, bc,
+                                        **cfg.attention_options())
     torch.testing.assert_close(out, r_out, **TOL[dtype])
     torch.testing.assert_close(lse, r_lse.float(), atol=1e-3, rtol=1e-3)
 
@@ -192,9 +196,11 @@ def test_decode_with_mask():
     mask[..., 80:] = False
     mask[..., 1, :] = False  # one query sees nothing
     mask = mask.to(DEV)
-    bi, bc = ref.select_blocks(q, k, mask, False, 0.25, cfg)
-    out, lse = td.decode_attention(q, k, v, mask, False, 0.25, bi, bc, cfg, n_splits=3)
-    r_out, r_lse = ref.sparse_attention(q, k, v, mask, False, 0.25, bi, bc, cfg)
+    bi, bc = ref.select_blocks(q, k, mask, False, 0.25, **cfg.selection_options())
+    out, lse = td.decode_attention(q, k, v, mask, False, 0.25, bi, bc, **cfg.attention_options(),
+                                   n_splits=3)
+    r_out, r_lse = ref.sparse_attention(q, k, v, mask, False, 0.25, bi, bc,
+                                        **cfg.attention_options())
     torch.testing.assert_close(out, r_out, **TOL[torch.float32])
     torch.testing.assert_close(lse, r_lse.float(), atol=1e-3, rtol=1e-3)
     assert torch.all(out[:, :, 1] == 0)
@@ -202,8 +208,9 @@ def test_decode_with_mask():
 
 def test_errors_name_the_problem():
     q, k, v = _make(1, 1, 1, 16, 16, 16, 16, torch.float32)
-    bi, bc = ref.select_blocks(q, k, None, False, 0.25, CFG)
+    bi, bc = ref.select_blocks(q, k, None, False, 0.25, **CFG.selection_options())
     with pytest.raises(ValueError, match="float16/bfloat16/float32"):
-        ta.sparse_attention(q.double(), k.double(), v.double(), None, False, 0.25, bi, bc, CFG)
+        ta.sparse_attention(q.double(), k.double(), v.double(), None, False, 0.25, bi, bc,
+                            **CFG.attention_options())
     with pytest.raises(ValueError, match="block_indices"):
-        ta.sparse_attention(q, k, v, None, False, 0.25, bi[:, :, :0], bc, CFG)
+        ta.sparse_attention(q, k, v, None, False, 0.25, bi[:, :, :0], bc, **CFG.attention_options())

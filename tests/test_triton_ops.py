@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pisa_compile import PisaConfig, pisa_attention, select_blocks
-from pisa_compile.ops import kernel_for
+from pisa_compile.ops import plan
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
@@ -39,7 +39,7 @@ def test_triton_path_matches_reference(G, Nq, Nk, causal, dtype):
     k = torch.randn(1, 2, Nk, 32, device=DEV, dtype=dtype)
     v = torch.randn(1, 2, Nk, 24, device=DEV, dtype=dtype)
     tri, ref = _cfg("triton"), _cfg("reference")
-    assert kernel_for(q, v, tri) == "triton"
+    assert plan(q, k, v, None, causal, config=tri).attention in ("triton", "triton-decode")
     bi_t, bc_t = select_blocks(q, k, is_causal=causal, enable_gqa=True, config=tri)
     bi_r, bc_r = select_blocks(q, k, is_causal=causal, enable_gqa=True, config=ref)
     assert torch.equal(bi_t, bi_r) and torch.equal(bc_t, bc_r)
@@ -66,21 +66,24 @@ def test_masked_triton_path_uses_reference_selection():
 
 
 def test_unsupported_inputs_fall_back_with_one_warning():
-    import pisa_compile.ops as ops
+    from pisa_compile.kernels import dispatch
     q = torch.randn(1, 1, 8, 16, dtype=torch.float64, device=DEV)
-    ops._warned.clear()
+    dispatch._warned.clear()
     with pytest.warns(UserWarning, match="interpreter is unreliable|float64 inputs"):
-        assert kernel_for(q, q, _cfg("triton")) == "reference"
+        how = plan(q, q, q, config=_cfg("triton"))
+    assert how.select == how.attention == "reference" and how.reason
     import warnings
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert kernel_for(q, q, _cfg("triton")) == "reference"  # warned once only
-    assert kernel_for(q, q, _cfg("auto")) == "reference"
+        assert plan(q, q, q, config=_cfg("triton")) == how  # warned once only
+        # CPU tensors with kernel="auto" take the reference as asked: no warning.
+        assert plan(q, q, q, config=_cfg("auto")).attention == "reference"
 
 
 def test_triton_ops_under_compile_and_opcheck():
-    """The Triton ops under torch.compile (fullgraph, dynamic, backward) and opcheck."""
-    from pisa_compile.ops import _attention_triton_op, _op_args, _select_blocks_triton_op
+    """The ops on the Triton kernels under torch.compile (fullgraph, dynamic, backward) and
+    opcheck."""
+    from pisa_compile.ops import _attention_op, _select_blocks_op
     cfg = _cfg("triton")
     torch._dynamo.reset()
 
@@ -95,11 +98,11 @@ def test_triton_ops_under_compile_and_opcheck():
         out.sum().backward()
         assert q.grad is not None and torch.isfinite(q.grad).all()
     q, k, v = (torch.randn(1, h, 40, 16, device=DEV, requires_grad=True) for h in (4, 2, 2))
-    sel = (q.detach(), k.detach(), True, 0.25, *_op_args(cfg))
-    torch.library.opcheck(_select_blocks_triton_op, sel)
-    bi, bc = _select_blocks_triton_op(*sel)
-    torch.library.opcheck(_attention_triton_op, (q, k, v, None, bi, bc, True, 0.25,
-                                                 cfg.block_size, cfg.query_tile))
+    sel = (q.detach(), k.detach(), None, True, 0.25, *cfg.selection_args(), "triton")
+    torch.library.opcheck(_select_blocks_op, sel)
+    bi, bc = _select_blocks_op(*sel)
+    torch.library.opcheck(_attention_op, (q, k, v, None, bi, bc, True, 0.25, cfg.block_size,
+                                          cfg.query_tile, "triton"))
 
 
 def test_launcher_wraps_kernels_only_while_traced(monkeypatch):
@@ -108,7 +111,7 @@ def test_launcher_wraps_kernels_only_while_traced(monkeypatch):
     wrap_triton's traceable wrapper."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from pisa_compile.kernels.dispatch import launcher
+    from pisa_compile.kernels.runtime import launcher
     from pisa_compile.kernels.triton_attention import _fwd_kernel
     monkeypatch.setattr(torch.library, "wrap_triton", lambda kernel: ("wrapped", kernel))
     assert launcher(_fwd_kernel, torch.zeros(2)) is _fwd_kernel

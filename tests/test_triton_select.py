@@ -18,14 +18,14 @@ if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
                 allow_module_level=True)
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import warnings  # noqa: E402
-
 import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
 from pisa_compile import PisaConfig  # noqa: E402
+from pisa_compile.ops import plan  # noqa: E402
 from pisa_compile.kernels import reference as ref  # noqa: E402
+from pisa_compile.kernels.geometry import local_bound  # noqa: E402
 from pisa_compile.kernels import triton_select as ts  # noqa: E402
 from tests.select_check import check_pyramid, check_selection  # noqa: E402
 
@@ -93,8 +93,9 @@ def test_unrolled_row_chunks_match(case):
     B, Hkv, G, Nq, Nk, D, dtype, causal, kw = case
     cfg = PisaConfig(min_seq_len=0, kernel="triton", **{"query_tile": 4, **kw})
     q, k = _qk(B, Hkv, G, Nq, Nk, D, dtype)
-    a = ts.select_blocks(q, k, None, causal, D ** -0.5, cfg, row_block=16)
-    b = ts.select_blocks(q, k, None, causal, D ** -0.5, cfg, row_block=16, unroll=True)
+    opts = cfg.selection_options()
+    a = ts.select_blocks(q, k, causal, D ** -0.5, **opts, tuning=dict(row_block=16))
+    b = ts.select_blocks(q, k, causal, D ** -0.5, **opts, tuning=dict(row_block=16, unroll=True))
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
@@ -112,25 +113,26 @@ def test_exact_ties_go_to_lower_index():
     cfg = PisaConfig(block_size=4, top_k=2, query_tile=4, min_seq_len=0)
     k = torch.ones(1, 1, 96, 16)
     q = torch.randn(1, 2, 96, 16)
-    idx, cnt = ts.select_blocks(q, k, None, True, 0.25, cfg)
-    ridx, rcnt = ref.select_blocks(q, k, None, True, 0.25, cfg)
+    idx, cnt = ts.select_blocks(q, k, True, 0.25, **cfg.selection_options())
+    ridx, rcnt = ref.select_blocks(q, k, None, True, 0.25, **cfg.selection_options())
     assert torch.equal(idx, ridx) and torch.equal(cnt, rcnt)
 
 
-def test_explicit_mask_falls_back_to_reference():
-    cfg = PisaConfig(block_size=4, top_k=2, query_tile=4, min_seq_len=0)
+def test_explicit_mask_plans_the_reference_selection():
+    cfg = PisaConfig(block_size=4, top_k=2, query_tile=4, min_seq_len=0, kernel="triton")
     q, k = _qk(1, 1, 2, 40, 40, 16, torch.float32)
     mask = torch.rand(1, 1, 40, 40) > 0.3
-    idx, cnt = ts.select_blocks(q, k, mask, False, 0.25, cfg)
-    ridx, rcnt = ref.select_blocks(q, k, mask, False, 0.25, cfg)
-    assert torch.equal(idx, ridx) and torch.equal(cnt, rcnt)
+    how = plan(q, k, k, mask, False, config=cfg)
+    assert (how.select, how.attention) == ("reference", "triton")
+    assert "attn_mask" in how.reason
+    assert plan(q, k, k, None, False, config=cfg) == ("triton", "triton", "")
 
 
 def test_pool_bound_holds_without_mask():
     # Every expanded node is a forced ancestor, so the pool never drops one: the kernel's pool
-    # width is g * (beam + n_forced) rounded up.
+    # width is g * (beam + n_forced) rounded up: 2 * (16 + 1 + 3) -> 64.
     cfg = PisaConfig()
-    assert ts.pool_size(cfg, cfg.sink_blocks) == 64
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        assert ts.pool_size(cfg.replace(branching=3), 1) == 64
+    n_forced = cfg.sink_blocks + local_bound(cfg.local_blocks, cfg.query_tile, cfg.block_size)
+    assert n_forced == 4
+    assert ts.pool_size(cfg.branching, cfg.effective_beam, n_forced) == 64
+    assert ts.pool_size(3, cfg.effective_beam, n_forced) == 64

@@ -1,4 +1,4 @@
-"""Issue 4: unmodified Hugging Face models under ``torch.compile(backend="pisa")``.
+"""Unmodified Hugging Face models under ``torch.compile(backend="pisa")``.
 
 Small random models (hidden 64, 2 layers, batch 2, sequence 24), offline. For each model and
 attention implementation ("eager" hand-written attention, "sdpa"):

@@ -1,4 +1,4 @@
-"""Issue 4, coverage beyond Inductor: one test per form of the catalogue (patterns.py's
+"""Coverage beyond Inductor: one test per form of the catalogue (patterns.py's
 docstring): the attention shapes Inductor's ``fuse_attention.py`` matches (its
 ``_sfdp_pattern_N``, spelled here at the torch level as models write them), GQA,
 ``nn.MultiheadAttention``, 3-D bmm and einsum. Each compiled == eager and counted rewritten

@@ -1,134 +1,163 @@
-"""The one place that picks a kernel: the Triton kernels or the PyTorch reference.
+"""The one decision point: which implementation runs each PISA stage, and the routing to it.
 
-``pisa_compile.ops`` decides which implementation a call uses (``ops.kernel_for``) and calls
-these functions with ``impl="triton"`` or ``impl="reference"``. Each stage runs inside a
-``torch.profiler`` range named in :data:`STAGES` (in eager execution; a compiled graph
+:func:`plan` looks at a call (device, dtype, head dims, mask, lengths, the ``kernel`` option)
+and returns a :class:`Plan`: plain SDPA, or which implementation selects the blocks and which
+attends, with the reason whenever the fused Triton path is not taken (a fallback on CUDA warns
+once). The stage functions below run what a plan names, each inside a ``torch.profiler``
+range of :data:`~pisa_compile.kernels.runtime.STAGES` (in eager execution; a compiled graph
 shows the Triton kernels by name instead).
 """
 
 from __future__ import annotations
 
-import contextlib
-import importlib.util
-import os
-from typing import Optional
+import warnings
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
-from ..config import PisaConfig
 from . import reference
+from .runtime import (DECODE_MAX_QUERIES, MAX_HEAD_DIM, stage_range, triton_available,
+                      triton_interpreting, triton_targets_gpu)
 
-# Profiler ranges, one per PISA stage (pisa_compile.profile tabulates them by these names).
-STAGES = ("pisa.pyramid", "pisa.select", "pisa.attention_fwd", "pisa.attention_bwd", "pisa.decode")
-# Stages whose range always sits inside another's: the pyramid is built by the selection.
-NESTED_IN = {"pisa.pyramid": "pisa.select"}
-MAX_HEAD_DIM = 256
-# Up to this many queries attend through the split-K decode kernel (flash-decoding style).
-DECODE_MAX_QUERIES = 16
+__all__ = ["Plan", "plan", "select_blocks", "attention_forward", "attention_backward"]
 
-
-def max_blocks(n_queries, n_keys, config: PisaConfig):
-    """Width of ``block_indices``: forced blocks plus ``top_k``, capped at the leaf count."""
-    return block_width(n_keys, config.block_size, config.top_k, config.sink_blocks,
-                       config.local_blocks, config.query_tile)
+KERNELS = ("auto", "triton", "reference")
+SDPA, TRITON, DECODE, REFERENCE = "sdpa", "triton", "triton-decode", "reference"
 
 
-def block_width(n_keys, block_size, top_k, sink_blocks, local_blocks, query_tile):
-    """:func:`max_blocks` from plain ints; SymInt-safe, for fake kernels (where Dynamo may
-    hand the config fields over as symbols, so no PisaConfig can be built)."""
-    n_leaves = (n_keys + block_size - 1) // block_size
-    bound = sink_blocks + top_k + reference.local_bound(local_blocks, query_tile, block_size)
-    # Python's min, not sym_min: a symbolic length then costs one range guard and the width
-    # stays a plain int, which the kernels need as a compile-time tile size.
-    return min(n_leaves, bound)
+class Plan(NamedTuple):
+    """Which implementation runs each stage of one call (a NamedTuple: Dynamo traces it).
+
+    Attributes:
+        select: ``"triton"`` or ``"reference"`` (``None`` when ``attention`` is ``"sdpa"``).
+        attention: ``"sdpa"`` (plain dense SDPA: the exact regime by shape), ``"triton"``,
+            ``"triton-decode"`` (split-K over the blocks, for a few queries) or
+            ``"reference"``.
+        reason: why a stage does not run the fused Triton path; empty when everything does.
+    """
+
+    select: Optional[str]
+    attention: str
+    reason: str = ""
 
 
-def uses_dense(n_keys, config: PisaConfig) -> bool:
-    """``Nk < min_seq_len`` (or no keys at all): PISA is plain SDPA there (DESIGN.md
-    "Exact regime")."""
-    return n_keys < config.min_seq_len or n_keys == 0
+_warned: set[str] = set()
 
 
-# Environment facts, constant for a process: Dynamo evaluates them once while tracing instead
-# of tracing into importlib or the CUDA runtime (torch 2.11 breaks the graph on `find_spec`).
-@torch.compiler.assume_constant_result
-def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
+def _warn_once(reason: str) -> None:
+    if reason not in _warned:
+        _warned.add(reason)
+        warnings.warn(f"pisa_compile: {reason}; the PyTorch reference runs instead (exact, "
+                      "slower)", stacklevel=4)
 
 
-@torch.compiler.assume_constant_result
-def triton_interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+def _triton_refusal(q: Tensor, v: Tensor, kernel: str) -> Optional[str]:
+    """Why the Triton kernels cannot take these inputs (``None``: they can)."""
+    if kernel == "reference":
+        return "kernel='reference'"
+    if q.device.type != "cuda" and kernel == "auto":
+        return f"{q.device.type} tensors (the Triton kernels run on CUDA)"
+    if not triton_available():
+        return "Triton is not installed"
+    if q.device.type != "cuda":
+        if not triton_interpreting():
+            return ("kernel='triton' on a CPU tensor needs TRITON_INTERPRET=1 set before Triton "
+                    "is imported")
+        if q.dtype not in (torch.float16, torch.float32):
+            return f"Triton's interpreter is unreliable for {q.dtype}"
+        return None
+    if q.dtype not in (torch.float16, torch.bfloat16) and not (
+            kernel == "triton" and q.dtype == torch.float32):
+        return f"{q.dtype} inputs (the Triton kernels take float16/bfloat16)"
+    if max(q.shape[-1], v.shape[-1]) > MAX_HEAD_DIM:
+        return f"head dim {max(q.shape[-1], v.shape[-1])} > {MAX_HEAD_DIM}"
+    if not triton_targets_gpu(q.device.index or 0):
+        return "a GPU older than compute capability 8.0"
+    return None
 
 
-@torch.compiler.assume_constant_result
-def triton_targets_gpu(index: int) -> bool:
-    """Whether the kernels support CUDA device ``index`` (compute capability >= 8.0)."""
-    return torch.cuda.get_device_capability(index) >= (8, 0)
+def plan(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal: bool, *,
+         kernel: str = "auto", min_seq_len: int = 0, local_blocks: int = 1) -> Plan:
+    """Decide which implementation runs selection and attention for one call.
 
+    Args:
+        q: ``[B, Hq, Nq, D]``; k: ``[B, Hkv, Nk, D]``; v: ``[B, Hkv, Nk, Dv]``.
+        attn_mask: the (4-D) mask or None; is_causal: SDPA's flag.
+        kernel: ``"auto"`` (Triton on CUDA, the reference elsewhere), ``"triton"`` (also the
+            interpreter on CPU, for tests) or ``"reference"``.
+        min_seq_len: below this many keys the call is plain SDPA (DESIGN.md "Exact regime").
+        local_blocks: the PISA option; a causal selection with none needs the reference.
 
-def _tracing(t: Tensor) -> bool:
-    # Profiler ranges cannot be traced into a graph (triton_op bodies are traced by AOT).
-    from torch._subclasses.fake_tensor import FakeTensor
-    from torch._subclasses.functional_tensor import FunctionalTensor
-    return isinstance(t, (FakeTensor, FunctionalTensor)) or torch.compiler.is_compiling()
+    Returns:
+        A :class:`Plan`. Falling back to the reference on CUDA warns once per reason.
 
-
-def launcher(kernel, t: Tensor):
-    """``kernel`` itself for a call on real tensors, ``wrap_triton(kernel)`` while a graph is
-    traced (a ``triton_op`` body) or a dispatch mode is active. Eager ``wrap_triton`` goes
-    through a higher-order op and pytree flattening: hundreds of microseconds of host time per
-    launch on the H200 (``tests/benchmarks/overhead_probe.py --cprofile``)."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
-    if _tracing(t) or _get_current_dispatch_mode() is not None:
-        return torch.library.wrap_triton(kernel)
-    return kernel
-
-
-def stage_range(name: str, t: Tensor):
-    """A profiler range for one PISA stage (a no-op while a graph is being traced)."""
-    return contextlib.nullcontext() if _tracing(t) else torch.profiler.record_function(name)
+    Raises:
+        ValueError: an unknown ``kernel``.
+    """
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    n_keys = k.shape[2]
+    if n_keys < min_seq_len:
+        return Plan(None, SDPA, f"Nk={n_keys} < min_seq_len={min_seq_len}")
+    if q.numel() == 0 or k.numel() == 0 or v.numel() == 0:
+        return Plan(None, SDPA, "empty input")
+    why = _triton_refusal(q, v, kernel)
+    if why is not None:
+        if kernel == "triton" or (kernel == "auto" and q.device.type == "cuda"):
+            _warn_once(why)  # not what was asked for: say so
+        return Plan(REFERENCE, REFERENCE, why)
+    attention = DECODE if q.shape[2] <= DECODE_MAX_QUERIES else TRITON
+    if attn_mask is not None:
+        why = "explicit attn_mask (the fused selection reads no mask yet)"
+    elif q.dtype == torch.float64:
+        why = "float64 inputs"
+    elif is_causal and local_blocks == 0:
+        why = "causal with local_blocks=0 (PARTIAL candidates need masked exact scores)"
+    else:
+        return Plan(TRITON, attention)
+    if q.device.type == "cuda":
+        _warn_once(f"selection: {why}")
+    return Plan(REFERENCE, attention, f"selection: {why}")
 
 
 def select_blocks(q: Tensor, k: Tensor, attn_mask: Optional[Tensor], is_causal: bool,
-                  scale: float, config: PisaConfig, impl: str) -> tuple[Tensor, Tensor]:
-    """``(block_indices, block_counts)`` of :func:`reference.select_blocks`; the pyramid is
-    built inside the selection, so one range covers both."""
+                  scale: float, impl: str, **options) -> tuple[Tensor, Tensor]:
+    """``(block_indices, block_counts)`` by ``impl`` (a :class:`Plan`'s ``select``); the
+    pyramid is built inside the selection, so one range covers both. ``options``: the
+    selection options (``block_size`` ... ``leaf_scoring``) as plain values."""
     with stage_range("pisa.select", q):
-        if impl == "triton":
+        if impl == TRITON:
             from . import triton_select
-            return triton_select.select_blocks(q, k, attn_mask, is_causal, scale, config)
-        return reference.select_blocks(q, k, attn_mask, is_causal, scale, config)
+            return triton_select.select_blocks(q, k, is_causal, scale, **options)
+        return reference.select_blocks(q, k, attn_mask, is_causal, scale, **options)
 
 
 def attention_forward(q, k, v, attn_mask, is_causal, scale, block_indices, block_counts,
-                      config: PisaConfig, impl: str) -> tuple[Tensor, Tensor]:
-    """``(out, lse)`` of :func:`reference.sparse_attention`; few queries take the decode kernel."""
-    if impl == "triton":
-        if q.shape[2] <= DECODE_MAX_QUERIES:
-            from .triton_decode import decode_attention
-            with stage_range("pisa.decode", q):
-                return decode_attention(q, k, v, attn_mask, is_causal, scale, block_indices,
-                                        block_counts, config)
-        from .triton_attention import sparse_attention
-        with stage_range("pisa.attention_fwd", q):
-            return sparse_attention(q, k, v, attn_mask, is_causal, scale, block_indices,
-                                    block_counts, config)
+                      impl: str, *, block_size: int, query_tile: int) -> tuple[Tensor, Tensor]:
+    """``(out, lse)`` of block-sparse attention by ``impl`` (a :class:`Plan`'s ``attention``)."""
+    args = (q, k, v, attn_mask, is_causal, scale, block_indices, block_counts)
+    shape = dict(block_size=block_size, query_tile=query_tile)
+    if impl == DECODE:
+        from .triton_decode import decode_attention
+        with stage_range("pisa.decode", q):
+            return decode_attention(*args, **shape)
     with stage_range("pisa.attention_fwd", q):
-        return reference.sparse_attention(q, k, v, attn_mask, is_causal, scale, block_indices,
-                                          block_counts, config)
+        if impl == TRITON:
+            from .triton_attention import sparse_attention
+            return sparse_attention(*args, **shape)
+        return reference.sparse_attention(*args, **shape)
 
 
 def attention_backward(grad_out, q, k, v, attn_mask, out, lse, block_indices, block_counts,
-                       is_causal, scale, config: PisaConfig, impl: str):
-    """``(dq, dk, dv)`` of :func:`reference.sparse_attention_backward`."""
+                       is_causal, scale, impl: str, *, block_size: int, query_tile: int):
+    """``(dq, dk, dv)`` of :func:`attention_forward` with the selection held fixed; both
+    Triton forward kernels share one backward."""
+    args = (grad_out, q, k, v, attn_mask, out, lse, block_indices, block_counts, is_causal,
+            scale)
+    shape = dict(block_size=block_size, query_tile=query_tile)
     with stage_range("pisa.attention_bwd", q):
-        if impl == "triton":
+        if impl in (TRITON, DECODE):
             from .triton_attention import sparse_attention_backward
-            return sparse_attention_backward(grad_out, q, k, v, attn_mask, out, lse,
-                                             block_indices, block_counts, is_causal, scale,
-                                             config)
-        return reference.sparse_attention_backward(grad_out, q, k, v, attn_mask, out, lse,
-                                                   block_indices, block_counts, is_causal,
-                                                   scale, config)
+            return sparse_attention_backward(*args, **shape)
+        return reference.sparse_attention_backward(*args, **shape)

@@ -17,24 +17,14 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..config import PisaConfig
+from .geometry import block_width, cdiv, forced_ranges, level_sizes, local_bound, query_offset
+from .runtime import stage_range
 
-# Leaf states of one leaf for one tile.
-DEAD, NONE, PARTIAL, CLEAN = 0, 1, 2, 3
+# How a tile's rows see one leaf: no live key at all; live keys, none visible to the tile;
+# some live key hidden from some valid row; every live key visible to every valid row.
+DEAD, UNSEEN, PARTIAL, CLEAN = 0, 1, 2, 3
 # Elements of one chunk's largest temporary; bounds CPU memory per step.
 _CHUNK_ELEMS = 1 << 24
-
-
-def max_local_blocks(config: PisaConfig) -> int:
-    """Most local leaves one tile can force: ``local_blocks - 1`` plus the tile's span."""
-    return local_bound(config.local_blocks, config.query_tile, config.block_size)
-
-
-def local_bound(local_blocks, query_tile, block_size):
-    """:func:`max_local_blocks` from plain (possibly symbolic) ints."""
-    if local_blocks == 0:
-        return 0
-    return local_blocks - 1 + (query_tile + block_size - 2) // block_size + 1
 
 
 def softmax_rows(s: Tensor) -> tuple[Tensor, Tensor]:
@@ -56,10 +46,6 @@ def softmax_rows(s: Tensor) -> tuple[Tensor, Tensor]:
 def _acc_dtype(x: Tensor) -> torch.dtype:
     """float32 accumulation, float64 for float64 inputs (the oracle must not lose precision)."""
     return torch.promote_types(x.dtype, torch.float32)
-
-
-def _cdiv(a: int, b: int) -> int:
-    return (a + b - 1) // b
 
 
 # -- masks ----------------------------------------------------------------------------------
@@ -110,7 +96,7 @@ class _Problem:
 
     @staticmethod
     def make(q: Tensor, k: Tensor, attn_mask: Optional[Tensor], is_causal: bool,
-             config: PisaConfig) -> "_Problem":
+             block_size: int, query_tile: int) -> "_Problem":
         B, Hq, Nq, D = q.shape
         Hkv, Nk = k.shape[1], k.shape[2]
         G = Hq // Hkv
@@ -118,15 +104,9 @@ class _Problem:
         if allowed is not None:
             allowed = _grouped(allowed, B, Hkv, G, Nq, Nk)
             bias = None if bias is None else _grouped(bias, B, Hkv, G, Nq, Nk)
-        if is_causal:
-            offset = 0
-        elif Nq <= Nk:
-            offset = Nk - Nq  # self-attention or a KV cache: queries are the last positions
-        else:
-            offset = None  # cross-attention: no local blocks
-        C, Tq = config.block_size, config.query_tile
-        return _Problem(B, Hq, Hkv, G, Nq, Nk, D, C, Tq, _cdiv(Nq, Tq), _cdiv(Nk, C),
-                        is_causal, allowed, bias, offset)
+        C, Tq = block_size, query_tile
+        return _Problem(B, Hq, Hkv, G, Nq, Nk, D, C, Tq, cdiv(Nq, Tq), cdiv(Nk, C),
+                        is_causal, allowed, bias, query_offset(Nq, Nk, is_causal))
 
     def visible(self, q_pos: Tensor, k_pos: Tensor, t0: int, t1: int) -> Tensor:
         """Visibility ``[B, h, gm, tiles, Tq, n_keys]`` for tiles ``[t0, t1)``.
@@ -175,7 +155,7 @@ def leaf_states(p: _Problem) -> tuple[Tensor, Tensor]:
     """Per tile and leaf, how the tile's rows see the leaf; and which keys are pooled.
 
     Returns:
-        states: int8 ``[B, Hkv or 1, T, L]``: DEAD (no live key), NONE (live keys, none
+        states: int8 ``[B, Hkv or 1, T, L]``: DEAD (no live key), UNSEEN (live keys, none
             visible to the tile), PARTIAL (some live key hidden from some valid row), CLEAN
             (every live key visible to every valid row). A row is valid if it sees any key.
         key_live: bool ``[B, Hkv or 1, Nk]``: keys some query may see (DESIGN.md "Leaves").
@@ -199,7 +179,7 @@ def leaf_states(p: _Problem) -> tuple[Tensor, Tensor]:
         else:
             clean = torch.ones(p.T, p.L, dtype=torch.bool)
             none = torch.zeros(p.T, p.L, dtype=torch.bool)
-        states = torch.where(dead, DEAD, torch.where(clean, CLEAN, torch.where(none, NONE, PARTIAL)))
+        states = torch.where(dead, DEAD, torch.where(clean, CLEAN, torch.where(none, UNSEEN, PARTIAL)))
         return states.to(torch.int8)[None, None], key_live[None, None]
 
     a = p.allowed  # [B, h, gm, Nq, Nk]
@@ -220,17 +200,19 @@ def leaf_states(p: _Problem) -> tuple[Tensor, Tensor]:
         full = n_rows[..., None] * n_live[:, :, None, :]
         st = torch.full_like(vis, PARTIAL)
         st = torch.where(vis == full, CLEAN, st)
-        st = torch.where(vis == 0, NONE, st)
+        st = torch.where(vis == 0, UNSEEN, st)
         st = torch.where(n_live[:, :, None, :] == 0, DEAD, st)
         states[:, :, t0:t1] = st.to(torch.int8)
     return states, key_live
 
 
-def build_pyramid(k: Tensor, key_live: Tensor, config: PisaConfig) -> tuple[list[Tensor], list[Tensor]]:
+def build_pyramid(k: Tensor, key_live: Tensor, block_size: int, branching: int,
+                  beam: int) -> tuple[list[Tensor], list[Tensor]]:
     """Leaf summaries and every level above, in float32 (DESIGN.md "Leaves and pyramid").
 
     Args:
         k: ``[B, Hkv, Nk, D]``. key_live: bool ``[B, Hkv or 1, Nk]``.
+        block_size, branching, beam: the PISA options of those names (``beam`` resolved).
 
     Returns:
         ``mus[l]``: ``[B, Hkv, n_l, D]`` count-weighted mean keys of level ``l`` (0 = leaves);
@@ -238,17 +220,17 @@ def build_pyramid(k: Tensor, key_live: Tensor, config: PisaConfig) -> tuple[list
         finest one with at most ``branching * beam`` nodes.
     """
     B, Hkv, Nk, D = k.shape
-    C, g = config.block_size, config.branching
-    L = _cdiv(Nk, C)
+    C, g = block_size, branching
+    L = cdiv(Nk, C)
     w = key_live.expand(B, Hkv, Nk).to(torch.float32)
     pad = L * C - Nk
     kw = torch.nn.functional.pad(k.float() * w[..., None], (0, 0, 0, pad))
     sums = kw.view(B, Hkv, L, C, D).sum(3)
     n = torch.nn.functional.pad(w, (0, pad)).view(B, Hkv, L, C).sum(3)
     mus, counts = [sums / n.clamp(min=1)[..., None]], [n]
-    while counts[-1].shape[-1] > g * config.effective_beam:
+    for _ in level_sizes(Nk, C, g, beam)[1:]:
         m = counts[-1].shape[-1]
-        pad = _cdiv(m, g) * g - m
+        pad = cdiv(m, g) * g - m
         s = torch.nn.functional.pad(mus[-1] * counts[-1][..., None], (0, 0, 0, pad))
         s = s.view(B, Hkv, -1, g, D).sum(3)
         c = torch.nn.functional.pad(counts[-1], (0, pad)).view(B, Hkv, -1, g).sum(3)
@@ -259,29 +241,27 @@ def build_pyramid(k: Tensor, key_live: Tensor, config: PisaConfig) -> tuple[list
 
 # -- selection --------------------------------------------------------------------------------
 
-def _forced_ranges(p: _Problem, config: PisaConfig, t: Tensor) -> tuple[int, Tensor, Tensor]:
-    """Sink leaves ``[0, n_sink)`` and local leaves ``[lo, hi]`` per tile ``t`` (lo > hi: none)."""
-    n_sink = min(config.sink_blocks, p.L)
-    if p.offset is None or config.local_blocks == 0:
-        return n_sink, torch.full_like(t, p.L + 1), torch.full_like(t, -1)
-    q0 = t * p.Tq
-    q1 = torch.clamp((t + 1) * p.Tq, max=p.Nq) - 1
-    p0 = torch.clamp(q0 + p.offset, max=p.Nk - 1)
-    p1 = torch.clamp(q1 + p.offset, max=p.Nk - 1)
-    hi = p1 // p.C
-    lo = torch.clamp(p0 // p.C - (config.local_blocks - 1), min=0)
-    return n_sink, lo, hi
+@dataclass(frozen=True)
+class _Select:
+    """The selection options (DESIGN.md "Coarse-to-fine selection")."""
+
+    top_k: int
+    branching: int
+    beam: int
+    sink_blocks: int
+    local_blocks: int
+    exact: bool  # leaf_scoring == "exact"
 
 
 def _node_flags(states: Tensor, g: int, levels: int) -> list[tuple[Tensor, Tensor]]:
     """Per level, ``(any_visible, any_bad)`` over each node's leaves, ``[B, h, T, n_l]``."""
     vis = (states == CLEAN) | (states == PARTIAL)
-    bad = (states == PARTIAL) | (states == NONE)
+    bad = (states == PARTIAL) | (states == UNSEEN)
     out = [(vis, bad)]
     for _ in range(levels - 1):
         v, b = out[-1]
         m = v.shape[-1]
-        pad = _cdiv(m, g) * g - m
+        pad = cdiv(m, g) * g - m
         v = torch.nn.functional.pad(v, (0, pad)).view(*v.shape[:-1], -1, g).any(-1)
         b = torch.nn.functional.pad(b, (0, pad)).view(*b.shape[:-1], -1, g).any(-1)
         out.append((v, b))
@@ -295,31 +275,33 @@ def _lse_scores(qr: Tensor, mu: Tensor, cnt: Tensor, scale: float) -> Tensor:
 
 
 def select_blocks(q: Tensor, k: Tensor, attn_mask: Optional[Tensor], is_causal: bool, scale: float,
-                  config: PisaConfig) -> tuple[Tensor, Tensor]:
+                  *, block_size: int, top_k: int, branching: int, beam: int, sink_blocks: int,
+                  local_blocks: int, query_tile: int,
+                  leaf_scoring: str) -> tuple[Tensor, Tensor]:
     """Coarse-to-fine top-K leaf selection per query tile (DESIGN.md "Coarse-to-fine selection").
 
     Args:
         q: ``[B, Hq, Nq, D]``; k: ``[B, Hkv, Nk, D]``; attn_mask: 4-D bool/float or None.
-        scale: softmax scale (float). config: the PISA options.
+        scale: softmax scale (float).
+        block_size, top_k, branching, beam, sink_blocks, local_blocks, query_tile,
+        leaf_scoring: the PISA options of those names (``beam`` resolved, never None).
 
     Returns:
         ``block_indices`` int32 ``[B, Hkv, T, M]`` (ascending, -1 padded; forced leaves
         included) and ``block_counts`` int32 ``[B, Hkv, T]``.
     """
-    from .dispatch import max_blocks  # the one definition of the output width
-
-    p = _Problem.make(q, k, attn_mask, is_causal, config)
-    g, beam = config.branching, config.effective_beam
+    p = _Problem.make(q, k, attn_mask, is_causal, block_size, query_tile)
+    sel = _Select(top_k, branching, beam, sink_blocks, local_blocks, leaf_scoring == "exact")
+    g = branching
     dev = q.device
     states, key_live = leaf_states(p)
     states = states.to(dev)
-    from .dispatch import stage_range
     with stage_range("pisa.pyramid", k):
-        mus, counts = build_pyramid(k, key_live.to(dev), config)
+        mus, counts = build_pyramid(k, key_live.to(dev), block_size, branching, beam)
     n_levels = len(mus)
     flags = _node_flags(states, g, n_levels)
-    M = max_blocks(p.Nq, p.Nk, config)
-    n_forced = min(config.sink_blocks, p.L) + max_local_blocks(config)
+    M = block_width(p.Nk, block_size, top_k, sink_blocks, local_blocks, query_tile)
+    n_forced = min(sink_blocks, p.L) + local_bound(local_blocks, query_tile, block_size)
     e_max = n_forced + beam  # expanded nodes kept per level; past it the excess is dropped
     P = g * (beam + e_max)
     R = p.G * p.Tq
@@ -333,7 +315,7 @@ def select_blocks(q: Tensor, k: Tensor, attn_mask: Optional[Tensor], is_causal: 
     block_counts = torch.zeros((p.B, p.Hkv, p.T), dtype=torch.int32, device=dev)
     per_tile = R * P * (g + p.C) + P * p.C * p.D
     for t0, t1 in _tile_chunks(p.T, p.B * p.Hkv * per_tile):
-        idx, cnt = _select_chunk(p, config, q_rows[:, :, t0:t1].float(), k, mus, counts, flags,
+        idx, cnt = _select_chunk(p, sel, q_rows[:, :, t0:t1].float(), k, mus, counts, flags,
                                  states, t0, t1, scale, P, e_max, M)
         block_indices[:, :, t0:t1] = idx
         block_counts[:, :, t0:t1] = cnt
@@ -368,12 +350,13 @@ def _gather_tile_flags(f: Tensor, idx: Tensor) -> Tensor:
     return torch.gather(f, 3, idx.clamp(min=0).long())
 
 
-def _select_chunk(p, config, q_rows, k, mus, counts, flags, states, t0, t1, scale, P, e_max, M):
-    g, beam, top_k = config.branching, config.effective_beam, config.top_k
+def _select_chunk(p, sel, q_rows, k, mus, counts, flags, states, t0, t1, scale, P, e_max, M):
+    g, beam, top_k = sel.branching, sel.beam, sel.top_k
     dev = q_rows.device
     nt = t1 - t0
     t = torch.arange(t0, t1, device=dev)
-    n_sink, lo, hi = _forced_ranges(p, config, t)
+    n_sink, lo, hi = forced_ranges(t, p.Nq, p.Nk, p.offset, p.C, p.Tq, sel.sink_blocks,
+                                   sel.local_blocks)
     row_ok = _row_valid(p, t0, t1, dev)  # [B, Hkv, nt, R]
     level = len(mus) - 1
     n_top = mus[level].shape[2]
@@ -392,7 +375,7 @@ def _select_chunk(p, config, q_rows, k, mus, counts, flags, states, t0, t1, scal
             st = _gather_tile_flags(fl, pool)
             forced = valid & ((pool < n_sink) | ((pool >= lo_b) & (pool <= hi_b)))
             cand = valid & ~forced & ((st == CLEAN) | (st == PARTIAL))
-            s = _leaf_scores(p, config, q_rows, k, mus[0], counts[0], pool, st, cand, t0, t1, scale)
+            s = _leaf_scores(p, sel, q_rows, k, mus[0], counts[0], pool, st, cand, t0, t1, scale)
             picked = _top(s, cand, row_ok, top_k)
             chosen = torch.where(picked | forced, pool, torch.full_like(pool, -1))
             chosen = torch.sort(torch.where(chosen < 0, p.L, chosen), dim=-1).values
@@ -466,7 +449,7 @@ def _internal_scores(q_rows, mu_child, cnt_child, pool, g, scale):
     return torch.logsumexp(s, -1)
 
 
-def _leaf_scores(p, config, q_rows, k, mu_leaf, cnt_leaf, pool, st, cand, t0, t1, scale):
+def _leaf_scores(p, sel, q_rows, k, mu_leaf, cnt_leaf, pool, st, cand, t0, t1, scale):
     """Leaf scores ``[B, Hkv, t, R, P]``: pooled, or exact LSE over visible keys.
 
     Exact scoring is used for every leaf with ``leaf_scoring="exact"``, and always for
@@ -475,7 +458,7 @@ def _leaf_scores(p, config, q_rows, k, mu_leaf, cnt_leaf, pool, st, cand, t0, t1
     B, H, nt, P = pool.shape
     pooled = _lse_scores(q_rows, _gather_nodes(mu_leaf, pool), _gather_nodes(cnt_leaf, pool), scale)
     exact_leaf = st == PARTIAL
-    if config.leaf_scoring == "exact":
+    if sel.exact:
         exact_leaf = exact_leaf | (st == CLEAN)
     if not bool((exact_leaf & cand).any()):
         return pooled
@@ -548,14 +531,14 @@ def _chunk_logits(p, q, k, block_indices, t0, t1, scale):
 
 
 def sparse_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal: bool,
-                     scale: float, block_indices: Tensor, block_counts: Tensor,
-                     config: PisaConfig) -> tuple[Tensor, Tensor]:
+                     scale: float, block_indices: Tensor, block_counts: Tensor, *,
+                     block_size: int, query_tile: int) -> tuple[Tensor, Tensor]:
     """Block-sparse attention over the selected leaves, with the usual masks inside each block.
 
     Returns ``out [B, Hq, Nq, Dv]`` (``q.dtype``; zero for rows with no visible key) and
     ``lse [B, Hq, Nq]`` float32 (float64 for float64 inputs; natural log; ``-inf`` for such rows).
     """
-    p = _Problem.make(q, k, attn_mask, is_causal, config)
+    p = _Problem.make(q, k, attn_mask, is_causal, block_size, query_tile)
     M = block_indices.shape[-1]
     out = q.new_empty(p.B, p.Hq, p.Nq, v.shape[-1])
     lse = torch.empty(p.B, p.Hq, p.Nq, dtype=_acc_dtype(q), device=q.device)
@@ -572,14 +555,14 @@ def sparse_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor
 
 
 def sparse_attention_backward(grad_out, q, k, v, attn_mask, out, lse, block_indices, block_counts,
-                              is_causal, scale, config):
+                              is_causal, scale, *, block_size, query_tile):
     """Exact ``dq, dk, dv`` of :func:`sparse_attention` with the selection held fixed.
 
     ``dS = P * (dO V^T - rowsum(dO * O))`` (FlashAttention-2's backward), with ``P``
     recomputed from the scores by :func:`softmax_rows` (``lse`` is accepted for the kernels'
     common signature). Gradients are accumulated in float32 (float64 for float64 inputs).
     """
-    p = _Problem.make(q, k, attn_mask, is_causal, config)
+    p = _Problem.make(q, k, attn_mask, is_causal, block_size, query_tile)
     M = block_indices.shape[-1]
     dq = q.new_empty(q.shape)
     acc = _acc_dtype(q)

@@ -42,23 +42,14 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..config import PisaConfig
-from .dispatch import launcher
+from .geometry import cdiv
+from .runtime import MAX_HEAD_DIM, launcher
+from .triton_util import LN2, LOG2E, pow2
 
 __all__ = ["sparse_attention", "sparse_attention_backward", "transposed_index", "tile_params"]
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
-MAX_HEAD_DIM = 256
 # Most query tiles one dk/dv program walks for one leaf; longer lists are split (sink leaves).
 SEG_TILES = 128
-# Benchmark sweeps may set tile choices here (keys of :func:`tile_params`); empty in normal use.
-TUNE_OVERRIDES: dict = {}
-
-
-def _pow2(x: int, lo: int = 16) -> int:
-    return max(lo, triton.next_power_of_2(int(x)))
-
 
 # -- device helpers ---------------------------------------------------------------------------
 
@@ -142,7 +133,7 @@ def _apply_mask(s, b, head, qi, row_ok, kpos, kvalid, Mask, smb, smh, smq, smk, 
         else:
             mf = mv.to(tl.float32)
             vis = vis & (mf > mask_thr)  # HF's convention: <= finfo.min / 2 is masked
-            s = s + tl.where(vis, mf, 0.0) * 1.4426950408889634
+            s = s + tl.where(vis, mf, 0.0) * LOG2E
     return tl.where(vis, s, float("-inf"))
 
 
@@ -174,7 +165,7 @@ def _fwd_kernel(
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
     smb, smh, smq, smk, sob, soh, son, sod, slb, slh, sln,
     sib, sih, sit, scb, sch, sct,
-    Hkv, Nq, Nk, qk_scale, mask_thr, EPS, part_stride_o, part_stride_l,
+    Hkv, Nq, Nk, qk_scale, mask_thr, ENTRIES_PER_SPLIT, part_stride_o, part_stride_l,
     G: tl.constexpr, TQ: tl.constexpr, TQE: tl.constexpr, C: tl.constexpr,
     D: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
@@ -184,8 +175,8 @@ def _fwd_kernel(
     """One program: one row sub-block of one query tile of one (batch, KV head)[, one split].
 
     ``SPLIT``: write a partial (normalised out, base-2 lse) in fp32 for entries
-    ``[split * EPS, (split + 1) * EPS)`` of the block list (flash-decoding); else the final
-    ``out``/``lse``.
+    ``[split * ENTRIES_PER_SPLIT, (split + 1) * ENTRIES_PER_SPLIT)`` of the block list
+    (flash-decoding); else the final ``out``/``lse``.
     """
     # Inductor may pass Python floats as fp64 scalars; keep the math in fp32.
     qk_scale = tl.cast(qk_scale, tl.float32)
@@ -193,8 +184,8 @@ def _fwd_kernel(
     b, hkv, head, qi, row_ok, count, bi_row = _tile_program(
         BC, BI, scb, sch, sct, sib, sih, sit, Hkv, Nq, G, TQ, TQE, BLOCK_M, N_SUB)
     if SPLIT:
-        e0 = tl.program_id(2) * EPS
-        e1 = tl.minimum(count, e0 + EPS)
+        e0 = tl.program_id(2) * ENTRIES_PER_SPLIT
+        e1 = tl.minimum(count, e0 + ENTRIES_PER_SPLIT)
     else:
         e0 = 0
         e1 = count
@@ -244,7 +235,7 @@ def _fwd_kernel(
         tl.store(OPart + sp * part_stride_o + row[:, None] * DV + offs_dv[None, :], out,
                  mask=row_ok[:, None] & (offs_dv[None, :] < DV))
     else:
-        lse = tl.where(l_ok, (m_i + tl.math.log2(tl.where(l_ok, l_i, 1.0))) * 0.6931471805599453,
+        lse = tl.where(l_ok, (m_i + tl.math.log2(tl.where(l_ok, l_i, 1.0))) * LN2,
                        float("-inf"))
         tl.store(Lse + b64 * slb + head.to(tl.int64) * slh + qi * sln, lse, mask=row_ok)
         o_ptrs = (Out + b64 * sob + head[:, None].to(tl.int64) * soh
@@ -306,7 +297,7 @@ def _bwd_dq_kernel(
     lse = tl.load(Lse + b64 * slb + head.to(tl.int64) * slh + qi * sln, mask=row_ok,
                   other=float("inf"))
     # Rows with no visible key (lse = -inf) get +inf so that P = exp2(S - lse) = 0.
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
     delta = tl.load(Delta + row, mask=row_ok, other=0.0)
     q_lo = tl.min(tl.where(row_ok, qi, Nq), 0)
     k_base = K + b64 * skb + hkv.to(tl.int64) * skh
@@ -335,7 +326,7 @@ def _bwd_dq_kernel(
 
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, Mask, Offsets, Tiles, Work, SlotBase, DO, Lse, Delta, DK, DV_, PartK, PartV,
+    Q, K, V, Mask, Offsets, Tiles, Work, SlotBase, DO, Lse, Delta, dK, dV, PartK, PartV,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
     smb, smh, smq, smk, sdob, sdoh, sdon, sdod, slb, slh, sln,
     sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd,
@@ -417,7 +408,7 @@ def _bwd_dkdv_kernel(
                          mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
             lse = tl.load(Lse + b64 * slb + head.to(tl.int64) * slh + qi * sln, mask=row_ok,
                           other=float("inf"))
-            lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+            lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
             row = (b64 * (Hkv * G) + head.to(tl.int64)) * Nq + qi
             delta = tl.load(Delta + row, mask=row_ok, other=0.0)
             s = tl.dot(q, tl.trans(k)) * qk_scale
@@ -431,11 +422,11 @@ def _bwd_dkdv_kernel(
             dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
     dk = dk * sm_scale
     final = kload & (multi_n == 0)
-    tl.store(DK + b64 * sdkb + hk64 * sdkh + kpos[:, None].to(tl.int64) * sdkn
-             + offs_d[None, :] * sdkd, dk.to(DK.dtype.element_ty),
+    tl.store(dK + b64 * sdkb + hk64 * sdkh + kpos[:, None].to(tl.int64) * sdkn
+             + offs_d[None, :] * sdkd, dk.to(dK.dtype.element_ty),
              mask=final[:, None] & (offs_d[None, :] < D))
-    tl.store(DV_ + b64 * sdvb + hk64 * sdvh + kpos[:, None].to(tl.int64) * sdvn
-             + offs_dv[None, :] * sdvd, dv.to(DV_.dtype.element_ty),
+    tl.store(dV + b64 * sdvb + hk64 * sdvh + kpos[:, None].to(tl.int64) * sdvn
+             + offs_dv[None, :] * sdvd, dv.to(dV.dtype.element_ty),
              mask=final[:, None] & (offs_dv[None, :] < DV))
     part = kload & multi_n
     slot = (tl.load(SlotBase + f) + seg).to(tl.int64)  # garbage unless multi: stores masked
@@ -446,7 +437,7 @@ def _bwd_dkdv_kernel(
 
 
 @triton.jit
-def _bwd_reduce_kernel(Offsets, SlotBase, PartK, PartV, DK, DV_,
+def _bwd_reduce_kernel(Offsets, SlotBase, PartK, PartV, dK, dV,
                        sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd,
                        Hkv, Nk, L, SEG,
                        C: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -476,11 +467,11 @@ def _bwd_reduce_kernel(Offsets, SlotBase, PartK, PartV, DK, DV_,
                       mask=ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
     b64 = (bh // Hkv).to(tl.int64)
     hk64 = (bh % Hkv).to(tl.int64)
-    tl.store(DK + b64 * sdkb + hk64 * sdkh + kpos[:, None].to(tl.int64) * sdkn
-             + offs_d[None, :] * sdkd, dk.to(DK.dtype.element_ty),
+    tl.store(dK + b64 * sdkb + hk64 * sdkh + kpos[:, None].to(tl.int64) * sdkn
+             + offs_d[None, :] * sdkd, dk.to(dK.dtype.element_ty),
              mask=ok[:, None] & (offs_d[None, :] < D))
-    tl.store(DV_ + b64 * sdvb + hk64 * sdvh + kpos[:, None].to(tl.int64) * sdvn
-             + offs_dv[None, :] * sdvd, dv.to(DV_.dtype.element_ty),
+    tl.store(dV + b64 * sdvb + hk64 * sdvh + kpos[:, None].to(tl.int64) * sdvn
+             + offs_dv[None, :] * sdvd, dv.to(dV.dtype.element_ty),
              mask=ok[:, None] & (offs_dv[None, :] < DV))
 
 
@@ -520,7 +511,7 @@ def transposed_index(block_indices: Tensor, block_counts: Tensor,
     bi = block_indices.contiguous()
     bc = block_counts.contiguous()
     counts = torch.zeros(B, H, n_leaves, dtype=torch.int32, device=bi.device)
-    launcher(_hist_kernel, bi)[(T, B * H)](bi, bc, counts, T, n_leaves, M, BLOCK=_pow2(M, 2))
+    launcher(_hist_kernel, bi)[(T, B * H)](bi, bc, counts, T, n_leaves, M, BLOCK=pow2(M, 2))
     offsets = torch.zeros(B, H, n_leaves + 1, dtype=torch.int32, device=bi.device)
     offsets[..., 1:] = torch.cumsum(counts, -1, dtype=torch.int32)
     j = torch.arange(M, device=bi.device, dtype=torch.int32)
@@ -533,35 +524,39 @@ def transposed_index(block_indices: Tensor, block_counts: Tensor,
 
 # -- host side --------------------------------------------------------------------------------
 
-def tile_params(G: int, tq_eff: int, D: int, Dv: int, C: int, dtype: torch.dtype) -> dict:
+# Launch tiles of the attention kernels, by case. ``block_m`` / ``block_n`` are maxima (rows
+# are G * Tq padded to a power of two >= 16; key tiles are the leaf size, at least 16);
+# ``num_warps`` None means 8 when BLOCK_M * HEAD_DIM reaches 128 * 128, else 4. H200 sweep, bf16
+# D=128 C=64 (profiles/attention_gpu.json): 32-key tiles, 4 warps and 3 stages beat 64-key
+# tiles with 8 warps by about 15% forward and 10% forward + backward.
+ATTENTION_TILES = {
+    "half": dict(block_m=128, block_n=32, num_warps=4, num_stages=3),   # fp16/bf16, dims <= 128
+    "fp32": dict(block_m=64, block_n=64, num_warps=None, num_stages=2),  # fp32, dims <= 128
+    "wide": dict(block_m=64, block_n=32, num_warps=None, num_stages=2),  # head dims > 128
+}
+
+
+def tile_params(G: int, tq_eff: int, D: int, Dv: int, C: int, dtype: torch.dtype,
+                tuning: Optional[dict] = None) -> dict:
     """Compile-time tiles of the attention kernels for one problem shape.
 
-    ``BLOCK_M`` rows (``G * Tqe`` padded to a power of two >= 16, at most 128, 64 for head dims
-    over 128 or fp32), ``BLOCK_N`` keys (the leaf size clamped to 16..32 for fp16/bf16, 16..64
-    otherwise), padded head dims, warps and pipeline stages.
+    ``BLOCK_M`` rows, ``BLOCK_N`` keys, padded head dims ``HEAD_DIM``/``HEAD_DIM_V``, row
+    sub-blocks per tile ``N_SUB``, warps and stages, from :data:`ATTENTION_TILES` (and
+    ``tuning``, overrides of its entries, for benchmark sweeps).
     """
-    hd, hdv = _pow2(D), _pow2(Dv)
-    big = max(hd, hdv) > 128 or dtype == torch.float32
+    hd, hdv = pow2(D), pow2(Dv)
+    case = "wide" if max(hd, hdv) > 128 else "fp32" if dtype == torch.float32 else "half"
+    t = {**ATTENTION_TILES[case], **(tuning or {})}
     rows = G * tq_eff
-    block_m = min(64 if big else 128, _pow2(rows))
-    if big:
-        block_n = min(max(C, 16), 32 if max(hd, hdv) > 128 else 64)
-        num_warps, num_stages = (8 if block_m * max(hd, hdv) >= 128 * 128 else 4), 2
-    else:
-        # H200 sweep, bf16 D=128 C=64 (profiles/attention_gpu.json): 32-key tiles, 4 warps and
-        # 3 stages beat 64-key tiles with 8 warps by ~15% forward and ~10% forward+backward.
-        block_n = min(max(C, 16), 32)
-        num_warps, num_stages = 4, 3
-    n_sub = -(-rows // block_m)
-    p = dict(BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=hd, HEAD_DIM_V=hdv, N_SUB=n_sub,
-             num_warps=num_warps, num_stages=num_stages)
-    p.update(TUNE_OVERRIDES)
-    p["N_SUB"] = -(-rows // p["BLOCK_M"])
-    return p
+    block_m = min(t["block_m"], pow2(rows))
+    num_warps = t["num_warps"] or (8 if block_m * max(hd, hdv) >= 128 * 128 else 4)
+    return dict(BLOCK_M=block_m, BLOCK_N=min(max(C, 16), t["block_n"]), HEAD_DIM=hd,
+                HEAD_DIM_V=hdv, N_SUB=cdiv(rows, block_m), num_warps=num_warps,
+                num_stages=t["num_stages"])
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, block_counts: Tensor,
-           config: PisaConfig) -> None:
+           query_tile: int) -> None:
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"Triton PISA attention supports float16/bfloat16/float32, got {q.dtype}")
     if k.dtype != q.dtype or v.dtype != q.dtype:
@@ -571,7 +566,7 @@ def _check(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, block_counts:
             f"head dims must be <= {MAX_HEAD_DIM}, got D={q.shape[-1]}, Dv={v.shape[-1]}")
     if q.shape[1] % k.shape[1] != 0:
         raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of k heads ({k.shape[1]})")
-    T = -(-q.shape[2] // config.query_tile)
+    T = cdiv(q.shape[2], query_tile)
     if tuple(block_indices.shape[:3]) != (q.shape[0], k.shape[1], T):
         raise ValueError(
             f"block_indices must be [B, Hkv, T={T}, M], got {tuple(block_indices.shape)}")
@@ -605,25 +600,27 @@ def _mask_args(attn_mask: Optional[Tensor], q: Tensor, Nk: int):
     return m, m.stride(), True, False, float(thr)
 
 
-def _common(q, k, v, attn_mask, is_causal, scale, block_indices, block_counts, config):
-    _check(q, k, v, block_indices, block_counts, config)
+def _common(q, k, v, attn_mask, is_causal, block_indices, block_counts, block_size, query_tile,
+            tuning=None):
+    _check(q, k, v, block_indices, block_counts, query_tile)
     B, Hq, Nq, D = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     G = Hq // Hkv
-    Tq = config.query_tile
+    Tq = query_tile
     tqe = min(Tq, Nq)
-    tp = tile_params(G, tqe, D, Dv, config.block_size, q.dtype)
+    tp = tile_params(G, tqe, D, Dv, block_size, q.dtype, tuning)
     mask, mstr, has_mask, mask_bool, thr = _mask_args(attn_mask, q, Nk)
     bi = block_indices.contiguous()
     bc = block_counts.contiguous()
-    meta = dict(G=G, TQ=Tq, TQE=tqe, C=config.block_size, D=D, DV=Dv, IS_CAUSAL=bool(is_causal),
+    meta = dict(G=G, TQ=Tq, TQE=tqe, C=block_size, D=D, DV=Dv, IS_CAUSAL=bool(is_causal),
                 HAS_MASK=has_mask, MASK_BOOL=mask_bool, **tp)
     return B, Hq, Hkv, Nq, Nk, D, Dv, bi, bc, mask, mstr, thr, meta
 
 
 def sparse_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal: bool,
-                     scale: float, block_indices: Tensor, block_counts: Tensor,
-                     config: PisaConfig) -> tuple[Tensor, Tensor]:
+                     scale: float, block_indices: Tensor, block_counts: Tensor, *,
+                     block_size: int, query_tile: int,
+                     tuning: Optional[dict] = None) -> tuple[Tensor, Tensor]:
     """Block-sparse attention forward; same contract as ``reference.sparse_attention``.
 
     Args:
@@ -631,7 +628,8 @@ def sparse_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor
             one dtype, any strides). attn_mask: None or 4-D bool/float broadcastable to
             ``[B, Hq, Nq, Nk]``. is_causal: top-left. scale: softmax scale.
         block_indices: int32 ``[B, Hkv, T, M]`` ascending, -1 padded. block_counts: int32
-            ``[B, Hkv, T]``. config: ``query_tile`` and ``block_size`` are used.
+            ``[B, Hkv, T]``. block_size, query_tile: the PISA options of those names.
+        tuning: overrides of :data:`ATTENTION_TILES` (benchmark sweeps).
 
     Returns:
         ``out [B, Hq, Nq, Dv]`` in ``q.dtype`` (zero rows where no key is visible) and
@@ -641,7 +639,8 @@ def sparse_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor
         ValueError: unsupported dtype, head dim > 256, or mismatched selection shape.
     """
     B, Hq, Hkv, Nq, Nk, D, Dv, bi, bc, mask, mstr, thr, meta = _common(
-        q, k, v, attn_mask, is_causal, scale, block_indices, block_counts, config)
+        q, k, v, attn_mask, is_causal, block_indices, block_counts, block_size, query_tile,
+        tuning)
     out = torch.empty(B, Hq, Nq, Dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, Hq, Nq, dtype=torch.float32, device=q.device)
     T = bi.shape[2]
@@ -650,7 +649,7 @@ def sparse_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor
         q, k, v, mask, bi, bc, out, lse, out, lse,
         *q.stride(), *k.stride(), *v.stride(), *mstr, *out.stride(), *lse.stride(),
         *bi.stride()[:3], *bc.stride(),
-        Hkv, Nq, Nk, float(scale) * LOG2E, thr, 0, 0, 0,
+        Hkv, Nq, Nk, float(scale) * LOG2E.value, thr, 0, 0, 0,
         SPLIT=False, **meta)
     return out, lse
 
@@ -658,7 +657,8 @@ def sparse_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor
 def sparse_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor,
                               attn_mask: Optional[Tensor], out: Tensor, lse: Tensor,
                               block_indices: Tensor, block_counts: Tensor, is_causal: bool,
-                              scale: float, config: PisaConfig) -> tuple[Tensor, Tensor, Tensor]:
+                              scale: float, *, block_size: int, query_tile: int,
+                              tuning: Optional[dict] = None) -> tuple[Tensor, Tensor, Tensor]:
     """``dq, dk, dv`` of :func:`sparse_attention` with the selection fixed (FlashAttention-2).
 
     Three passes: ``delta = rowsum(dO * O)``; ``dq`` per query tile (loop over its blocks);
@@ -669,10 +669,11 @@ def sparse_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor,
     and ``lse`` (float32 ``[B, Hq, Nq]``).
     """
     B, Hq, Hkv, Nq, Nk, D, Dv, bi, bc, mask, mstr, thr, meta = _common(
-        q, k, v, attn_mask, is_causal, scale, block_indices, block_counts, config)
+        q, k, v, attn_mask, is_causal, block_indices, block_counts, block_size, query_tile,
+        tuning)
     T = bi.shape[2]
-    C = config.block_size
-    L = -(-Nk // C)
+    C = block_size
+    L = cdiv(Nk, C)
     delta = torch.empty(B, Hq, Nq, dtype=torch.float32, device=q.device)
     rows = 64 if meta["HEAD_DIM_V"] <= 128 else 32
     launcher(_bwd_delta_kernel, q)[(triton.cdiv(Nq, rows), B * Hq)](
@@ -682,14 +683,14 @@ def sparse_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor,
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    qk_scale = float(scale) * LOG2E
+    qk_scale = float(scale) * LOG2E.value
     launcher(_bwd_dq_kernel, q)[(T * meta["N_SUB"], B * Hkv)](
         q, k, v, mask, bi, bc, grad_out, lse, delta, dq,
         *q.stride(), *k.stride(), *v.stride(), *mstr, *grad_out.stride(), *lse.stride(),
         *dq.stride(), *bi.stride()[:3], *bc.stride(),
         Hkv, Nq, Nk, qk_scale, float(scale), thr, **meta)
     offsets, tiles = transposed_index(bi, bc, L)
-    nch = -(-C // meta["BLOCK_N"])
+    nch = cdiv(C, meta["BLOCK_N"])
     seg = SEG_TILES
     M = bi.shape[3]
     BHL = B * Hkv * L

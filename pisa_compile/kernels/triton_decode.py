@@ -17,9 +17,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..config import PisaConfig
-from .dispatch import launcher
-from .triton_attention import LOG2E, _common, _fwd_kernel
+from .geometry import cdiv
+from .runtime import launcher
+from .triton_attention import _common, _fwd_kernel
+from .triton_util import LN2, LOG2E
 
 __all__ = ["decode_attention", "num_splits"]
 
@@ -46,7 +47,7 @@ def _combine_kernel(OPart, LPart, Out, Lse, n_rows, NS, part_stride_o, part_stri
         acc += w[:, None] * o
     has = den > 0.0
     out = tl.where(has[:, None], acc / tl.where(has, den, 1.0)[:, None], 0.0)
-    lse = tl.where(has, (m_use + tl.math.log2(tl.where(has, den, 1.0))) * 0.6931471805599453,
+    lse = tl.where(has, (m_use + tl.math.log2(tl.where(has, den, 1.0))) * LN2,
                    float("-inf"))
     tl.store(Out + rows[:, None] * DV + d[None, :], out.to(Out.dtype.element_ty),
              mask=ok[:, None] & (d[None, :] < DV))
@@ -66,23 +67,23 @@ def num_splits(n_programs: int, n_entries: int, device: torch.device,
     ``entries_per_split`` is a multiple of ``entries_per_iter`` (leaves per key tile).
     Depends on shapes only, so the launch is graph-safe.
     """
-    want = max(1, -(-2 * _n_sm(device) // max(1, n_programs)))
+    want = max(1, cdiv(2 * _n_sm(device), max(1, n_programs)))
     ns = max(1, min(want, n_entries))
-    eps = -(-n_entries // ns)
-    eps = -(-eps // entries_per_iter) * entries_per_iter
-    return -(-n_entries // eps), eps
+    per_split = cdiv(cdiv(n_entries, ns), entries_per_iter) * entries_per_iter
+    return cdiv(n_entries, per_split), per_split
 
 
 def decode_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal: bool,
                      scale: float, block_indices: Tensor, block_counts: Tensor,
-                     config: PisaConfig, n_splits: Optional[int] = None) -> tuple[Tensor, Tensor]:
+                     *, block_size: int, query_tile: int,
+                     n_splits: Optional[int] = None) -> tuple[Tensor, Tensor]:
     """Block-sparse attention for a few queries (decode); same contract as ``sparse_attention``.
 
     Args:
         q: ``[B, Hq, Nq, D]`` (meant for ``Nq <= 16``; any ``Nq`` is correct); k, v: the cache
             ``[B, Hkv, Nk, D]`` / ``[B, Hkv, Nk, Dv]``; attn_mask, is_causal, scale,
-            block_indices ``[B, Hkv, T, M]``, block_counts ``[B, Hkv, T]``, config: as
-            :func:`pisa_compile.kernels.reference.sparse_attention`.
+            block_indices ``[B, Hkv, T, M]``, block_counts ``[B, Hkv, T]``, block_size,
+            query_tile: as :func:`pisa_compile.kernels.reference.sparse_attention`.
         n_splits: override the number of slices per block list (default: fill the GPU).
 
     Returns:
@@ -93,17 +94,16 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor
         ValueError: as :func:`pisa_compile.kernels.triton_attention.sparse_attention`.
     """
     B, Hq, Hkv, Nq, Nk, D, Dv, bi, bc, mask, mstr, thr, meta = _common(
-        q, k, v, attn_mask, is_causal, scale, block_indices, block_counts, config)
+        q, k, v, attn_mask, is_causal, block_indices, block_counts, block_size, query_tile)
     T, M = bi.shape[2], bi.shape[3]
-    C = config.block_size
+    C = block_size
     per_iter = max(1, meta["BLOCK_N"] // C)
     n_prog = T * meta["N_SUB"] * B * Hkv
     if n_splits is None:
-        ns, eps = num_splits(n_prog, M, q.device, per_iter)
+        ns, per_split = num_splits(n_prog, M, q.device, per_iter)
     else:
-        eps = -(-M // max(1, min(n_splits, M)))
-        eps = -(-eps // per_iter) * per_iter
-        ns = -(-M // eps)
+        per_split = cdiv(cdiv(M, max(1, min(n_splits, M))), per_iter) * per_iter
+        ns = cdiv(M, per_split)
     out = torch.empty(B, Hq, Nq, Dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, Hq, Nq, dtype=torch.float32, device=q.device)
     n_rows = B * Hq * Nq
@@ -113,7 +113,7 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor
         q, k, v, mask, bi, bc, out, lse, o_part, l_part,
         *q.stride(), *k.stride(), *v.stride(), *mstr, *out.stride(), *lse.stride(),
         *bi.stride()[:3], *bc.stride(),
-        Hkv, Nq, Nk, float(scale) * LOG2E, thr, eps, n_rows * Dv, n_rows,
+        Hkv, Nq, Nk, float(scale) * LOG2E.value, thr, per_split, n_rows * Dv, n_rows,
         SPLIT=True, **meta)
     rows = 16
     launcher(_combine_kernel, q)[(triton.cdiv(n_rows, rows),)](

@@ -24,22 +24,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..config import PisaConfig
-from .dispatch import launcher
-
-
-def _cdiv(a: int, b: int) -> int:
-    return (a + b - 1) // b
-
-
-def level_sizes(n_keys: int, config: PisaConfig) -> list[int]:
-    """Node counts per level, leaves first; the last is the finest level with at most
-    ``branching * beam`` nodes (same rule as ``reference.build_pyramid``)."""
-    g = config.branching
-    sizes = [_cdiv(n_keys, config.block_size)]
-    while sizes[-1] > g * config.effective_beam:
-        sizes.append(_cdiv(sizes[-1], g))
-    return sizes
+from .geometry import cdiv, level_sizes
+from .runtime import launcher
 
 
 def total_bound(n_leaves, branching: int):
@@ -51,7 +37,8 @@ def total_bound(n_leaves, branching: int):
 
 @triton.jit
 def n_levels(L, GB: tl.constexpr, TOP: tl.constexpr):
-    """Levels of the pyramid, leaves included: coarsen until at most ``TOP = g * beam`` nodes."""
+    """Levels of the pyramid, leaves included: coarsen until at most ``TOP = g * beam`` nodes
+    (:func:`pisa_compile.kernels.geometry.level_sizes` in the kernel)."""
     n = L
     lev = 1
     while n > TOP:
@@ -127,12 +114,14 @@ def _upper_kernel(mu_ptr, cnt_ptr, L, total, D,
         off_prev = off_cur
 
 
-def pyramid_buffers(k: Tensor, config: PisaConfig, live_limit: Optional[int] = None,
+def pyramid_buffers(k: Tensor, block_size: int, branching: int, beam: int,
+                    live_limit: Optional[int] = None,
                     key_live: Optional[Tensor] = None) -> tuple[Tensor, Tensor, int]:
     """All levels in flat buffers.
 
     Args:
         k: ``[B, Hkv, Nk, D]`` (any float dtype, any strides).
+        block_size, branching, beam: the PISA options of those names (``beam`` resolved).
         live_limit: keys at positions ``>= live_limit`` are left out (causal: ``Nq``).
         key_live: optional bool ``[B, Hkv or 1, Nk]``: keys some query may see.
 
@@ -142,9 +131,9 @@ def pyramid_buffers(k: Tensor, config: PisaConfig, live_limit: Optional[int] = N
         :func:`total_bound`, rows past the last level are unused), and the row count ``total``.
     """
     B, Hkv, Nk, D = k.shape
-    C = config.block_size
-    L = (Nk + C - 1) // C
-    total = total_bound(L, config.branching)
+    C = block_size
+    L = cdiv(Nk, C)
+    total = total_bound(L, branching)
     mu = torch.empty(B, Hkv, total, D, dtype=torch.float32, device=k.device)
     cnt = torch.empty(B, Hkv, total, dtype=torch.float32, device=k.device)
     BD = max(16, triton.next_power_of_2(D))
@@ -159,26 +148,28 @@ def pyramid_buffers(k: Tensor, config: PisaConfig, live_limit: Optional[int] = N
         k, live_arg, mu, cnt, *k.stride(), *sl, Hkv, Nk, limit, total, D,
         C=C, KC=KC, BD=BD, HAS_LIVE=key_live is not None, num_warps=4)
     DB = min(BD, 32)
-    g = config.branching
+    g = branching
     launcher(_upper_kernel, k)[(B * Hkv, triton.cdiv(BD, DB))](
-        mu, cnt, L, total, D, GB=g, TOP=g * config.effective_beam,
+        mu, cnt, L, total, D, GB=g, TOP=g * beam,
         GP=triton.next_power_of_2(g), NB=64, DB=DB, num_warps=4)
     return mu, cnt, total
 
 
-def build_pyramid(k: Tensor, key_live: Tensor, config: PisaConfig) -> tuple[list[Tensor], list[Tensor]]:
+def build_pyramid(k: Tensor, key_live: Tensor, block_size: int, branching: int,
+                  beam: int) -> tuple[list[Tensor], list[Tensor]]:
     """Triton version of :func:`pisa_compile.kernels.reference.build_pyramid`.
 
     Args:
         k: ``[B, Hkv, Nk, D]``. key_live: bool ``[B, Hkv or 1, Nk]`` (keys some query may see).
+        block_size, branching, beam: the PISA options of those names (``beam`` resolved).
 
     Returns:
         ``mus[l]`` float32 ``[B, Hkv, n_l, D]`` and ``counts[l]`` float32 ``[B, Hkv, n_l]``,
         level 0 = leaves (views into one buffer).
     """
-    mu, cnt, _ = pyramid_buffers(k, config, key_live=key_live)
+    mu, cnt, _ = pyramid_buffers(k, block_size, branching, beam, key_live=key_live)
     mus, counts, off = [], [], 0
-    for n in level_sizes(k.shape[2], config):
+    for n in level_sizes(k.shape[2], block_size, branching, beam):
         mus.append(mu[:, :, off:off + n])
         counts.append(cnt[:, :, off:off + n])
         off += n

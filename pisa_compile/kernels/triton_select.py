@@ -7,11 +7,13 @@ leaves with a bounded pool of ``P`` nodes held in registers, and writes only
 
 Per level (same rules as :func:`pisa_compile.kernels.reference.select_blocks`):
 
-* leaf states are analytic (no explicit mask): causal leaves are CLEAN ``[0, A)``, PARTIAL
-  ``[A, Bn)``, NONE ``[Bn, D0)``, DEAD ``[D0, L)``; without causality every leaf is CLEAN. A
-  node is visible if it holds a leaf below ``Bn`` and "bad" if it holds one in ``[A, D0)``.
-* forced ancestors (of the sink leaves and of the tile's local leaves) and bad visible nodes
-  are expanded; visible, non-expanded nodes are scored;
+* leaf states are analytic (no explicit mask): causal leaves are CLEAN in
+  ``[0, clean_end)``, PARTIAL in ``[clean_end, partial_end)``, UNSEEN in
+  ``[partial_end, live_end)`` and DEAD past ``live_end``; without causality every leaf is
+  CLEAN. A node is visible if it holds a leaf below ``partial_end`` and mixed if it holds
+  one in ``[clean_end, live_end)``.
+* forced ancestors (of the sink leaves and of the tile's local leaves) and mixed visible
+  nodes are expanded; visible, non-expanded nodes are scored;
 * internal score ``s_r(a) = LSE_c(scale q_r . mu_c + log n_c)``, leaf score
   ``scale q_r . mu + log n`` (or, with ``leaf_scoring="exact"``, the LSE over the leaf's
   visible keys);
@@ -35,29 +37,28 @@ How the scores are computed (the cost is here; same values as above up to fp32 r
   prefix count (the pool is ascending), and the next pool is compacted through a small
   per-program scratch row in global memory.
 
-Pool bound: without an explicit mask a "bad" visible node is always a forced ancestor (the
+Pool bound: without an explicit mask a mixed visible node is always a forced ancestor (the
 PARTIAL leaves are the tile's own local leaves, ``local_blocks >= 1`` for causal), so at most
-``n_forced = sink + max_local_blocks`` nodes are expanded per level, and
+``n_forced = sink + geometry.local_bound`` nodes are expanded per level, and
 ``P = pow2(g * (beam + n_forced))`` is exact: nothing is ever dropped.
 
-Explicit ``attn_mask`` (and causal with ``local_blocks == 0``, and float64) fall back to the
-reference selection, which is exact but runs in PyTorch.
+Calls with an explicit ``attn_mask``, causal calls with ``local_blocks == 0`` and float64 run
+the reference selection instead (``dispatch.plan`` decides and says why).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Mapping, Optional
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..config import PisaConfig
-from . import reference
-from .dispatch import launcher
-from .triton_pyramid import level_sizes, n_levels, pyramid_buffers
-
+from .geometry import block_width, cdiv, level_sizes, local_bound, query_offset
+from .runtime import launcher, stage_range
+from .triton_pyramid import n_levels, pyramid_buffers
+from .triton_util import LOG2E
 
 
 @triton.jit
@@ -148,13 +149,10 @@ def _pool_share(s, cand, row_ok):
 
 
 @triton.jit
-def _load_summaries(mu_ptr, lcnt_ptr, idx, ok, d, D: tl.constexpr, BD: tl.constexpr,
-                    PROF: tl.constexpr):
+def _load_summaries(mu_ptr, lcnt_ptr, idx, ok, d, D: tl.constexpr, BD: tl.constexpr):
     """Summaries ``[P, BD]`` of nodes ``idx`` (already in the dot's input dtype: the B
     operand) and their base-2 log counts (precomputed; ``-inf`` for empty nodes, as the
     reference's ``log 0``), ``-inf`` where ``ok`` is false: such columns score nothing."""
-    if PROF == 1:  # timing only: no summary traffic
-        ok = ok & False
     if BD == D:  # no column mask: full-width vector loads
         msk = ok[:, None]
     else:
@@ -226,7 +224,7 @@ def _row_share(e, row_ok):
 def _internal_chunk(qbase, qoff0, c, rr, n_rows, q_first, sqh, sqn, sqd, d, mu0, b0, mu1, b1,
                     mu_ptr, lcnt_ptr, cbase, kid, cand, n_child, qk_scale,
                     D: tl.constexpr, BD: tl.constexpr, G: tl.constexpr, RB: tl.constexpr,
-                    GB: tl.constexpr, LOWP: tl.constexpr, PROF: tl.constexpr):
+                    GB: tl.constexpr, LOWP: tl.constexpr):
     """One row chunk of an internal level: its rows' normalised shares ``[RB, P]``."""
     qv, row_ok = _q_rows(qbase, qoff0, c, rr, n_rows, q_first, sqh, sqn, sqd, d, D, BD, G, RB)
     m, e = _online(_scores2(qv, mu0, b0, qk_scale, LOWP), 0.0, 0.0, True)
@@ -235,7 +233,7 @@ def _internal_chunk(qbase, qoff0, c, rr, n_rows, q_first, sqh, sqn, sqd, d, mu0,
     # in the rolled loop); children 0 and 1 are hoisted by hand, the default branching being 2.
     for j in tl.static_range(2, GB):
         muj, bj = _load_summaries(mu_ptr, lcnt_ptr, cbase + j, cand & (kid + j < n_child), d,
-                                  D, BD, PROF)
+                                  D, BD)
         m, e = _online(_scores2(qv, muj, bj, qk_scale, LOWP), m, e, False)
     return _row_share(e, row_ok)
 
@@ -251,277 +249,282 @@ def _leaf_chunk(qbase, qoff0, c, rr, n_rows, q_first, sqh, sqn, sqd, d, mu, b, q
 
 
 @triton.jit
+def _leaf_ranges(t, Nq, Nk, L, offset, local_blocks, TQ: tl.constexpr, C: tl.constexpr,
+                 CAUSAL: tl.constexpr, HAS_LOCAL: tl.constexpr):
+    """Tile ``t``'s queries and its leaf ranges (``reference.leaf_states`` and
+    ``geometry.forced_ranges``, analytically).
+
+    Leaves ``[0, clean_end)`` are seen whole by every row, ``[clean_end, partial_end)`` in
+    part, ``[partial_end, live_end)`` by no row, and past ``live_end`` hold no live key; the
+    tile's local leaves are ``[lo, hi]`` (``lo > hi``: none).
+    """
+    q_first = t * TQ
+    q_last = tl.minimum(q_first + TQ, Nq) - 1
+    if CAUSAL:
+        q0 = tl.minimum(q_first, Nq - 1)
+        n_live = tl.minimum(Nk, Nq)  # causal keys at or past Nq are seen by no query
+        live_end = (n_live + C - 1) // C
+        clean_end = tl.where(n_live - 1 <= q0, live_end, tl.minimum((q0 + 1) // C, live_end))
+        partial_end = tl.maximum(clean_end, tl.minimum(q_last // C + 1, live_end))
+    else:
+        live_end = L
+        clean_end = L
+        partial_end = L
+    if HAS_LOCAL:
+        hi = tl.minimum(q_last + offset, Nk - 1) // C
+        lo = tl.maximum(tl.minimum(q_first + offset, Nk - 1) // C - (local_blocks - 1), 0)
+    else:
+        hi = -1
+        lo = L + 1
+    return q_first, q_last, clean_end, partial_end, live_end, lo, hi
+
+
+@triton.jit
+def _internal_level(pool, span, lev, L, mbase, mu_ptr, lcnt_ptr, scr, trace,
+                    qbase, qoff0, rr, d, n_rows, n_chunks, q_first, sqh, sqn, sqd, qk_scale,
+                    n_sink, lo, hi, clean_end, partial_end, live_end,
+                    D: tl.constexpr, BD: tl.constexpr, G: tl.constexpr, TQ: tl.constexpr,
+                    RB: tl.constexpr, GB: tl.constexpr, BEAM: tl.constexpr, P: tl.constexpr,
+                    TW: tl.constexpr, LOWP: tl.constexpr, TRACE: tl.constexpr,
+                    UNROLL: tl.constexpr):
+    """One internal level: score the pool's candidates, keep the best ``BEAM``, and return
+    the next pool (the children of kept and expanded nodes); like the fused-attention
+    tutorial's ``_attn_fwd_inner``, the loop body of the kernel.
+
+    The children's summaries (already in the dot dtype) are loaded once, as the dots' B
+    operands, and reused by every row chunk; each chunk adds its rows' normalised shares into
+    a register accumulator that is reduced over rows once per level.
+    """
+    n_child = _level_size(L, GB, lev - 1)
+    valid = pool >= 0
+    first = pool * span
+    last = first + span - 1
+    forced = valid & ((first < n_sink) | ((last >= lo) & (first <= hi)))
+    visible = first < partial_end
+    mixed = tl.maximum(first, clean_end) <= tl.minimum(last, live_end - 1)
+    expand = valid & (forced | (visible & mixed))
+    cand = valid & (~expand) & visible
+    # Only candidates are scored: other columns get a -inf bias (the reference masks them
+    # before its softmax over the pool, so they change nothing).
+    kid = pool * GB
+    cbase = mbase + _level_offset(L, GB, lev - 1) + kid
+    mu0, b0 = _load_summaries(mu_ptr, lcnt_ptr, cbase, cand & (kid < n_child), d, D, BD)
+    mu1, b1 = _load_summaries(mu_ptr, lcnt_ptr, cbase + 1, cand & (kid + 1 < n_child), d, D, BD)
+    acc = tl.zeros([RB, P], dtype=tl.float32)
+    if UNROLL:  # all rows, masked past n_rows (see select_blocks' tuning)
+        for c in tl.static_range((G * TQ + RB - 1) // RB):
+            acc += _internal_chunk(qbase, qoff0, c, rr, n_rows, q_first, sqh, sqn, sqd, d,
+                                   mu0, b0, mu1, b1, mu_ptr, lcnt_ptr, cbase, kid, cand,
+                                   n_child, qk_scale, D, BD, G, RB, GB, LOWP)
+    else:
+        for c in range(n_chunks):
+            acc += _internal_chunk(qbase, qoff0, c, rr, n_rows, q_first, sqh, sqn, sqd, d,
+                                   mu0, b0, mu1, b1, mu_ptr, lcnt_ptr, cbase, kid, cand,
+                                   n_child, qk_scale, D, BD, G, RB, GB, LOWP)
+    kept = _top_mask(tl.sum(acc, axis=0), cand, BEAM, P)
+    if TRACE:
+        _store_compact(trace + lev * TW, pool, kept, BEAM, TW)
+    return _children(scr, pool, kept | expand, n_child, P, GB)
+
+
+@triton.jit
+def _exact_leaf_shares(pool, cand, kbase, skn, skd, qbase, rr, d, n_rows, n_chunks, q_first,
+                       sqh, sqn, sqd, Nk, scale, D: tl.constexpr, G: tl.constexpr,
+                       C: tl.constexpr, KC: tl.constexpr, RB: tl.constexpr, P: tl.constexpr,
+                       CAUSAL: tl.constexpr, LOWP: tl.constexpr):
+    """Tile scores ``S [P]`` of the leaf pool with exact leaf scores: the LSE over each
+    candidate leaf's visible keys (``leaf_scoring="exact"``), natural log."""
+    ar = tl.arange(0, P)
+    dm = d < D
+    kc = tl.arange(0, KC)
+    S = tl.zeros([P], dtype=tl.float32)
+    for c in range(n_chunks):
+        r = c * RB + rr
+        row_ok = r < n_rows
+        qpos = q_first + r // G
+        qv = tl.load(qbase + (r % G).to(tl.int64)[:, None] * sqh
+                     + qpos.to(tl.int64)[:, None] * sqn + d[None, :] * sqd,
+                     mask=row_ok[:, None] & dm[None, :], other=0.0)
+        s = tl.full([RB, P], float("-inf"), tl.float32)
+        for pi in range(P):
+            leaf = tl.sum(tl.where(ar == pi, pool, 0), axis=0)
+            is_cand = tl.sum(tl.where((ar == pi) & cand, 1, 0), axis=0) > 0
+            if is_cand:
+                row_max = tl.full([RB], float("-inf"), tl.float32)
+                row_sum = tl.zeros([RB], dtype=tl.float32)
+                for c0 in tl.static_range(0, C, KC):
+                    kp = leaf * C + c0 + kc
+                    kin = (kp < Nk) & (c0 + kc < C)
+                    kk = tl.load(kbase + kp.to(tl.int64)[:, None] * skn + d[None, :] * skd,
+                                 mask=kin[:, None] & dm[None, :], other=0.0)
+                    if LOWP:
+                        sk = tl.dot(qv, tl.trans(kk.to(qv.dtype)))
+                    else:
+                        sk = tl.dot(qv.to(tl.float32), tl.trans(kk.to(tl.float32)),
+                                    input_precision="ieee")
+                    seen = kin[None, :] & row_ok[:, None]
+                    if CAUSAL:
+                        seen = seen & (kp[None, :] <= qpos[:, None])
+                    sk = tl.where(seen, sk * scale, float("-inf"))
+                    m_new = tl.maximum(row_max, tl.max(sk, axis=1))
+                    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+                    row_sum = (row_sum * tl.exp(row_max - m_use)
+                               + tl.sum(tl.exp(sk - m_use[:, None]), axis=1))
+                    row_max = m_new
+                m_use = tl.where(row_max == float("-inf"), 0.0, row_max)
+                lse = tl.where(row_sum > 0, m_use + tl.log(tl.where(row_sum > 0, row_sum, 1.0)),
+                               float("-inf"))
+                s = tl.where((ar == pi)[None, :], lse[:, None], s)
+        S += _pool_share(s, cand, row_ok)
+    return S
+
+
+@triton.jit
 def _select_kernel(
     q_ptr, k_ptr, mu_ptr, lcnt_ptr, idx_ptr, bcnt_ptr, trace_ptr, scr_ptr,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd,
-    Hkv, Nq, Nk, L, total, T, M,
-    n_sink, local_blocks, offset, scale,
+    Hkv, Nq, Nk, L, total, T, M, n_sink, local_blocks, offset, scale,
     D: tl.constexpr, G: tl.constexpr, TQ: tl.constexpr, C: tl.constexpr, KC: tl.constexpr,
     BD: tl.constexpr, GB: tl.constexpr, BEAM: tl.constexpr, TOPK: tl.constexpr, P: tl.constexpr,
     RB: tl.constexpr, MP: tl.constexpr, TW: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_LOCAL: tl.constexpr, EXACT: tl.constexpr,
-    LOWP: tl.constexpr, TRACE: tl.constexpr, UNROLL: tl.constexpr = False,
-    PROF: tl.constexpr = 0,
+    LOWP: tl.constexpr, TRACE: tl.constexpr, UNROLL: tl.constexpr,
 ):
-    # PROF (timing experiments only; wrong results): 1 = no summary loads, 2 = no scoring.
+    """One program per (query tile, batch * KV head): the pyramid walk, top level to leaves."""
     scale = tl.cast(scale, tl.float32)  # Inductor may pass Python floats as fp64 scalars
     t = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // Hkv
     h = bh % Hkv
+    q_first, q_last, clean_end, partial_end, live_end, lo, hi = _leaf_ranges(
+        t, Nq, Nk, L, offset, local_blocks, TQ, C, CAUSAL, HAS_LOCAL)
 
-    # -- per-tile leaf ranges (reference.leaf_states / _forced_ranges, analytically) --------
-    q_first = t * TQ
-    q_last = tl.minimum(q_first + TQ, Nq) - 1
-    if CAUSAL:
-        q0 = tl.minimum(q_first, Nq - 1)
-        mlive = tl.minimum(Nk, Nq)  # causal keys at or past Nq are seen by no query
-        D0 = (mlive + C - 1) // C
-        A = tl.where(mlive - 1 <= q0, D0, tl.minimum((q0 + 1) // C, D0))
-        Bn = tl.maximum(A, tl.minimum(q_last // C + 1, D0))
-    else:
-        D0 = L
-        A = L
-        Bn = L
-    if HAS_LOCAL:
-        p0 = tl.minimum(q_first + offset, Nk - 1)
-        p1 = tl.minimum(q_last + offset, Nk - 1)
-        hi = p1 // C
-        lo = tl.maximum(p0 // C - (local_blocks - 1), 0)
-    else:
-        hi = -1
-        lo = L + 1
-
-    # -- rows: r = query * G + head, so the live rows of a short last tile come first ------
+    # Rows: r = query * G + head, so the live rows of a short last tile come first.
     n_rows = (q_last - q_first + 1) * G
     n_chunks = (n_rows + RB - 1) // RB
-    if PROF == 2:
-        n_chunks = 0
     rr = tl.arange(0, RB)
     d = tl.arange(0, BD)
-    dm = d < D
     qoff0 = (rr % G).to(tl.int64) * sqh + (q_first + rr // G).to(tl.int64) * sqn
     qbase = q_ptr + b.to(tl.int64) * sqb + (h * G).to(tl.int64) * sqh
-    kbase = k_ptr + b.to(tl.int64) * skb + h.to(tl.int64) * skh
     mbase = bh.to(tl.int64) * total
-    qk_scale = scale * 1.4426950408889634  # log2(e): scores are kept in base 2 for exp2
+    qk_scale = scale * LOG2E  # scores are kept in base 2 for exp2
+    tile = bh.to(tl.int64) * T + t
 
-    n_lev = n_levels(L, GB, GB * BEAM)
-    top = n_lev - 1
-    n_top = _level_size(L, GB, top)
+    top = n_levels(L, GB, GB * BEAM) - 1
     span = 1
     for _ in range(top):
         span *= GB
     ar = tl.arange(0, P)
-    pool = tl.where(ar < n_top, ar, -1)
-    tbase = trace_ptr + (bh.to(tl.int64) * T + t) * n_lev * TW
-    sbase = scr_ptr + (bh.to(tl.int64) * T + t) * (2 * P)
-
-    # -- internal levels ----------------------------------------------------------------------
-    # Per level: the children's summaries (already in the dot dtype) are loaded once, as the
-    # dots' B operands, and reused by every row chunk; each chunk then needs one dot and one
-    # exp2 per child score, and its rows' normalised shares are summed into a register
-    # accumulator that is reduced over rows once per level.
+    pool = tl.where(ar < _level_size(L, GB, top), ar, -1)
+    trace = trace_ptr + tile * (top + 1) * TW
     for it in range(top):
-        lev = top - it
-        n_child = _level_size(L, GB, lev - 1)
-        off_child = _level_offset(L, GB, lev - 1)
-        valid = pool >= 0
-        first = pool * span
-        last = first + span - 1
-        forced = valid & ((first < n_sink) | ((last >= lo) & (first <= hi)))
-        vis = first < Bn
-        bad = tl.maximum(first, A) <= tl.minimum(last, D0 - 1)
-        expand = valid & (forced | (vis & bad))
-        cand = valid & (~expand) & vis
-        # Only candidates are scored: other columns get a -inf bias (the reference masks them
-        # before its softmax over the pool, so they change nothing).
-        kid = pool * GB
-        cbase = mbase + off_child + kid
-        mu0, b0 = _load_summaries(mu_ptr, lcnt_ptr, cbase, cand & (kid < n_child),
-                                  d, D, BD, PROF)
-        mu1, b1 = _load_summaries(mu_ptr, lcnt_ptr, cbase + 1, cand & (kid + 1 < n_child),
-                                  d, D, BD, PROF)
-        acc = tl.zeros([RB, P], dtype=tl.float32)
-        if UNROLL:  # all R rows, masked past n_rows (see select_blocks' ``unroll``)
-            for c in tl.static_range((G * TQ + RB - 1) // RB):
-                acc += _internal_chunk(qbase, qoff0, c, rr, n_rows, q_first, sqh, sqn, sqd, d,
-                                       mu0, b0, mu1, b1, mu_ptr, lcnt_ptr, cbase, kid, cand,
-                                       n_child, qk_scale, D, BD, G, RB, GB, LOWP, PROF)
-        else:
-            for c in range(n_chunks):
-                acc += _internal_chunk(qbase, qoff0, c, rr, n_rows, q_first, sqh, sqn, sqd, d,
-                                       mu0, b0, mu1, b1, mu_ptr, lcnt_ptr, cbase, kid, cand,
-                                       n_child, qk_scale, D, BD, G, RB, GB, LOWP, PROF)
-        S = tl.sum(acc, axis=0)
-        kept = _top_mask(S, cand, BEAM, P)
-        if TRACE:
-            _store_compact(tbase + lev * TW, pool, kept, BEAM, TW)
-        pool = _children(sbase + (it % 2) * P, pool, kept | expand, n_child, P, GB)
+        # Two scratch rows, alternating between levels (see _children).
+        pool = _internal_level(pool, span, top - it, L, mbase, mu_ptr, lcnt_ptr,
+                               scr_ptr + tile * (2 * P) + (it % 2) * P, trace,
+                               qbase, qoff0, rr, d, n_rows, n_chunks, q_first, sqh, sqn, sqd,
+                               qk_scale, n_sink, lo, hi, clean_end, partial_end, live_end,
+                               D, BD, G, TQ, RB, GB, BEAM, P, TW, LOWP, TRACE, UNROLL)
         span = span // GB
 
-    # -- leaves ---------------------------------------------------------------------------------
+    # Leaves: candidates are visible leaves that are not forced.
     valid = pool >= 0
     forced = valid & ((pool < n_sink) | ((pool >= lo) & (pool <= hi)))
-    cand = valid & (~forced) & (pool < Bn)
+    cand = valid & (~forced) & (pool < partial_end)
     if EXACT:
-        S = tl.zeros([P], dtype=tl.float32)
-        for c in range(n_chunks):
-            r = c * RB + rr
-            qi = r // G
-            row_ok = r < n_rows
-            qpos = q_first + qi
-            qv = tl.load(qbase + (r % G).to(tl.int64)[:, None] * sqh
-                         + qpos.to(tl.int64)[:, None] * sqn + d[None, :] * sqd,
-                         mask=row_ok[:, None] & dm[None, :], other=0.0)
-            s = tl.full([RB, P], float("-inf"), tl.float32)
-            kc = tl.arange(0, KC)
-            for pi in range(P):
-                leaf = tl.sum(tl.where(ar == pi, pool, 0), axis=0)
-                is_c = tl.sum(tl.where((ar == pi) & cand, 1, 0), axis=0) > 0
-                if is_c:
-                    lm = tl.full([RB], float("-inf"), tl.float32)
-                    la = tl.zeros([RB], dtype=tl.float32)
-                    for c0 in tl.static_range(0, C, KC):
-                        kp = leaf * C + c0 + kc
-                        kin = (kp < Nk) & (c0 + kc < C)
-                        kk = tl.load(kbase + kp.to(tl.int64)[:, None] * skn + d[None, :] * skd,
-                                     mask=kin[:, None] & dm[None, :], other=0.0)
-                        if LOWP:
-                            sk = tl.dot(qv, tl.trans(kk.to(qv.dtype)))
-                        else:
-                            sk = tl.dot(qv.to(tl.float32), tl.trans(kk.to(tl.float32)),
-                                        input_precision="ieee")
-                        seen = kin[None, :] & row_ok[:, None]
-                        if CAUSAL:
-                            seen = seen & (kp[None, :] <= qpos[:, None])
-                        sk = tl.where(seen, sk * scale, float("-inf"))
-                        mn = tl.maximum(lm, tl.max(sk, axis=1))
-                        mns = tl.where(mn == float("-inf"), 0.0, mn)
-                        la = la * tl.exp(lm - mns) + tl.sum(tl.exp(sk - mns[:, None]), axis=1)
-                        lm = mn
-                    lms = tl.where(lm == float("-inf"), 0.0, lm)
-                    ex = tl.where(la > 0, lms + tl.log(tl.where(la > 0, la, 1.0)),
-                                  float("-inf"))
-                    s = tl.where((ar == pi)[None, :], ex[:, None], s)
-            S += _pool_share(s, cand, row_ok)
+        kbase = k_ptr + b.to(tl.int64) * skb + h.to(tl.int64) * skh
+        S = _exact_leaf_shares(pool, cand, kbase, skn, skd, qbase, rr, d, n_rows, n_chunks,
+                               q_first, sqh, sqn, sqd, Nk, scale, D, G, C, KC, RB, P, CAUSAL,
+                               LOWP)
     else:
-        mul, bl = _load_summaries(mu_ptr, lcnt_ptr, mbase + pool, cand, d, D, BD, PROF)
+        mul, bl = _load_summaries(mu_ptr, lcnt_ptr, mbase + pool, cand, d, D, BD)
         acc = tl.zeros([RB, P], dtype=tl.float32)
         if UNROLL:
             for c in tl.static_range((G * TQ + RB - 1) // RB):
-                acc += _leaf_chunk(qbase, qoff0, c, rr, n_rows, q_first, sqh, sqn, sqd, d, mul, bl,
-                                   qk_scale, D, BD, G, RB, LOWP)
+                acc += _leaf_chunk(qbase, qoff0, c, rr, n_rows, q_first, sqh, sqn, sqd, d, mul,
+                                   bl, qk_scale, D, BD, G, RB, LOWP)
         else:
             for c in range(n_chunks):
-                acc += _leaf_chunk(qbase, qoff0, c, rr, n_rows, q_first, sqh, sqn, sqd, d, mul, bl,
-                                   qk_scale, D, BD, G, RB, LOWP)
+                acc += _leaf_chunk(qbase, qoff0, c, rr, n_rows, q_first, sqh, sqn, sqd, d, mul,
+                                   bl, qk_scale, D, BD, G, RB, LOWP)
         S = tl.sum(acc, axis=0)
     picked = _top_mask(S, cand, TOPK, P)
     if TRACE:
-        _store_compact(tbase, pool, picked, TOPK, TW)
+        _store_compact(trace, pool, picked, TOPK, TW)
     chosen = picked | forced
-    tile = bh.to(tl.int64) * T + t
     _store_compact(idx_ptr + tile * M, pool, chosen, M, MP)
     tl.store(bcnt_ptr + tile, tl.sum(chosen.to(tl.int32), axis=0))
 
 
-def _supported(q: Tensor, k: Tensor, attn_mask: Optional[Tensor], is_causal: bool,
-               config: PisaConfig) -> Optional[str]:
-    """``None`` if the kernel handles the call, else why the reference selection is used."""
-    if attn_mask is not None:
-        return "explicit attn_mask (leaf states need the mask; reference selection is exact)"
-    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        return f"dtype {q.dtype}"
-    if is_causal and config.local_blocks == 0:
-        return "causal with local_blocks=0 (PARTIAL candidates need masked exact scores)"
-    if q.shape[2] == 0 or k.shape[2] == 0 or q.shape[0] == 0 or k.shape[1] == 0:
-        return "empty input"
-    if q.shape[1] % k.shape[1] != 0:
-        return "Hq not a multiple of Hkv"
-    return None
+# Launch settings of the select kernel, measured on the H200 (benchmarks/bench_select.py
+# --tune sweeps them):
+# - row_block: rows per scoring chunk. 64 = one warpgroup's wgmma M: 4 warps, about 255
+#   registers, no spills (128K causal: 17.7 ms against 20.3 ms at 128 rows);
+# - num_warps: None = 4, or 8 when a chunk's [row_block, pool] scores reach 8192 entries;
+# - num_stages, maxnreg: None = Triton's defaults. The default pipelines the per-chunk q loads
+#   (cp.async) at about 255 registers, 2 programs per SM; num_stages=1, maxnreg=168 trades the
+#   prefetch for a third program per SM;
+# - unroll: unroll the row-chunk loop (at most 16 chunks). Each level's summaries then go to
+#   shared memory once instead of once per chunk, at the price of no cp.async prefetch of q.
+SELECT_TUNING = dict(row_block=64, num_warps=None, num_stages=None, maxnreg=None, unroll=False)
 
 
-def pool_size(config: PisaConfig, n_sink: int) -> int:
+def pool_size(branching: int, beam: int, n_forced: int) -> int:
     """Pool width: ``pow2(g * (beam + n_forced))`` (at least 16 for ``tl.dot``)."""
-    n_forced = n_sink + reference.max_local_blocks(config)
-    return max(16, triton.next_power_of_2(config.branching * (config.effective_beam + n_forced)))
+    return max(16, triton.next_power_of_2(branching * (beam + n_forced)))
 
 
-def select_blocks(q: Tensor, k: Tensor, attn_mask: Optional[Tensor], is_causal: bool,
-                  scale: float, config: PisaConfig, row_block: Optional[int] = None,
-                  trace: Optional[Tensor] = None,
-                  num_warps: Optional[int] = None, num_stages: Optional[int] = None,
-                  maxnreg: Optional[int] = None, unroll: bool = False,
-                  _prof: int = 0) -> tuple[Tensor, Tensor]:
-    """Triton coarse-to-fine selection; same contract as ``reference.select_blocks``.
+def trace_width(beam: int) -> int:
+    """Last dimension of the ``trace`` buffer of :func:`select_blocks`."""
+    return triton.next_power_of_2(beam)
+
+
+def select_blocks(q: Tensor, k: Tensor, is_causal: bool, scale: float, *, block_size: int,
+                  top_k: int, branching: int, beam: int, sink_blocks: int, local_blocks: int,
+                  query_tile: int, leaf_scoring: str, trace: Optional[Tensor] = None,
+                  tuning: Optional[Mapping] = None) -> tuple[Tensor, Tensor]:
+    """Triton coarse-to-fine selection; same contract as ``reference.select_blocks`` without
+    a mask (``dispatch.plan`` sends masked calls to the reference).
 
     Args:
-        q: ``[B, Hq, Nq, D]`` fp16/bf16/fp32; k: ``[B, Hkv, Nk, D]``; attn_mask: None (an
-            explicit mask falls back to the reference); is_causal: SDPA's top-left rule;
-            scale: softmax scale; config: PISA options.
-        row_block: rows per scoring chunk (power of two >= 16); default ``min(64, pow2(R))``.
-        num_warps: launch option (tuning); default 8 for large chunks, else 4.
-        num_stages, maxnreg: launch options (tuning only); default: Triton's. The default
-            pipelines the per-chunk q loads (cp.async) at about 255 registers per thread, so 2
-            programs of 4 warps per SM; ``num_stages=1, maxnreg=168`` trades the prefetch for a
-            third program per SM (``tests/benchmarks/bench_select.py --tune`` times both).
-        unroll: tuning: unroll the row-chunk loop (at most 16 chunks; otherwise ignored).
-            Then each level's summaries go to shared memory once instead of once per chunk
-            (the compiler keeps a rolled loop's invariant dot operand in registers and stores
-            it again every iteration), at the price of no cp.async prefetch of q.
-        trace: tests only: int32 ``[B, Hkv, T, n_levels, TW]`` receives the kept nodes per
-            level (level 0: the picked leaves), ascending, -1 padded.
+        q: ``[B, Hq, Nq, D]`` fp16/bf16/fp32, ``Nq >= 1``; k: ``[B, Hkv, Nk, D]``, ``Nk >= 1``.
+        is_causal: SDPA's top-left rule (needs ``local_blocks >= 1``); scale: softmax scale.
+        block_size, top_k, branching, beam, sink_blocks, local_blocks, query_tile,
+        leaf_scoring: the PISA options of those names (``beam`` resolved).
+        trace: tests only: int32 ``[B, Hkv, T, n_levels, trace_width(beam)]`` receives the
+            kept nodes per level (level 0: the picked leaves), ascending, -1 padded, so a
+            test can diff every level against the reference.
+        tuning: overrides of :data:`SELECT_TUNING` (benchmark sweeps).
 
     Returns:
         ``block_indices`` int32 ``[B, Hkv, T, M]`` (ascending, -1 padded, forced leaves
         included) and ``block_counts`` int32 ``[B, Hkv, T]``.
     """
-    from .dispatch import max_blocks
-
-    why = _supported(q, k, attn_mask, is_causal, config)
-    if why is not None:
-        return reference.select_blocks(q, k, attn_mask, is_causal, scale, config)
+    tune = {**SELECT_TUNING, **(tuning or {})}
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     G = Hq // Hkv
-    C, Tq = config.block_size, config.query_tile
-    T = triton.cdiv(Nq, Tq)
-    from .dispatch import stage_range
+    C, Tq = block_size, query_tile
+    T = cdiv(Nq, Tq)
     with stage_range("pisa.pyramid", k):
-        mu, cnt, total = pyramid_buffers(k, config, live_limit=Nq if is_causal else None)
-    L = (Nk + C - 1) // C
-    M = max_blocks(Nq, Nk, config)
-    n_sink = min(config.sink_blocks, L)
-    if is_causal:
-        offset = 0
-    elif Nq <= Nk:
-        offset = Nk - Nq
-    else:
-        offset = None  # cross-attention: no local blocks
-    has_local = offset is not None and config.local_blocks > 0
-    P = pool_size(config, n_sink)
+        mu, cnt, total = pyramid_buffers(k, block_size, branching, beam,
+                                         live_limit=Nq if is_causal else None)
+    L = cdiv(Nk, C)
+    M = block_width(Nk, block_size, top_k, sink_blocks, local_blocks, query_tile)
+    n_sink = min(sink_blocks, L)
+    offset = query_offset(Nq, Nk, is_causal)
+    P = pool_size(branching, beam, n_sink + local_bound(local_blocks, query_tile, block_size))
     R = G * Tq
-    # 64 rows = one warpgroup's wgmma M: 4 warps, ~255 registers (no spills in the chunk loop).
-    # Measured fastest with the previous kernel (128K causal: 17.7 ms vs 20.3 ms at 128
-    # rows); not re-measured since (bench_select.py --tune sweeps it).
-    RB = row_block or min(64, max(16, triton.next_power_of_2(min(R, G * Nq))))
+    RB = min(tune["row_block"], max(16, triton.next_power_of_2(min(R, G * Nq))))
     BD = max(16, triton.next_power_of_2(D))
-    TW = triton.next_power_of_2(config.effective_beam)
+    TW = trace_width(beam)
     idx = torch.empty(B, Hkv, T, M, dtype=torch.int32, device=q.device)
     counts = torch.empty(B, Hkv, T, dtype=torch.int32, device=q.device)
-    if trace is None:
-        trace_arg = counts  # unused
-    else:
-        n_lev = len(level_sizes(Nk, config))
-        assert trace.shape == (B, Hkv, T, n_lev, TW) and trace.is_contiguous()
-        trace_arg = trace
-    lowp = q.dtype != torch.float32
-    launch = {}  # tuning options, passed only when given (Triton's defaults otherwise)
-    if num_stages is not None:
-        launch["num_stages"] = num_stages
-    if maxnreg is not None:
-        launch["maxnreg"] = maxnreg
+    if trace is not None:
+        n_lev = len(level_sizes(Nk, block_size, branching, beam))
+        if tuple(trace.shape) != (B, Hkv, T, n_lev, TW) or not trace.is_contiguous():
+            raise ValueError(f"trace must be a contiguous [B, Hkv, T, n_levels, width] = "
+                             f"{[B, Hkv, T, n_lev, TW]} buffer, got {tuple(trace.shape)}")
+    launch = {key: tune[key] for key in ("num_stages", "maxnreg") if tune[key] is not None}
     # Once per node (O(Nk / C) elements) rather than once per use in the kernel: base-2 log
     # counts, and the summaries in the dot's input dtype (the same rounding as a cast in the
     # kernel, at half the bytes and registers per load).
@@ -530,21 +533,15 @@ def select_blocks(q: Tensor, k: Tensor, attn_mask: Optional[Tensor], is_causal: 
     # Per program, two rows of P slots for the pool compaction (see _children).
     scratch = torch.empty(B * Hkv * T * 2 * P, dtype=torch.int32, device=q.device)
     launcher(_select_kernel, q)[(T, B * Hkv)](
-        q, k, mu_dot, lcnt, idx, counts, trace_arg, scratch,
+        q, k, mu_dot, lcnt, idx, counts, counts if trace is None else trace, scratch,
         *q.stride(), *k.stride(),
-        Hkv, Nq, Nk, L, total, T, M,
-        n_sink, config.local_blocks, offset if offset is not None else 0, float(scale),
-        D=D, G=G, TQ=Tq, C=C, KC=max(16, min(C, 64)), BD=BD, GB=config.branching,
-        BEAM=config.effective_beam, TOPK=config.top_k, P=P, RB=RB,
-        MP=max(16, triton.next_power_of_2(M)), TW=TW,
-        CAUSAL=bool(is_causal), HAS_LOCAL=has_local, EXACT=config.leaf_scoring == "exact",
-        LOWP=lowp, TRACE=trace is not None,
-        UNROLL=bool(unroll) and triton.cdiv(R, RB) <= 16, PROF=_prof,
-        num_warps=num_warps or (8 if RB * P >= 8192 else 4),  # RB=64, P=64: 4 warps
+        Hkv, Nq, Nk, L, total, T, M, n_sink, local_blocks, 0 if offset is None else offset,
+        float(scale),
+        D=D, G=G, TQ=Tq, C=C, KC=max(16, min(C, 64)), BD=BD, GB=branching, BEAM=beam,
+        TOPK=top_k, P=P, RB=RB, MP=max(16, triton.next_power_of_2(M)), TW=TW,
+        CAUSAL=bool(is_causal), HAS_LOCAL=offset is not None and local_blocks > 0,
+        EXACT=leaf_scoring == "exact", LOWP=q.dtype != torch.float32, TRACE=trace is not None,
+        UNROLL=bool(tune["unroll"]) and cdiv(R, RB) <= 16,
+        num_warps=tune["num_warps"] or (8 if RB * P >= 8192 else 4),
         **launch)
     return idx, counts
-
-
-def trace_width(config: PisaConfig) -> int:
-    """Last dimension of the ``trace`` buffer of :func:`select_blocks`."""
-    return triton.next_power_of_2(config.effective_beam)

@@ -2,10 +2,12 @@
 
 - :mod:`.patterns`: named recognisers of the steps of an attention site, in their spellings.
 - :mod:`.rewrite`: :func:`rewrite_graph`, the pass the ``pisa`` backend runs.
-- :mod:`.report`: :class:`Site`, :class:`Report`, counters/logging, and :func:`explain`.
+- :mod:`.report`: :class:`Site`, :class:`Report`, counters and logging.
+- :mod:`.explain`: :func:`explain`, the report of a model without compiling it.
 """
 
-from .report import Report, Site, explain, record, register_torch_log
+from .explain import explain
+from .report import Report, Site, record, register_torch_log
 from .rewrite import rewrite_graph
 
 __all__ = ["explain", "Report", "Site", "rewrite_graph", "record"]

@@ -7,6 +7,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
+from ..tables import format_table
+
 __all__ = ["Site", "Report", "record", "REWRITTEN", "LEFT_DENSE", "log"]
 
 log = logging.getLogger("pisa_compile")
@@ -93,12 +95,8 @@ class Report:
                 f"graph(s): {len(self.rewritten)} rewritten, {len(self.left_dense)} left dense")
         if not self.sites:
             return head
-        rows = [[name for name, _ in _COLUMNS]]
-        rows += [[str(getattr(s, attr)) or "-" for _, attr in _COLUMNS] for s in self.sites]
-        widths = [max(len(r[i]) for r in rows) for i in range(len(_COLUMNS))]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-        lines.insert(1, "  ".join("-" * w for w in widths))
-        return "\n".join([head, ""] + lines)
+        rows = [[str(getattr(s, attr)) or "-" for _, attr in _COLUMNS] for s in self.sites]
+        return format_table([name for name, _ in _COLUMNS], rows, head).rstrip("\n")
 
     __repr__ = __str__
 
@@ -148,50 +146,3 @@ def source_of(meta: dict) -> str:
         return f"{path}:{lineno}"
     except IndexError:
         return ""
-
-
-def explain(model_or_fn, *args, options=None, **kwargs) -> Report:
-    """Report every attention site of ``model_or_fn(*args, **kwargs)`` without compiling it.
-
-    Dynamo captures the graphs as ``torch.compile(model, backend="pisa")`` would; the rewrite
-    pass analyses each one (nothing is rewritten) and the graphs run eagerly.
-
-    Args:
-        model_or_fn: an ``nn.Module`` or a function.
-        *args, **kwargs: example inputs; the model is called once on them.
-        options: the ``torch.compile(options=...)`` the backend would get (validated the same
-            way; PisaConfig keys affect nothing here but are checked).
-
-    Returns:
-        A :class:`Report`: ``str(report)`` is a table of sites (form, shapes, mask kind,
-        decision, reason); ``report.sites``; ``len(report)``.
-
-    Raises:
-        ValueError: bad ``options`` (see :func:`pisa_compile.backend.split_options`).
-
-    Note: Dynamo's caches are reset before and after (``torch._dynamo.reset()``), so the
-    report is fresh and nothing stays compiled; the model itself is not modified.
-    """
-    import torch
-    from ..backend import split_options
-    from .rewrite import rewrite_graph
-
-    config, _ = split_options(options)
-    report = Report()
-
-    def analyse(gm, example_inputs):
-        index = report.graphs
-        report.graphs += 1
-        sites = rewrite_graph(gm, config, apply=False)
-        for s in sites:
-            s.graph = index
-        record(sites, count=False)
-        report.sites.extend(sites)
-        return gm.forward
-
-    torch._dynamo.reset()
-    try:
-        torch.compile(model_or_fn, backend=analyse)(*args, **kwargs)
-    finally:
-        torch._dynamo.reset()
-    return report

@@ -26,7 +26,7 @@ from . import patterns as P
 from .mha import MHA_SIGNATURE, MHA_TARGET, pisa_multi_head_attention_forward
 from .report import LEFT_DENSE, REWRITTEN, Site, fmt_shape, source_of
 
-__all__ = ["rewrite_graph", "find_sites", "Dense"]
+__all__ = ["rewrite_graph", "find_sites", "LeaveDense"]
 
 # The inserted node carries the PisaConfig as a kwarg constant. FX prints constants with
 # repr() into the GraphModule's Python code, so the name must resolve there: register it
@@ -40,7 +40,7 @@ except ImportError:  # pragma: no cover - private FX API moved; AOTAutograd stil
     pass
 
 
-class Dense(Exception):
+class LeaveDense(Exception):
     """Raised inside site analysis: leave this site dense, for the reason given."""
 
 
@@ -76,7 +76,7 @@ def _identity(p: Optional[list]) -> bool:
 def _permuted_val(node: Node, perm: Optional[list]):
     v = P.val(node)
     if not isinstance(v, torch.Tensor):
-        raise Dense(f"no shape recorded for {node.name}")
+        raise LeaveDense(f"no shape recorded for {node.name}")
     return v if _identity(perm) else v.permute(*perm)
 
 
@@ -111,19 +111,24 @@ def _causal_only(masks: list, n_queries, n_keys) -> bool:
     return bool(masks)
 
 
-def _leads_to_matmul(node: Any, depth: int = 8) -> bool:
-    """Whether ``node`` is computed from a matmul-like node within ``depth`` steps."""
+def _matmul_distance(node: Any, depth: int = 8) -> int:
+    """Steps from ``node`` back through its inputs to the nearest matmul-like node
+    (``depth + 1`` if there is none within ``depth`` steps)."""
     frontier = [node]
-    for _ in range(depth):
+    for d in range(depth):
         nxt = []
         for n in frontier:
-            if not isinstance(n, Node):
-                continue
-            if P.matmul_kind(n):
-                return True
-            nxt.extend(n.all_input_nodes)
+            if isinstance(n, Node):
+                if P.matmul_kind(n):
+                    return d
+                nxt.extend(n.all_input_nodes)
         frontier = nxt
-    return False
+    return depth + 1
+
+
+def _leads_to_matmul(node: Any, depth: int = 8) -> bool:
+    """Whether ``node`` is computed from a matmul-like node within ``depth`` steps."""
+    return _matmul_distance(node, depth) <= depth
 
 
 def _mask_kind(mask: Any, is_causal: bool) -> str:
@@ -139,35 +144,21 @@ def _mask_kind(mask: Any, is_causal: bool) -> str:
 def _check_mask_tensor(mask: Any, bool_only: bool = False, float_only: bool = False) -> None:
     v = P.val(mask)
     if not isinstance(v, torch.Tensor):
-        raise Dense(f"unsupported mask: {P.describe(mask)} is not a tensor")
+        raise LeaveDense(f"unsupported mask: {P.describe(mask)} is not a tensor")
     if v.dtype == torch.bool:
         if float_only:
-            raise Dense("unsupported mask dtype torch.bool for an additive mask")
+            raise LeaveDense("unsupported mask dtype torch.bool for an additive mask")
     elif not v.is_floating_point() or bool_only:
-        raise Dense(f"unsupported mask dtype {v.dtype}")
+        raise LeaveDense(f"unsupported mask dtype {v.dtype}")
     if v.dim() > 4:
-        raise Dense(f"unsupported mask shape {fmt_shape(v)} (more than 4 dims)")
+        raise LeaveDense(f"unsupported mask shape {fmt_shape(v)} (more than 4 dims)")
 
 
 def _check_mask_grad(mask: Any) -> None:
     v = P.val(mask)
     if isinstance(v, torch.Tensor) and v.requires_grad:
-        raise Dense("the mask requires grad (a learned bias, e.g. T5's relative position "
+        raise LeaveDense("the mask requires grad (a learned bias, e.g. T5's relative position "
                     "bias, in training): PISA gives no gradient for the mask")
-
-
-def _matmul_distance(node: Any, depth: int = 8) -> int:
-    """Steps from ``node`` back to the nearest matmul-like node (``depth + 1`` if none)."""
-    frontier = [node]
-    for d in range(depth):
-        nxt = []
-        for n in frontier:
-            if isinstance(n, Node):
-                if P.matmul_kind(n):
-                    return d
-                nxt.extend(n.all_input_nodes)
-        frontier = nxt
-    return depth + 1
 
 
 def _peel_one(node: Node, factors: Optional[list], owned: list) -> Optional[Node]:
@@ -229,36 +220,36 @@ def _strip_repeat(k: Node, v: Node, owned: list):
 
 
 def _check_shapes(plan: _Plan) -> tuple:
-    """Shapes/dtypes as PISA will see them; ``Dense`` if they are not ``[B,H,N,D]``-compatible."""
+    """Shapes/dtypes as PISA will see them; ``LeaveDense`` if they are not ``[B,H,N,D]``-compatible."""
     q = _permuted_val(plan.q, plan.q_perm)
     k = _permuted_val(plan.k, plan.k_perm)
     v = _permuted_val(plan.v, plan.v_perm)
     if not (q.dim() == k.dim() == v.dim()) or q.dim() not in (3, 4):
-        raise Dense(f"unsupported rank: q {fmt_shape(q)}, k {fmt_shape(k)}, v {fmt_shape(v)} "
+        raise LeaveDense(f"unsupported rank: q {fmt_shape(q)}, k {fmt_shape(k)}, v {fmt_shape(v)} "
                     "(need 4-D [B, H, N, D] or 3-D [B*H, N, D])")
     plan.rank3 = q.dim() == 3
     plan.dtype = q.dtype
     if not (q.dtype == k.dtype == v.dtype) or not q.is_floating_point():
-        raise Dense(f"dtypes differ or are not floating: q {q.dtype}, k {k.dtype}, v {v.dtype}")
+        raise LeaveDense(f"dtypes differ or are not floating: q {q.dtype}, k {k.dtype}, v {v.dtype}")
     if not (P.known_equal(q.shape[0], k.shape[0]) and P.known_equal(k.shape[0], v.shape[0])):
-        raise Dense("batch dims of q, k, v differ (broadcast matmul)")
+        raise LeaveDense("batch dims of q, k, v differ (broadcast matmul)")
     if not plan.rank3:
         hq, hk = q.shape[1], k.shape[1]
         if not P.known_equal(hk, v.shape[1]):
-            raise Dense("k and v head counts differ")
+            raise LeaveDense("k and v head counts differ")
         if plan.enable_gqa:
             if not statically_known_true(hq % hk == 0):
-                raise Dense(f"q heads {hq} not a multiple of k heads {hk}")
+                raise LeaveDense(f"q heads {hq} not a multiple of k heads {hk}")
         elif not P.known_equal(hq, hk):
-            raise Dense(f"q heads {hq} != k heads {hk}")
+            raise LeaveDense(f"q heads {hq} != k heads {hk}")
     # The site's own matmuls (or SDPA) already require q/k head dims and k/v lengths to
     # agree at run time, so "not provably different" is enough: a KV cache gives k and v
     # lengths distinct symbols (s84 + 1, s94 + 1) that Dynamo cannot prove equal.
     if not (_may_eq(q.shape[-1], k.shape[-1]) and _may_eq(k.shape[-2], v.shape[-2])):
-        raise Dense("q/k head dims or k/v lengths differ")
+        raise LeaveDense("q/k head dims or k/v lengths differ")
     out = P.val(plan.anchor)
     if isinstance(out, torch.Tensor) and out.dtype != q.dtype:
-        raise Dense(f"output dtype {out.dtype} differs from q dtype {q.dtype}")
+        raise LeaveDense(f"output dtype {out.dtype} differs from q dtype {q.dtype}")
     return q, k, v
 
 
@@ -270,13 +261,13 @@ def _analyze_sdpa(node: Node, site: Site) -> _Plan:
     site.mask = _mask_kind(mask, b["is_causal"] is True)
     dp = b["dropout_p"]
     if not (isinstance(dp, (int, float)) and dp == 0):
-        raise Dense(f"dropout active in training (dropout_p={P.describe(dp)})")
+        raise LeaveDense(f"dropout active in training (dropout_p={P.describe(dp)})")
     scale = b["scale"]
     if scale is not None and not P.is_number(scale):
-        raise Dense("the scale is a tensor" if P.is_tensor_node(scale)
+        raise LeaveDense("the scale is a tensor" if P.is_tensor_node(scale)
                     else f"unsupported scale {P.describe(scale)}")
     if not isinstance(b["is_causal"], bool) or not isinstance(b["enable_gqa"], bool):
-        raise Dense("is_causal / enable_gqa are not constants")
+        raise LeaveDense("is_causal / enable_gqa are not constants")
     if mask is not None:
         _check_mask_tensor(mask)
         _check_mask_grad(mask)
@@ -325,32 +316,34 @@ def _forward_chain(sm: Node):
         cur = nxt
 
 
-def _analyze_softmax(sm: Node, site: Site) -> tuple[Optional[_Plan], Optional[str]]:
-    """Plan for a hand-written site, or ``(None, None)`` when ``sm`` is not attention at all."""
-    fwd = _forward_chain(sm)
-    if fwd is None:
-        return None, None
-    pv, fchain, elsewhere, dropout = fwd
-    site.node = sm.name
-    site.form = f"?-softmax-{P.matmul_kind(pv)}"
-    x, dim, _dtype = P.softmax_input(sm)
-    owned = [pv, *fchain, sm]
+@dataclass
+class _Scores:
+    """The steps between ``q·kᵀ`` and the softmax, walked back from the softmax input."""
 
-    # Backward from the softmax input to q·kᵀ: casts, scales, masks. Any number of additive
-    # float masks (T5: position bias, then the padding/causal mask) and at most one bool
-    # mask (masked_fill / where); each mask is recorded with the scale factors applied
-    # after it (seen so far on the way back), which scale the mask too.
-    factors = []
-    masks: list[tuple[P.MaskOp, list]] = []
+    qk: Node                                   # the score matmul
+    factors: list = field(default_factory=list)  # (factor, divide) scales met on the way
+    masks: list = field(default_factory=list)    # (MaskOp, factors after it, scores dtype)
+    elsewhere: bool = False                    # an intermediate is used outside the site
+    reasons: list = field(default_factory=list)  # refusals found on the way
+
+
+def _score_chain(x: Any, site: Site, owned: list) -> _Scores:
+    """Walk back from the softmax input ``x`` to ``q·kᵀ`` through casts, scales and masks.
+
+    Any number of additive float masks (T5: position bias, then the padding/causal mask) and
+    at most one bool mask (``masked_fill`` / ``where``); each mask is recorded with the scale
+    factors applied after it (seen so far on the way back), which scale the mask too.
+    """
+    found = _Scores(qk=None)
     s = x
-    reasons = []
     while True:
         if not isinstance(s, Node):
-            raise Dense("the softmax input is not computed from a matmul")
+            raise LeaveDense("the softmax input is not computed from a matmul")
         if P.matmul_kind(s):
-            break
+            found.qk = s
+            return found
         if len(s.users) > 1:
-            elsewhere = True
+            found.elsewhere = True
         owned.append(s)
         c = P.as_cast(s)
         if c is None:
@@ -361,8 +354,8 @@ def _analyze_softmax(sm: Node, site: Site) -> tuple[Optional[_Plan], Optional[st
         sc = P.as_scale(s, allow_inplace=True)
         if sc is not None and _leads_to_matmul(sc.input):
             if sc.is_tensor:
-                reasons.append("the scale is a tensor")
-            factors.append((sc.factor, sc.divide))
+                found.reasons.append("the scale is a tensor")
+            found.factors.append((sc.factor, sc.divide))
             s = sc.input
             continue
         m = P.as_masked_fill(s)
@@ -373,95 +366,73 @@ def _analyze_softmax(sm: Node, site: Site) -> tuple[Optional[_Plan], Optional[st
                     if m is not None:
                         break
         if m is not None:
-            if m.kind == "bool" and any(o.kind == "bool" for o, *_ in masks):
-                raise Dense("more than one bool mask op on the scores")
+            if m.kind == "bool" and any(o.kind == "bool" for o, *_ in found.masks):
+                raise LeaveDense("more than one bool mask op on the scores")
             if not _same_shape(s, m.scores):
-                raise Dense("the mask broadcasts the scores to a larger shape")
-            masks.append((m, list(factors), getattr(P.val(s), "dtype", None)))
-            site.mask = _mask_kind(m.mask, False)
+                raise LeaveDense("the mask broadcasts the scores to a larger shape")
+            found.masks.append((m, list(found.factors), getattr(P.val(s), "dtype", None)))
+            site.mask = _mask_kind(m.mask, False)  # shown even if a later step refuses
             s = m.scores
             continue
         if P.is_softcap(s):
-            raise Dense(f"score transform {P.describe(s)} between matmul and softmax "
-                        "(logit softcapping, c*tanh(s/c): PISA has no softcap)")
-        raise Dense(f"score transform {P.describe(s)} between matmul and softmax")
-    if masks:
-        kinds = {"bool" if o.kind == "bool" else _mask_kind(o.mask, False) for o, *_ in masks}
-        site.mask = "+".join(sorted(kinds))
-    qk = s
-    owned.append(qk)
+            raise LeaveDense(f"score transform {P.describe(s)} between matmul and softmax "
+                             "(logit softcapping, c*tanh(s/c): PISA has no softcap)")
+        raise LeaveDense(f"score transform {P.describe(s)} between matmul and softmax")
 
-    kind1, kind2 = P.matmul_kind(qk), P.matmul_kind(pv)
-    site.form = (f"{kind1}-softmax-{kind2}" if kind1 != kind2 or kind1 != "matmul"
-                 else "matmul-softmax-matmul")
-    if kind1 == kind2 and kind1 != "matmul":
-        site.form = f"{kind1}-softmax-{kind1}"
 
-    # Layouts: q as [.., Nq, D], k as [.., Nk, D] after a permute; the scores as [.., Nq, Nk].
+def _qk_layout(qk: Node) -> tuple[Optional[list], list, Optional[str]]:
+    """``(q_perm, k_perm, score_letters)``: how q and k of the score matmul map to
+    ``[.., Nq, D]`` and ``[.., Nk, D]`` (einsum: the letters of the scores)."""
     a, b = P.matmul_operands(qk)
-    if kind1 == "einsum":
+    if P.matmul_kind(qk) == "einsum":
         eq = P.parse_einsum(qk)
         if eq is None or len(eq.out) < 3:
-            raise Dense(f"unsupported einsum {qk.args[0]!r}")
+            raise LeaveDense(f"unsupported einsum {qk.args[0]!r}")
         batch, i, j = eq.out[:-2], eq.out[-2], eq.out[-1]
         contr = [c for c in eq.a if c in eq.b and c not in eq.out]
         if len(contr) != 1 or sorted(eq.a) != sorted(batch + i + contr[0]) or \
                 sorted(eq.b) != sorted(batch + j + contr[0]):
-            raise Dense(f"unsupported einsum {qk.args[0]!r}")
+            raise LeaveDense(f"unsupported einsum {qk.args[0]!r}")
         c = contr[0]
-        q_perm = [eq.a.index(ch) for ch in batch + i + c]
-        k_perm = [eq.b.index(ch) for ch in batch + j + c]
-        scores_letters = eq.out
-    else:
-        rank = P.val(b).dim() if P.is_tensor_node(b) else 0
-        if rank < 2:
-            raise Dense("unsupported matmul operand ranks")
-        q_perm = None
-        k_perm = list(range(rank))
-        k_perm[-2], k_perm[-1] = k_perm[-1], k_perm[-2]
-        scores_letters = None
+        return ([eq.a.index(ch) for ch in batch + i + c], [eq.b.index(ch) for ch in batch + j + c],
+                eq.out)
+    rank = P.val(b).dim() if P.is_tensor_node(b) else 0
+    if rank < 2:
+        raise LeaveDense("unsupported matmul operand ranks")
+    k_perm = list(range(rank))
+    k_perm[-2], k_perm[-1] = k_perm[-1], k_perm[-2]
+    return None, k_perm, None
 
-    q = _strip_numeric_scales(a, factors, owned)
-    k, k_perm = _strip_views(b, k_perm, factors, owned)
 
-    # v side: weights @ v (or einsum with the weights' letters).
-    w_in = fchain[-1] if fchain else sm
+def _v_layout(pv: Node, w_in: Node, score_letters: Optional[str]):
+    """``(v_node, v_perm, out_perm)`` of the weights·v matmul ``pv`` (weights ``w_in``)."""
     a2, b2 = P.matmul_operands(pv)
-    out_perm = None
-    if kind2 == "einsum":
-        eq2 = P.parse_einsum(pv)
-        if eq2 is None:
-            raise Dense(f"unsupported einsum {pv.args[0]!r}")
-        wl, vl = (eq2.a, eq2.b) if a2 is w_in else (eq2.b, eq2.a)
-        v_node = b2 if a2 is w_in else a2
-        if len(wl) < 3:
-            raise Dense(f"unsupported einsum {pv.args[0]!r}")
-        batch2, i2, j2 = wl[:-2], wl[-2], wl[-1]
-        e = [ch for ch in vl if ch not in wl]
-        if len(e) != 1 or sorted(vl) != sorted(batch2 + j2 + e[0]) or \
-                sorted(eq2.out) != sorted(batch2 + i2 + e[0]):
-            raise Dense(f"unsupported einsum {pv.args[0]!r}")
-        v_perm = [vl.index(ch) for ch in batch2 + j2 + e[0]]
-        layout = batch2 + i2 + e[0]
-        out_perm = [layout.index(ch) for ch in eq2.out]
-        if scores_letters is not None and len(scores_letters) != len(wl):
-            raise Dense("einsum ranks differ")
-    else:
+    if P.matmul_kind(pv) != "einsum":
         if a2 is not w_in:
-            raise Dense("the weights are not the left operand of the matmul with v")
-        v_node = b2
-        rank = P.val(v_node).dim() if P.is_tensor_node(v_node) else 0
-        v_perm = list(range(rank))
-    v, v_perm = _strip_views(v_node, v_perm, None, owned)
+            raise LeaveDense("the weights are not the left operand of the matmul with v")
+        rank = P.val(b2).dim() if P.is_tensor_node(b2) else 0
+        return b2, list(range(rank)), None
+    eq2 = P.parse_einsum(pv)
+    if eq2 is None:
+        raise LeaveDense(f"unsupported einsum {pv.args[0]!r}")
+    wl, vl = (eq2.a, eq2.b) if a2 is w_in else (eq2.b, eq2.a)
+    v_node = b2 if a2 is w_in else a2
+    if len(wl) < 3:
+        raise LeaveDense(f"unsupported einsum {pv.args[0]!r}")
+    batch2, i2, j2 = wl[:-2], wl[-2], wl[-1]
+    e = [ch for ch in vl if ch not in wl]
+    if len(e) != 1 or sorted(vl) != sorted(batch2 + j2 + e[0]) or \
+            sorted(eq2.out) != sorted(batch2 + i2 + e[0]):
+        raise LeaveDense(f"unsupported einsum {pv.args[0]!r}")
+    if score_letters is not None and len(score_letters) != len(wl):
+        raise LeaveDense("einsum ranks differ")
+    layout = batch2 + i2 + e[0]
+    return v_node, [vl.index(ch) for ch in batch2 + j2 + e[0]], \
+        [layout.index(ch) for ch in eq2.out]
 
-    plan = _Plan(anchor=pv, q=q, k=k, v=v, q_perm=q_perm, k_perm=k_perm, v_perm=v_perm,
-                 out_perm=None if _identity(out_perm) else out_perm, owned=owned)
-    if _identity(plan.k_perm) and _identity(plan.v_perm):
-        kk, vv, form = _strip_repeat(k, v, owned)
-        if form is not None:
-            plan.k, plan.v, plan.enable_gqa = kk, vv, True
-            site.form += f"+gqa({form})"
 
+def _plan_masks(plan: _Plan, masks: list) -> None:
+    """Check each mask of the chain and record it in ``plan.masks``."""
     for mask_op, post, _dtype in masks:
         if mask_op.kind == "add":
             _check_mask_tensor(mask_op.mask, float_only=True)
@@ -471,17 +442,58 @@ def _analyze_softmax(sm: Node, site: Site) -> tuple[Optional[_Plan], Optional[st
             _check_mask_tensor(mask_op.mask, bool_only=True)
             sv = P.val(mask_op.scores)
             if not P.is_masking_fill(mask_op.fill, sv.dtype):
-                raise Dense(f"mask fill value {P.describe(mask_op.fill)} is not -inf or "
-                            f"<= finfo({sv.dtype}).min/2")
+                raise LeaveDense(f"mask fill value {P.describe(mask_op.fill)} is not -inf or "
+                                 f"<= finfo({sv.dtype}).min/2")
             for f, _div in post:   # -inf * c stays -inf only for c > 0
                 if not (isinstance(f, (int, float)) and f > 0):
-                    raise Dense("a scale after the mask is not a positive constant")
+                    raise LeaveDense("a scale after the mask is not a positive constant")
             plan.masks.append(("bool", mask_op.mask, mask_op.attend_if))
         _check_mask_grad(mask_op.mask)
-    plan.scale = factors
+
+
+def _analyze_softmax(sm: Node, site: Site) -> Optional[_Plan]:
+    """Plan for a hand-written site, or ``None`` when ``sm`` is not attention at all."""
+    fwd = _forward_chain(sm)
+    if fwd is None:
+        return None
+    pv, fchain, elsewhere, dropout = fwd
+    site.node = sm.name
+    site.form = f"?-softmax-{P.matmul_kind(pv)}"
+    x, dim, _dtype = P.softmax_input(sm)
+    owned = [pv, *fchain, sm]
+    chain = _score_chain(x, site, owned)
+    if chain.masks:
+        kinds = {"bool" if o.kind == "bool" else _mask_kind(o.mask, False)
+                 for o, *_ in chain.masks}
+        site.mask = "+".join(sorted(kinds))
+    qk = chain.qk
+    owned.append(qk)
+    kind1, kind2 = P.matmul_kind(qk), P.matmul_kind(pv)
+    site.form = (f"{kind1}-softmax-{kind2}" if kind1 != kind2 or kind1 != "matmul"
+                 else "matmul-softmax-matmul")
+    if kind1 == kind2 and kind1 != "matmul":
+        site.form = f"{kind1}-softmax-{kind1}"
+
+    # Layouts: q as [.., Nq, D], k as [.., Nk, D] after a permute; the scores as [.., Nq, Nk].
+    q_perm, k_perm, letters = _qk_layout(qk)
+    a, b = P.matmul_operands(qk)
+    q = _strip_numeric_scales(a, chain.factors, owned)
+    k, k_perm = _strip_views(b, k_perm, chain.factors, owned)
+    v_node, v_perm, out_perm = _v_layout(pv, fchain[-1] if fchain else sm, letters)
+    v, v_perm = _strip_views(v_node, v_perm, None, owned)
+
+    plan = _Plan(anchor=pv, q=q, k=k, v=v, q_perm=q_perm, k_perm=k_perm, v_perm=v_perm,
+                 out_perm=None if _identity(out_perm) else out_perm, owned=owned)
+    if _identity(plan.k_perm) and _identity(plan.v_perm):
+        kk, vv, form = _strip_repeat(k, v, owned)
+        if form is not None:
+            plan.k, plan.v, plan.enable_gqa = kk, vv, True
+            site.form += f"+gqa({form})"
+    _plan_masks(plan, chain.masks)
+    plan.scale = chain.factors
     sv = P.val(x)
     if isinstance(sv, torch.Tensor) and sv.dim() >= 2 and _causal_only(
-            [(k, m, e, dt) for (k, m, e), (_o, _p, dt) in zip(plan.masks, masks)],
+            [(k_, m, e, dt) for (k_, m, e), (_o, _p, dt) in zip(plan.masks, chain.masks)],
             sv.shape[-2], sv.shape[-1]):
         plan.masks, plan.is_causal = [], True
         site.mask = f"{site.mask}->is_causal"
@@ -489,14 +501,14 @@ def _analyze_softmax(sm: Node, site: Site) -> tuple[Optional[_Plan], Optional[st
     # Refusals that need the whole site seen first.
     sdim = P.val(x).dim() if P.is_tensor_node(x) else None
     if not (isinstance(dim, int) and sdim is not None and dim % sdim == sdim - 1):
-        raise Dense(f"softmax over dim {dim}, not the key dim")
-    if elsewhere:
-        raise Dense("the attention weights are used elsewhere (returned, stored or reused)")
+        raise LeaveDense(f"softmax over dim {dim}, not the key dim")
+    if elsewhere or chain.elsewhere:
+        raise LeaveDense("the attention weights are used elsewhere (returned, stored or reused)")
     if dropout is not None:
-        raise Dense(f"dropout active in training (p={P.describe(dropout.p)})")
-    if reasons:
-        raise Dense(reasons[0])
-    return plan, None
+        raise LeaveDense(f"dropout active in training (p={P.describe(dropout.p)})")
+    if chain.reasons:
+        raise LeaveDense(chain.reasons[0])
+    return plan
 
 
 # -- graph editing ---------------------------------------------------------------------------------
@@ -621,7 +633,7 @@ def _analyze_mha(node: Node, site: Site) -> dict:
     try:
         b = MHA_SIGNATURE.bind(*node.args, **node.kwargs)
     except TypeError as err:
-        raise Dense(f"unexpected multi_head_attention_forward call ({err})") from None
+        raise LeaveDense(f"unexpected multi_head_attention_forward call ({err})") from None
     b.apply_defaults()
     a = b.arguments
     q, k = P.val(a["query"]), P.val(a["key"])
@@ -630,24 +642,24 @@ def _analyze_mha(node: Node, site: Site) -> dict:
     kinds = [m for m in ("attn_mask", "key_padding_mask") if a[m] is not None]
     site.mask = "+".join(kinds) if kinds else ("causal" if a["is_causal"] is True else "none")
     if not isinstance(q, torch.Tensor) or q.dim() != 3 or not isinstance(k, torch.Tensor):
-        raise Dense("unbatched nn.MultiheadAttention input")
+        raise LeaveDense("unbatched nn.MultiheadAttention input")
     if not q.is_floating_point():
-        raise Dense(f"dtype {q.dtype}")
+        raise LeaveDense(f"dtype {q.dtype}")
     for name in ("bias_k", "bias_v", "static_k", "static_v"):
         if a[name] is not None:
-            raise Dense(f"nn.MultiheadAttention with {name}")
+            raise LeaveDense(f"nn.MultiheadAttention with {name}")
     if a["add_zero_attn"] is not False:
-        raise Dense("nn.MultiheadAttention with add_zero_attn")
+        raise LeaveDense("nn.MultiheadAttention with add_zero_attn")
     dp, training = a["dropout_p"], a["training"]
     if not (training is False or (isinstance(dp, (int, float)) and dp == 0)):
-        raise Dense(f"dropout active in training (dropout_p={P.describe(dp)})")
+        raise LeaveDense(f"dropout active in training (dropout_p={P.describe(dp)})")
     if not all(isinstance(a[n], bool) for n in ("is_causal", "use_separate_proj_weight")):
-        raise Dense("is_causal / use_separate_proj_weight are not constants")
+        raise LeaveDense("is_causal / use_separate_proj_weight are not constants")
     if not isinstance(a["num_heads"], int):
-        raise Dense("num_heads is not a constant")
+        raise LeaveDense("num_heads is not a constant")
     for u in node.users:
         if not (u.op == "call_function" and u.target is operator.getitem and u.args[1] == 0):
-            raise Dense("the attention weights are used elsewhere (returned, stored or reused)")
+            raise LeaveDense("the attention weights are used elsewhere (returned, stored or reused)")
     for name in ("attn_mask", "key_padding_mask"):
         if a[name] is not None:
             _check_mask_tensor(a[name])
@@ -695,7 +707,7 @@ def rewrite_graph(gm: GraphModule, config: PisaConfig, apply: bool = True) -> li
             if is_sdpa:
                 plan = _analyze_sdpa(node, site)
             else:
-                plan, _ = _analyze_softmax(node, site)
+                plan = _analyze_softmax(node, site)
                 if plan is None:
                     continue  # a softmax that does not feed a matmul: not attention
             q, k, v = _check_shapes(plan)
@@ -703,7 +715,7 @@ def rewrite_graph(gm: GraphModule, config: PisaConfig, apply: bool = True) -> li
             if apply:
                 _apply(gm, plan, config)
             site.decision, site.reason = REWRITTEN, ""
-        except Dense as why:
+        except LeaveDense as why:
             site.decision, site.reason = LEFT_DENSE, str(why)
             if site.q_shape == "?" and not is_mha:
                 _fill_shapes_best_effort(node, site)

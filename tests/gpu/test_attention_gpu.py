@@ -50,8 +50,10 @@ def test_forward_long_causal(dtype, D, N):
     cfg = PisaConfig(block_size=64, top_k=8, query_tile=64, min_seq_len=0)
     q, k, v = _inputs(1, 2, 4, N, N, D, D, dtype)
     bi, bc = synthetic_selection(1, 2, N, N, cfg)
-    out, lse = ta.sparse_attention(q, k, v, None, True, D ** -0.5, bi, bc, cfg)
-    r_out, r_lse = ref.sparse_attention(*_f32(q, k, v), None, True, D ** -0.5, bi, bc, cfg)
+    out, lse = ta.sparse_attention(q, k, v, None, True, D ** -0.5, bi, bc,
+                                   **cfg.attention_options())
+    r_out, r_lse = ref.sparse_attention(*_f32(q, k, v), None, True, D ** -0.5, bi, bc,
+                                        **cfg.attention_options())
     torch.testing.assert_close(out.float(), r_out, **TOL[dtype])
     torch.testing.assert_close(lse, r_lse, atol=1e-2, rtol=1e-3)
 
@@ -73,14 +75,16 @@ def test_backward_vs_fp32_reference(dtype, mask_kind, G, D, Dv):
         mask = mask.masked_fill(torch.rand(1, 1, N, N, device=DEV, generator=gm) > 0.8,
                                 float("-inf"))
     scale = D ** -0.5
-    bi, bc = ref.select_blocks(q, k, mask, causal, scale, cfg)
-    out, lse = ta.sparse_attention(q, k, v, mask, causal, scale, bi, bc, cfg)
+    bi, bc = ref.select_blocks(q, k, mask, causal, scale, **cfg.selection_options())
+    out, lse = ta.sparse_attention(q, k, v, mask, causal, scale, bi, bc, **cfg.attention_options())
     go = torch.randn_like(out)
-    grads = ta.sparse_attention_backward(go, q, k, v, mask, out, lse, bi, bc, causal, scale, cfg)
+    grads = ta.sparse_attention_backward(go, q, k, v, mask, out, lse, bi, bc, causal, scale,
+                                         **cfg.attention_options())
     q32, k32, v32, m32, go32 = _f32(q, k, v, mask, go)
-    r_out, r_lse = ref.sparse_attention(q32, k32, v32, m32, causal, scale, bi, bc, cfg)
+    r_out, r_lse = ref.sparse_attention(q32, k32, v32, m32, causal, scale, bi, bc,
+                                        **cfg.attention_options())
     r_grads = ref.sparse_attention_backward(go32, q32, k32, v32, m32, r_out, r_lse, bi, bc,
-                                            causal, scale, cfg)
+                                            causal, scale, **cfg.attention_options())
     torch.testing.assert_close(out.float(), r_out, **TOL[dtype])
     for name, a, b in zip(("dq", "dk", "dv"), grads, r_grads):
         err = (a.float() - b).norm() / b.norm().clamp(min=1e-6)
@@ -93,16 +97,20 @@ def test_backward_long_sink_heavy_and_deterministic():
     N, D = 32768, 128
     q, k, v = _inputs(1, 2, 4, N, N, D, D, torch.bfloat16)
     bi, bc = synthetic_selection(1, 2, N, N, cfg, seed=3)
-    out, lse = ta.sparse_attention(q, k, v, None, True, D ** -0.5, bi, bc, cfg)
+    out, lse = ta.sparse_attention(q, k, v, None, True, D ** -0.5, bi, bc,
+                                   **cfg.attention_options())
     go = torch.randn_like(out)
-    g1 = ta.sparse_attention_backward(go, q, k, v, None, out, lse, bi, bc, True, D ** -0.5, cfg)
-    g2 = ta.sparse_attention_backward(go, q, k, v, None, out, lse, bi, bc, True, D ** -0.5, cfg)
+    g1 = ta.sparse_attention_backward(go, q, k, v, None, out, lse, bi, bc, True, D ** -0.5,
+                                      **cfg.attention_options())
+    g2 = ta.sparse_attention_backward(go, q, k, v, None, out, lse, bi, bc, True, D ** -0.5,
+                                      **cfg.attention_options())
     for a, b in zip(g1, g2):
         assert torch.equal(a, b)  # deterministic: no atomics in the sums
     q32, k32, v32, go32 = _f32(q, k, v, go)
-    r_out, r_lse = ref.sparse_attention(q32, k32, v32, None, True, D ** -0.5, bi, bc, cfg)
+    r_out, r_lse = ref.sparse_attention(q32, k32, v32, None, True, D ** -0.5, bi, bc,
+                                        **cfg.attention_options())
     r = ref.sparse_attention_backward(go32, q32, k32, v32, None, r_out, r_lse, bi, bc, True,
-                                      D ** -0.5, cfg)
+                                      D ** -0.5, **cfg.attention_options())
     for name, a, b in zip(("dq", "dk", "dv"), g1, r):
         err = (a.float() - b).norm() / b.norm()
         assert err < 2e-2, f"{name}: rel err {err:.3g}"
@@ -111,13 +119,16 @@ def test_backward_long_sink_heavy_and_deterministic():
 def test_float32_tf32():
     cfg = PisaConfig(block_size=64, top_k=4, query_tile=64, min_seq_len=0)
     q, k, v = _inputs(2, 2, 2, 700, 700, 64, 64, torch.float32)
-    bi, bc = ref.select_blocks(q, k, None, True, 0.125, cfg)
-    out, lse = ta.sparse_attention(q, k, v, None, True, 0.125, bi, bc, cfg)
-    r_out, r_lse = ref.sparse_attention(q, k, v, None, True, 0.125, bi, bc, cfg)
+    bi, bc = ref.select_blocks(q, k, None, True, 0.125, **cfg.selection_options())
+    out, lse = ta.sparse_attention(q, k, v, None, True, 0.125, bi, bc, **cfg.attention_options())
+    r_out, r_lse = ref.sparse_attention(q, k, v, None, True, 0.125, bi, bc,
+                                        **cfg.attention_options())
     torch.testing.assert_close(out, r_out, atol=5e-3, rtol=5e-3)  # TF32 tl.dot
     go = torch.randn_like(out)
-    g = ta.sparse_attention_backward(go, q, k, v, None, out, lse, bi, bc, True, 0.125, cfg)
-    r = ref.sparse_attention_backward(go, q, k, v, None, r_out, r_lse, bi, bc, True, 0.125, cfg)
+    g = ta.sparse_attention_backward(go, q, k, v, None, out, lse, bi, bc, True, 0.125,
+                                     **cfg.attention_options())
+    r = ref.sparse_attention_backward(go, q, k, v, None, r_out, r_lse, bi, bc, True, 0.125,
+                                      **cfg.attention_options())
     for a, b in zip(g, r):
         assert (a - b).norm() / b.norm() < 5e-3
 
@@ -128,12 +139,15 @@ def test_decode_long_cache(dtype, Nq):
     cfg = PisaConfig(block_size=64, top_k=16, query_tile=64, min_seq_len=0)
     Nk, D = 32768, 128
     q, k, v = _inputs(2, 8, 4, Nq, Nk, D, D, dtype)
-    bi, bc = ref.select_blocks(q, k, None, False, D ** -0.5, cfg)
-    out, lse = td.decode_attention(q, k, v, None, False, D ** -0.5, bi, bc, cfg)
-    r_out, r_lse = ref.sparse_attention(*_f32(q, k, v), None, False, D ** -0.5, bi, bc, cfg)
+    bi, bc = ref.select_blocks(q, k, None, False, D ** -0.5, **cfg.selection_options())
+    out, lse = td.decode_attention(q, k, v, None, False, D ** -0.5, bi, bc,
+                                   **cfg.attention_options())
+    r_out, r_lse = ref.sparse_attention(*_f32(q, k, v), None, False, D ** -0.5, bi, bc,
+                                        **cfg.attention_options())
     torch.testing.assert_close(out.float(), r_out, **TOL[dtype])
     torch.testing.assert_close(lse, r_lse, atol=1e-2, rtol=1e-3)
-    out1, lse1 = ta.sparse_attention(q, k, v, None, False, D ** -0.5, bi, bc, cfg)
+    out1, lse1 = ta.sparse_attention(q, k, v, None, False, D ** -0.5, bi, bc,
+                                     **cfg.attention_options())
     torch.testing.assert_close(out, out1, **TOL[dtype])
 
 
@@ -146,9 +160,9 @@ def test_cuda_graph_capture():
     go = torch.randn(q.shape[:3] + (D,), device=DEV, dtype=torch.bfloat16)
 
     def step():
-        o, l = ta.sparse_attention(q, k, v, None, True, 0.125, bi, bc, cfg)
+        o, l = ta.sparse_attention(q, k, v, None, True, 0.125, bi, bc, **cfg.attention_options())
         return (o,) + ta.sparse_attention_backward(go, q, k, v, None, o, l, bi, bc, True, 0.125,
-                                                   cfg)
+                                                   **cfg.attention_options())
 
     eager = step()
     s = torch.cuda.Stream()

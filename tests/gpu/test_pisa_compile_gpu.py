@@ -8,7 +8,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
 from pisa_compile import PisaConfig, pisa_attention  # noqa: E402
-from pisa_compile.ops import kernel_for  # noqa: E402
+from pisa_compile.ops import plan  # noqa: E402
 
 CFG = PisaConfig(block_size=64, top_k=4, query_tile=64, min_seq_len=0)
 REF = CFG.replace(kernel="reference")
@@ -36,14 +36,14 @@ def test_triton_path_matches_reference(n):
     from pisa_compile import select_blocks
     from pisa_compile.kernels import reference
     q, k, v = _qkv(n)
-    assert kernel_for(q, v, CFG) == "triton"
+    assert plan(q, k, v, None, True, config=CFG) == ("triton", "triton", "")
     bi, bc = select_blocks(q, k, is_causal=True, enable_gqa=True, config=CFG)
     bi_r, bc_r = select_blocks(q.float(), k.float(), is_causal=True, enable_gqa=True, config=REF)
     same = (bi == bi_r).all(-1).float().mean().item()
     assert same > 0.9, f"only {same:.1%} of tiles select what the reference selects"
     out = _attn(q, k, v)
     ref, _ = reference.sparse_attention(q.float(), k.float(), v.float(), None, True,
-                                        q.shape[-1] ** -0.5, bi, bc, CFG)
+                                        q.shape[-1] ** -0.5, bi, bc, **CFG.attention_options())
     assert _rel(out, ref) < 1e-2
 
 
@@ -81,7 +81,7 @@ def test_compiled_training_step_matches_reference_grads():
     bi, bc = select_blocks(q.detach(), k.detach(), is_causal=True, enable_gqa=True, config=CFG)
     q2, k2, v2 = (t.detach().float().requires_grad_() for t in (q, k, v))
     ref, _ = _attention_op(q2, k2, v2, None, bi, bc, True, q.shape[-1] ** -0.5,
-                           CFG.block_size, CFG.query_tile)
+                           CFG.block_size, CFG.query_tile, "reference")
     want = torch.autograd.grad(ref, (q2, k2, v2), go.float())
     for a, b in zip(got, want):
         assert _rel(a, b) < 3e-2
@@ -95,7 +95,7 @@ def test_decode_through_public_op():
     out = pisa_attention(q, k, v, enable_gqa=True, config=CFG)
     bi, bc = select_blocks(q, k, enable_gqa=True, config=CFG)
     ref, _ = reference.sparse_attention(q.float(), k.float(), v.float(), None, False,
-                                        q.shape[-1] ** -0.5, bi, bc, CFG)
+                                        q.shape[-1] ** -0.5, bi, bc, **CFG.attention_options())
     assert _rel(out, ref) < 1e-2
 
 
@@ -117,5 +117,5 @@ def test_explicit_causal_mask_under_compile():
     bi_c, _ = select_blocks(q, k, is_causal=True, enable_gqa=True, config=CFG)
     assert (bi == bi_c).all(-1).float().mean().item() > 0.9
     ref, _ = reference.sparse_attention(q.float(), k.float(), v.float(), mask, False,
-                                        q.shape[-1] ** -0.5, bi, bc, CFG)
+                                        q.shape[-1] ** -0.5, bi, bc, **CFG.attention_options())
     assert _rel(out, ref) < 1e-2

@@ -67,8 +67,8 @@ def test_select_matches_reference(case):
 def test_row_block_does_not_change_selection(rb):
     cfg = PisaConfig(min_seq_len=0)
     q, k = _qk(1, 2, 4, 4096, 4096, 128, torch.float16, 64, seed=3)
-    a = ts.select_blocks(q, k, None, True, 0.1, cfg)
-    b = ts.select_blocks(q, k, None, True, 0.1, cfg, row_block=rb)
+    a = ts.select_blocks(q, k, True, 0.1, **cfg.selection_options())
+    b = ts.select_blocks(q, k, True, 0.1, **cfg.selection_options(), tuning=dict(row_block=rb))
     # Row chunking only reorders an fp32 sum: allow rare near-tie flips.
     assert (a[0] != b[0]).any(-1).float().mean() < 0.01
     assert torch.equal(a[1], b[1])
@@ -77,10 +77,10 @@ def test_row_block_does_not_change_selection(rb):
 def test_cuda_graph_capture():
     cfg = PisaConfig(min_seq_len=0)
     q, k = _qk(1, 2, 4, 4096, 4096, 128, torch.bfloat16, 64)
-    out = ts.select_blocks(q, k, None, True, 0.1, cfg)  # compile first
+    out = ts.select_blocks(q, k, True, 0.1, **cfg.selection_options())  # compile first
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        res = ts.select_blocks(q, k, None, True, 0.1, cfg)
+        res = ts.select_blocks(q, k, True, 0.1, **cfg.selection_options())
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(res[0], out[0]) and torch.equal(res[1], out[1])

@@ -1,6 +1,6 @@
 """PISA block-sparse attention vs SDPA on one GPU (pytest-benchmark; skipped without CUDA).
 
-Setting (the issue's): bf16, B=1, Hq=32, Hkv=8, D=128, causal, block_size=64, top_k=16 (plus
+The standard shape: bf16, B=1, Hq=32, Hkv=8, D=128, causal, block_size=64, top_k=16 (plus
 1 sink and the local leaves: 20 leaves per 64-query tile), N = 8K..128K. Compared side by side
 in one process: PISA's Triton attention kernels (forward; forward + backward), SDPA with the
 default backend choice and ``enable_gqa=True``, and SDPA forced to the FLASH backend.
@@ -9,8 +9,8 @@ What is timed for PISA is the attention itself over a fixed, synthetic PISA-shap
 (sink + local + ``top_k`` random earlier leaves per tile); block selection is the selection
 kernels' benchmark.
 
-    pytest tests/benchmarks/bench_attention.py --benchmark-enable --benchmark-json=out.json
-    python tests/benchmarks/bench_attention.py --json profiles/attention_gpu.json  # do_bench table
+    python -m pytest benchmarks/bench_attention.py --benchmark-enable --benchmark-json=out.json
+    python -m benchmarks.bench_attention --json profiles/attention_gpu.json  # do_bench table
 """
 
 from __future__ import annotations
@@ -29,11 +29,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 from pisa_compile import PisaConfig  # noqa: E402
 from pisa_compile.kernels import triton_attention as ta  # noqa: E402
-from pisa_compile.kernels.dispatch import max_blocks  # noqa: E402
+from pisa_compile.kernels.geometry import block_width  # noqa: E402
 from tests.selections import synthetic_selection  # noqa: E402
 
 B, HQ, HKV, D = 1, 32, 8, 128
 CFG = PisaConfig(block_size=64, top_k=16, query_tile=64, min_seq_len=0)
+SHAPE = dict(block_size=CFG.block_size, query_tile=CFG.query_tile)
 N_LIST = [8192, 32768, 65536, 131072]
 IMPLS = ["pisa", "sdpa_default", "sdpa_flash"]
 MODES = ["fwd", "fwd_bwd"]
@@ -61,13 +62,14 @@ def make_fn(impl, N, mode):
     scale = D ** -0.5
     if impl == "pisa":
         def fwd():
-            return ta.sparse_attention(q, k, v, None, True, scale, bi, bc, CFG)
+            return ta.sparse_attention(q, k, v, None, True, scale, bi, bc, **SHAPE)
         if mode == "fwd":
             return fwd
 
         def fwd_bwd():
             o, lse = fwd()
-            return ta.sparse_attention_backward(go, q, k, v, None, o, lse, bi, bc, True, scale, CFG)
+            return ta.sparse_attention_backward(go, q, k, v, None, o, lse, bi, bc, True, scale,
+                                                **SHAPE)
         return fwd_bwd
     backends = None if impl == "sdpa_default" else [SDPBackend.FLASH_ATTENTION]
     qg, kg, vg = (x.detach().requires_grad_(mode == "fwd_bwd") for x in (q, k, v))
@@ -130,7 +132,9 @@ def _do_bench_table(path):
     out = dict(command=" ".join(sys.argv), device=torch.cuda.get_device_name(),
                torch=torch.__version__, setting=dict(dtype="bf16", B=B, Hq=HQ, Hkv=HKV, D=D,
                causal=True, block_size=CFG.block_size, top_k=CFG.top_k,
-               query_tile=CFG.query_tile, blocks_per_tile=max_blocks(8192, 8192, CFG),
+               query_tile=CFG.query_tile, blocks_per_tile=block_width(8192, CFG.block_size,
+                                                                      CFG.top_k, CFG.sink_blocks,
+                                                          CFG.local_blocks, CFG.query_tile),
                selection="synthetic (attention only)"), results=rows)
     with open(path, "w") as f:
         json.dump(out, f, indent=1)

@@ -1,11 +1,11 @@
 """End-to-end PISA (selection + attention, the public op) against dense SDPA, side by side.
 
-The issue's setting: H200, bf16, B=1, Hq=32, Hkv=8, D=128, causal, block_size=64, top_k=16.
+The standard shape: H200, bf16, B=1, Hq=32, Hkv=8, D=128, causal, block_size=64, top_k=16.
 Dense baseline: SDPA with its default backend choice and ``enable_gqa=True`` (what a user
 gets); FLASH forced (K/V expanded) beside it.
 
     make bench                                             # pytest-benchmark, all suites
-    python tests/benchmarks/bench_pisa.py --json profiles/bench_pisa.json   # ratio table
+    python -m benchmarks.bench_pisa --json profiles/bench_pisa.json   # ratio table
 """
 
 from __future__ import annotations
@@ -88,7 +88,8 @@ def selection_problem(n: int):
 
 def pisa_attention_only(q, k, v, bi, bc):
     from pisa_compile.kernels import triton_attention as ta
-    return lambda: ta.sparse_attention(q, k, v, None, True, D ** -0.5, bi, bc, CFG)
+    return lambda: ta.sparse_attention(q, k, v, None, True, D ** -0.5, bi, bc,
+                                       block_size=CFG.block_size, query_tile=CFG.query_tile)
 
 
 def computed_flops(bi, bc) -> float:
@@ -291,7 +292,7 @@ def main(argv=None) -> int:
         with open(args.json, "w") as fh:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                        "triton": triton.__version__, "commit": commit,
-                       "command": "PYTHONPATH=. python3 tests/benchmarks/bench_pisa.py --json "
+                       "command": "python -m benchmarks.bench_pisa --json "
                                   + args.json,
                        "setting": "bf16 B=1 Hq=32 Hkv=8 D=128 causal block_size=64 top_k=16 "
                                   "query_tile=64; median ms (triton.testing.do_bench); decode "

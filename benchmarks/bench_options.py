@@ -1,7 +1,7 @@
 """What PISA's quality options cost: forward and forward+backward time of the public op under
 each option set of the selection study, against dense SDPA, side by side in one process.
 
-    PYTHONPATH=. python3 tests/benchmarks/bench_options.py [--sizes 16384 32768 65536]
+    python -m benchmarks.bench_options [--sizes 16384 32768 65536]
         [--json profiles/bench_options.json]
 
 Shape: B=1, Hq=32, Hkv=8, D=128, bf16, causal, block_size=64, top_k=16 (``bench_pisa.py``'s).
@@ -14,7 +14,7 @@ import json
 
 import torch
 import torch.nn.functional as F
-from bench_pisa import B, D, HKV, HQ, inputs  # this folder: scripts run from here
+from benchmarks.bench_pisa import B, D, HKV, HQ, inputs
 
 from pisa_compile import PisaConfig, pisa_attention
 

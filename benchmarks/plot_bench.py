@@ -1,6 +1,6 @@
 """Plot ``bench_pisa.py --json`` results: forward time against N (log-log), one line per method.
 
-    python tests/benchmarks/plot_bench.py profiles/bench_pisa.json profiles/bench_pisa.png
+    python -m benchmarks.plot_bench profiles/bench_pisa.json profiles/bench_pisa.png
 """
 
 from __future__ import annotations

@@ -1,15 +1,16 @@
 """GPU: which PISA options keep a dense-trained code model's quality, then train with the best.
 
-    PYTHONPATH=. python3 tests/benchmarks/code_model_sweep.py --steps 4000 --out DIR
+    python -m experiments.code_model_sweep --steps 4000 --out DIR
 
 1. Trains the code model with dense attention (``--steps``; seed, data and schedule of
-   ``train-code-model``) and evaluates it: held-out bits per byte and planted retrieval.
+   ``python -m experiments.code_model``) and evaluates it: held-out bits per byte and planted
+   retrieval.
 2. Evaluates that same dense-trained model with PISA attention under each candidate option set
    (bits per byte on 8 held-out windows, retrieval at 4K-16K): the options that lose least
    against dense are the ones whose selection keeps the context the model uses.
 3. Trains with PISA under the options of lowest bits per byte (same steps) and evaluates it.
 
-Writes ``DIR/code_model.json`` (the ``train-code-model`` format, plus ``sweep``) and the PISA
+Writes ``DIR/code_model.json`` (the ``experiments.code_model`` format, plus ``sweep``) and the PISA
 checkpoint ``DIR/code_model_pisa.pt``.
 """
 
@@ -22,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from pisa_compile import code_model as cm
+from experiments import code_model as cm
 
 CANDIDATES = {
     "default": {},

@@ -1,0 +1,82 @@
+"""Block and tile geometry: the rules every implementation shares (DESIGN.md "The algorithm").
+
+One definition each of: the width of ``block_indices``, the local leaves a tile can force,
+where queries sit among the keys (the query offset), the forced leaf ranges of a tile, and
+the pyramid's level sizes. The reference, the Triton kernels, ``metrics`` and the tests all
+use these. A leaf module: plain ints (SymInt-safe where noted) and torch only.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+__all__ = ["cdiv", "local_bound", "block_width", "query_offset", "forced_ranges",
+           "level_sizes"]
+
+
+def cdiv(a, b):
+    """``ceil(a / b)`` for non-negative ints (SymInt-safe)."""
+    return (a + b - 1) // b
+
+
+def local_bound(local_blocks, query_tile, block_size):
+    """Most local leaves one tile can force: ``local_blocks - 1`` plus the leaves the tile's
+    ``query_tile`` positions can touch (0 without local blocks). SymInt-safe."""
+    if local_blocks == 0:
+        return 0
+    return local_blocks - 1 + (query_tile + block_size - 2) // block_size + 1
+
+
+def block_width(n_keys, block_size, top_k, sink_blocks, local_blocks, query_tile):
+    """Width ``M`` of ``block_indices``: forced leaves plus ``top_k``, capped at the leaf count.
+
+    SymInt-safe (fake kernels get the shapes as symbols). Python's ``min``, not ``sym_min``: a
+    symbolic length then costs one range guard and the width stays a plain int, which the
+    kernels need as a compile-time tile size.
+    """
+    bound = sink_blocks + top_k + local_bound(local_blocks, query_tile, block_size)
+    return min(cdiv(n_keys, block_size), bound)
+
+
+def query_offset(n_queries: int, n_keys: int, is_causal: bool) -> Optional[int]:
+    """Key position of query 0: query ``i`` sits at key position ``i + offset``.
+
+    Causal attention is SDPA's top-left rule (offset 0). Otherwise, with ``Nq <= Nk``, the
+    queries are the last positions (self-attention, or a KV cache: offset ``Nk - Nq``); with
+    more queries than keys it is cross-attention and there are no local leaves (``None``).
+    """
+    if is_causal:
+        return 0
+    if n_queries <= n_keys:
+        return n_keys - n_queries
+    return None
+
+
+def forced_ranges(tiles: Tensor, n_queries: int, n_keys: int, offset: Optional[int],
+                  block_size: int, query_tile: int, sink_blocks: int,
+                  local_blocks: int) -> tuple[int, Tensor, Tensor]:
+    """Forced leaves of query tiles ``tiles`` (int tensor): sinks ``[0, n_sink)`` and local
+    leaves ``[lo, hi]`` per tile (``lo > hi``: none). ``offset`` from :func:`query_offset`."""
+    n_leaves = cdiv(n_keys, block_size)
+    n_sink = min(sink_blocks, n_leaves)
+    if offset is None or local_blocks == 0:
+        return n_sink, torch.full_like(tiles, n_leaves + 1), torch.full_like(tiles, -1)
+    q0 = tiles * query_tile
+    q1 = torch.clamp((tiles + 1) * query_tile, max=n_queries) - 1
+    p0 = torch.clamp(q0 + offset, max=n_keys - 1)
+    p1 = torch.clamp(q1 + offset, max=n_keys - 1)
+    hi = p1 // block_size
+    lo = torch.clamp(p0 // block_size - (local_blocks - 1), min=0)
+    return n_sink, lo, hi
+
+
+def level_sizes(n_keys: int, block_size: int, branching: int, beam: int) -> list[int]:
+    """Node counts per pyramid level, leaves first. Levels coarsen by ``branching`` until one
+    has at most ``branching * beam`` nodes: the selection's first pool."""
+    sizes = [cdiv(n_keys, block_size)]
+    while sizes[-1] > branching * beam:
+        sizes.append(cdiv(sizes[-1], branching))
+    return sizes

@@ -1,0 +1,69 @@
+"""Runtime helpers shared by every kernel: environment checks, launches, profiler ranges.
+
+A leaf module: it imports nothing else from ``pisa_compile`` (and not Triton, which may be
+absent), so the reference and the Triton kernels can both depend on it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+
+import torch
+from torch import Tensor
+
+__all__ = ["STAGES", "NESTED_IN", "MAX_HEAD_DIM", "DECODE_MAX_QUERIES", "triton_available",
+           "triton_interpreting", "triton_targets_gpu", "launcher", "stage_range"]
+
+# Profiler ranges, one per PISA stage (pisa_compile.profile tabulates them by these names).
+STAGES = ("pisa.pyramid", "pisa.select", "pisa.attention_fwd", "pisa.attention_bwd", "pisa.decode")
+# Stages whose range always sits inside another's: the pyramid is built by the selection.
+NESTED_IN = {"pisa.pyramid": "pisa.select"}
+# Largest head dim (D and Dv) the Triton kernels take.
+MAX_HEAD_DIM = 256
+# Up to this many queries attend through the split-K decode kernel (flash-decoding style).
+DECODE_MAX_QUERIES = 16
+
+
+# Environment facts, constant for a process: Dynamo evaluates them once while tracing instead
+# of tracing into importlib or the CUDA runtime (torch 2.11 breaks the graph on `find_spec`).
+@torch.compiler.assume_constant_result
+def triton_available() -> bool:
+    """Whether Triton can be imported."""
+    return importlib.util.find_spec("triton") is not None
+
+
+@torch.compiler.assume_constant_result
+def triton_interpreting() -> bool:
+    """Whether Triton runs in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@torch.compiler.assume_constant_result
+def triton_targets_gpu(index: int) -> bool:
+    """Whether the kernels support CUDA device ``index`` (compute capability >= 8.0)."""
+    return torch.cuda.get_device_capability(index) >= (8, 0)
+
+
+def _tracing(t: Tensor) -> bool:
+    # Profiler ranges cannot be traced into a graph, and traced launches need wrap_triton.
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+    return isinstance(t, (FakeTensor, FunctionalTensor)) or torch.compiler.is_compiling()
+
+
+def launcher(kernel, t: Tensor):
+    """``kernel`` itself for a call on real tensors, ``wrap_triton(kernel)`` while a graph is
+    traced or a dispatch mode is active. Eager ``wrap_triton`` goes through a higher-order op
+    and pytree flattening: hundreds of microseconds of host time per launch on the H200
+    (``benchmarks/overhead_probe.py --cprofile``)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+    if _tracing(t) or _get_current_dispatch_mode() is not None:
+        return torch.library.wrap_triton(kernel)
+    return kernel
+
+
+def stage_range(name: str, t: Tensor):
+    """A profiler range for one PISA stage (a no-op while a graph is being traced)."""
+    return contextlib.nullcontext() if _tracing(t) else torch.profiler.record_function(name)

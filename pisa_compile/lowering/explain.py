@@ -1,0 +1,54 @@
+"""``pisa_compile.explain``: the rewrite report of a model, without compiling it."""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import split_options
+from .report import Report, record
+from .rewrite import rewrite_graph
+
+__all__ = ["explain"]
+
+
+def explain(model_or_fn, *args, options=None, **kwargs) -> Report:
+    """Report every attention site of ``model_or_fn(*args, **kwargs)`` without compiling it.
+
+    Dynamo captures the graphs as ``torch.compile(model, backend="pisa")`` would; the rewrite
+    pass analyses each one (nothing is rewritten) and the graphs run eagerly.
+
+    Args:
+        model_or_fn: an ``nn.Module`` or a function.
+        *args, **kwargs: example inputs; the model is called once on them.
+        options: the ``torch.compile(options=...)`` the backend would get (validated the same
+            way; PisaConfig keys affect nothing here but are checked).
+
+    Returns:
+        A :class:`Report`: ``str(report)`` is a table of sites (form, shapes, mask kind,
+        decision, reason); ``report.sites``; ``len(report)``.
+
+    Raises:
+        ValueError: bad ``options`` (see :func:`pisa_compile.config.split_options`).
+
+    Note: Dynamo's caches are reset before and after (``torch._dynamo.reset()``), so the
+    report is fresh and nothing stays compiled; the model itself is not modified.
+    """
+    config, _ = split_options(options)
+    report = Report()
+
+    def analyse(gm, example_inputs):
+        index = report.graphs
+        report.graphs += 1
+        sites = rewrite_graph(gm, config, apply=False)
+        for s in sites:
+            s.graph = index
+        record(sites, count=False)
+        report.sites.extend(sites)
+        return gm.forward
+
+    torch._dynamo.reset()
+    try:
+        torch.compile(model_or_fn, backend=analyse)(*args, **kwargs)
+    finally:
+        torch._dynamo.reset()
+    return report

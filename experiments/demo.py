@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Callable, Optional
 
 import torch
@@ -30,38 +29,19 @@ from pisa_compile.tables import format_table
 
 # -- measurement helpers ----------------------------------------------------------------------
 
-def _rss_kib(field: str) -> Optional[int]:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    return None
+def measure(fn: Callable[[], torch.Tensor], repeats: int = 2) -> tuple[torch.Tensor, float]:
+    """Run ``fn`` (already warm) ``repeats`` times: its last output and the median seconds.
 
-
-def measure(fn: Callable[[], torch.Tensor], repeats: int = 2) -> tuple[torch.Tensor, float, Optional[float]]:
-    """Run ``fn`` (already warm): median seconds and the peak extra resident memory in MiB.
-
-    Peak memory on the CPU comes from Linux's high-water mark (``VmHWM``), reset through
-    ``/proc/self/clear_refs`` before each run; ``None`` where that is unavailable.
+    No memory column: the resident-set high-water mark of a CPU process did not repeat
+    across runs (0 to 32 MiB dense, 51 to 140 MiB PISA, over 4 runs of the same demo).
     """
-    times, peaks, out = [], [], None
+    times, out = [], None
     for _ in range(repeats):
-        out = None
-        try:
-            Path("/proc/self/clear_refs").write_text("5")
-            base = _rss_kib("VmRSS")
-        except OSError:
-            base = None
         t0 = time.perf_counter()
         out = fn()
         times.append(time.perf_counter() - t0)
-        hwm = _rss_kib("VmHWM")
-        if base is not None and hwm is not None:
-            peaks.append((hwm - base) / 1024)
     times.sort()
-    return out, times[len(times) // 2], (max(peaks) if peaks else None)
+    return out, times[len(times) // 2]
 
 
 def print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
@@ -104,7 +84,7 @@ def run_minilm(progress: tqdm) -> tuple[list[list[str]], list[str]]:
         return sim.argmax(1)
 
     progress.set_description("MiniLM: dense")
-    dense, t_dense, _ = measure(lambda: embed(model), repeats=1)
+    dense, t_dense = measure(lambda: embed(model), repeats=1)
     progress.update(1)
     rows, problems = [], []
     runs = [("PISA exact regime", {"min_seq_len": 0}),
@@ -117,7 +97,7 @@ def run_minilm(progress: tqdm) -> tuple[list[list[str]], list[str]]:
         _reset_counters()
         compiled = torch.compile(model, backend="pisa", options=options)
         embed(compiled)  # compile and warm up
-        emb, t, _ = measure(lambda: embed(compiled), repeats=1)
+        emb, t = measure(lambda: embed(compiled), repeats=1)
         rewritten, left = _rewritten()
         cos = torch.nn.functional.cosine_similarity(emb, dense, dim=-1)
         kept = (neighbours(emb) == neighbours(dense)).float().mean().item()
@@ -151,7 +131,7 @@ def run_llama(progress: tqdm) -> list[str]:
     torch._dynamo.reset()
     dense_model = torch.compile(model)
     logits(dense_model)
-    dense, t_dense, mem_dense = measure(lambda: logits(dense_model))
+    dense, t_dense = measure(lambda: logits(dense_model))
     progress.update(1)
 
     progress.set_description("Llama: PISA")
@@ -160,16 +140,15 @@ def run_llama(progress: tqdm) -> list[str]:
     pisa_model = torch.compile(model, backend="pisa")
     logits(pisa_model)
     rewritten, left = _rewritten()
-    out, t_pisa, mem_pisa = measure(lambda: logits(pisa_model))
+    out, t_pisa = measure(lambda: logits(pisa_model))
     progress.update(1)
 
-    fmt = lambda m: "n/a" if m is None else f"{m:.0f}"  # noqa: E731
     diff = (out - dense).abs().max().item()
-    rows = [["Inductor dense", f"{t_dense:.2f}", fmt(mem_dense), "-", "-"],
-            ["PISA (defaults)", f"{t_pisa:.2f}", fmt(mem_pisa), f"{diff:.4f}",
+    rows = [["Inductor dense", f"{t_dense:.2f}", "-", "-"],
+            ["PISA (defaults)", f"{t_pisa:.2f}", f"{diff:.4f}",
              f"{rewritten}/{n_layers}"]]
     print_table(f"LlamaForCausalLM (4 layers, GQA 8/2 heads, random init), {ids.shape[1]} bytes "
-                "of stdlib source", ["run", "seconds", "peak extra MiB", "max |logit diff|",
+                "of stdlib source", ["run", "seconds", "max |logit diff|",
                                      "sites rewritten"], rows)
     if rewritten != n_layers:
         problems.append(f"Llama: {rewritten} of {n_layers} attention layers rewritten")

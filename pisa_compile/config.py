@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
@@ -17,9 +18,15 @@ def _is_pow2(x: int) -> bool:
     return x > 0 and (x & (x - 1)) == 0
 
 
-def _check_int(name: str, value: Any, lo: int, hi: Optional[int] = None, pow2: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
+def _as_int(name: str, value: Any) -> int:
+    """``value`` as a Python int: any integral number (``numpy.int64`` too), never a bool."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ValueError(f"PisaConfig.{name} must be an int, got {type(value).__name__} {value!r}")
+    return int(value)
+
+
+def _check_int(name: str, value: int, lo: int, hi: Optional[int] = None,
+               pow2: bool = False) -> None:
     rng = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
     if value < lo or (hi is not None and value > hi) or (pow2 and not _is_pow2(value)):
         what = "a power of two " + rng if pow2 else rng
@@ -62,6 +69,12 @@ class PisaConfig:
     kernel: str = "auto"
 
     def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name in ("leaf_scoring", "kernel") or value is None or type(value) is int:
+                continue
+            # numpy and torch integers become ints, so configs hash and print as plain ints.
+            object.__setattr__(self, f.name, _as_int(f.name, value))
         _check_int("block_size", self.block_size, 4, 1024, pow2=True)
         _check_int("top_k", self.top_k, 1)
         _check_int("branching", self.branching, 2, 16)

@@ -92,8 +92,10 @@ def _setup_context(ctx, inputs, output):
     q, k, v, attn_mask, block_indices, block_counts, is_causal, scale, *rest = inputs
     ctx.save_for_backward(q, k, v, attn_mask, *output, block_indices, block_counts)
     ctx.is_causal, ctx.scale, ctx.rest = is_causal, scale, rest
+    ctx.mark_non_differentiable(output[1])  # lse
 
 
+@torch.autograd.function.once_differentiable  # double backward raises, never returns zeros
 def _backward(ctx, grad_out, _grad_lse):
     q, k, v, attn_mask, out, lse, block_indices, block_counts = ctx.saved_tensors
     dq, dk, dv = _attention_backward_op(grad_out.contiguous(), q, k, v, attn_mask, out, lse,
@@ -104,6 +106,24 @@ def _backward(ctx, grad_out, _grad_lse):
 
 
 torch.library.register_autograd("pisa::attention", _backward, setup_context=_setup_context)
+
+
+class _Attention(torch.autograd.Function):
+    """``pisa::attention`` with the same backward, as an ``autograd.Function`` that defines
+    ``setup_context``: ``torch.func.grad``/``vjp`` need one, and the wrapper that
+    ``register_autograd`` generates has none in torch <= 2.13 (pytorch/pytorch#170834).
+    ``pisa_attention`` calls this; the op keeps its registered rule for direct callers."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(q, k, v, attn_mask, block_indices, block_counts, is_causal, scale, block_size,
+                query_tile, impl):
+        return _attention_op(q, k, v, attn_mask, block_indices, block_counts, is_causal, scale,
+                             block_size, query_tile, impl)
+
+    setup_context = staticmethod(_setup_context)
+    backward = staticmethod(_backward)
 
 
 # -- public API ----------------------------------------------------------------------------
@@ -132,7 +152,7 @@ def _check_inputs(q: Tensor, k: Tensor, v: Optional[Tensor], attn_mask: Optional
     Hkv = k.shape[1]
     if Hq != Hkv and not enable_gqa:
         raise ValueError(f"q has {Hq} heads but k has {Hkv}: pass enable_gqa=True for GQA")
-    if Hq % Hkv != 0:
+    if Hkv == 0 and Hq != 0 or Hkv != 0 and Hq % Hkv != 0:
         raise ValueError(f"q heads ({Hq}) must be a multiple of k heads ({Hkv}) for GQA")
     if attn_mask is not None:
         if not isinstance(attn_mask, Tensor):
@@ -233,10 +253,11 @@ def pisa_attention(
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
                                               scale=scale, enable_gqa=enable_gqa)
     attn_mask, scale = _mask4(attn_mask), float(scale)
-    block_indices, block_counts = _select_blocks_op(q, k, attn_mask, is_causal, scale,
-                                                    *config.selection_args(), how.select)
-    out, _lse = _attention_op(q, k, v, attn_mask, block_indices, block_counts, is_causal, scale,
-                              config.block_size, config.query_tile, how.attention)
+    # The selection has no gradient: detached inputs keep it out of autograd (and torch.func).
+    block_indices, block_counts = _select_blocks_op(q.detach(), k.detach(), attn_mask, is_causal,
+                                                    scale, *config.selection_args(), how.select)
+    out, _lse = _Attention.apply(q, k, v, attn_mask, block_indices, block_counts, is_causal,
+                                 scale, config.block_size, config.query_tile, how.attention)
     return out
 
 
@@ -270,5 +291,5 @@ def select_blocks(
         T = cdiv(Nq, config.query_tile)
         return (q.new_full((B, Hkv, T, M), -1, dtype=torch.int32),
                 q.new_zeros((B, Hkv, T), dtype=torch.int32))
-    return _select_blocks_op(q, k, _mask4(attn_mask), is_causal, float(scale),
+    return _select_blocks_op(q.detach(), k.detach(), _mask4(attn_mask), is_causal, float(scale),
                              *config.selection_args(), how.select)

@@ -34,6 +34,7 @@ import shutil
 import sys
 import tempfile
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
@@ -48,6 +49,7 @@ __all__ = ["profile", "ProfileResult", "ProfileError", "parse_lengths", "SDPA_RO
 # Table rows besides the PISA stages.
 SDPA_ROW = "attention (dense SDPA)"   # aten SDPA calls outside any PISA range
 REST_ROW = "rest of model"            # the profiled step minus the rows above
+SPREAD_WARN = 0.25                    # timed steps ranging wider than this share of the median
 BACKENDS = ("pisa", "dense")
 _SDPA_MARKERS = ("scaled_dot_product", "flash_attention", "efficient_attention", "cudnn_attention")
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
@@ -416,16 +418,40 @@ def stage_table(summary: dict) -> str:
                     + sum(([_fmt_ms(r["profiled_step_ms"]), "100%"] if r else ["-", "-"]
                            for r in pair), []))
         rows.append([str(length), "step (timed, median)"]
-                    + sum(([_fmt_ms(r["step_ms"]), ""] if r else ["-", ""] for r in pair), []))
+                    + sum(([_fmt_ms(r["step_ms"]), _spread(r)] if r else ["-", ""]
+                           for r in pair), []))
         rows.append([str(length), "peak extra MiB"]
                     + sum(([("n/a" if r is None or r["peak_mib"] is None
                              else f"{r['peak_mib']:.1f}"), ""] for r in pair), []))
+        why = _no_pisa_stage(summary, length, pair[1])
+        if why:
+            rows.append([str(length), f"(no PISA stage ran: {why})", "", "", "", ""])
     unit = "GPU ms in range" if summary["device"].startswith("cuda") else "ms"
     title = (f"{summary['model']} on {summary['device']}: time per step by stage "
              f"({unit}, share of the profiled step), PISA vs Inductor dense"
              + (" (forward + backward)" if summary["train"] else " (forward)"))
     return tables.format_table(["length", "stage", "PISA ms", "share", "dense ms", "share"], rows,
                                title)
+
+
+def _spread(result: dict) -> str:
+    """``±x%``, half the range of the timed steps over their median, where it is wide."""
+    spread = result.get("spread")
+    return f"±{50 * spread:.0f}%" if spread is not None and spread > SPREAD_WARN else ""
+
+
+def _no_pisa_stage(summary: dict, length: int, result: Optional[dict]) -> str:
+    """Why the PISA run at ``length`` shows no PISA stage (the sites' notes), or ``""``."""
+    if result is None or any(k.startswith("pisa.") for k in result["stages"]):
+        return ""
+    for entry in summary["rewrite"]:
+        if entry["length"] == length:
+            notes = {s.get("note", "") for s in entry["sites"] if s["decision"] == "rewritten"}
+            if not entry["rewritten"]:
+                return "no attention site was rewritten (see rewrite_report.txt)"
+            if notes - {""}:
+                return "; ".join(sorted(notes - {""}))
+    return "the op ran no PISA kernel (see rewrite_report.txt)"
 
 
 def plot(summary: dict, path: Path) -> None:
@@ -581,8 +607,15 @@ def _measure(model, backend: str, length: int, st: _Settings, tmp: Path) -> tupl
     step_ms, rows, trace, traced_peak = _profiled(step, st.profile_steps, tmp,
                                                   f"{backend}_L{length}", st.cuda, st.gzip)
     times_ms = sorted(t * 1e3 for t in times)
+    median = times_ms[len(times_ms) // 2]
+    spread = (times_ms[-1] - times_ms[0]) / median if median > 0 else 0.0
+    if spread > SPREAD_WARN:
+        warnings.warn(f"profile: the {len(times_ms)} timed steps of {backend} at length {length} "
+                      f"range over {100 * spread:.0f}% of their median ({times_ms[0]:.2f} to "
+                      f"{times_ms[-1]:.2f} ms): the machine is busy or the steps differ; "
+                      "raise repeats or warmup", RuntimeWarning, stacklevel=3)
     return {"length": length, "backend": backend,
-            "step_ms": times_ms[len(times_ms) // 2], "step_ms_all": times_ms,
+            "step_ms": median, "step_ms_all": times_ms, "spread": spread,
             "profiled_step_ms": step_ms,
             "peak_mib": peak if st.cuda else traced_peak,
             "peak_source": ("torch.cuda.max_memory_allocated" if st.cuda
@@ -642,7 +675,7 @@ class _RunFolder:
 def profile(model: Callable, inputs: Any, *, lengths: Union[str, Iterable[int], None] = None,
             options: Optional[Mapping[str, Any]] = None, out_dir: Union[str, Path] = "profiles",
             run_name: Optional[str] = None, model_name: Optional[str] = None,
-            warmup: int = 2, repeats: int = 3, profile_steps: int = 2, train: bool = False,
+            warmup: int = 2, repeats: int = 10, profile_steps: int = 2, train: bool = False,
             gzip: bool = True, overwrite: bool = False, progress: bool = True) -> ProfileResult:
     """Profile ``model`` compiled with ``backend="pisa"`` against Inductor dense.
 
@@ -667,7 +700,8 @@ def profile(model: Callable, inputs: Any, *, lengths: Union[str, Iterable[int], 
             ``<model_name>-<device>-<YYYYmmdd-HHMMSS>``.
         model_name: a label for tables and plots (default: the model's class name).
         warmup: untimed steps after compiling (>= 0); the first call compiles in any case.
-        repeats: timed steps (>= 1); the table shows their median.
+        repeats: timed steps (>= 1); the table shows their median, and ``±x%`` where their
+            range exceeds 25% of it (a ``RuntimeWarning`` says so too).
         profile_steps: profiled steps per trace (>= 1); stage times are their mean.
         train: profile forward + backward (``mean()`` of the first floating-point output),
             so ``pisa.attention_bwd`` appears; default forward only, under ``no_grad``.

@@ -91,8 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="parameter dtype of the demo models (default float32)")
     p.add_argument("--warmup", type=_positive_int("--warmup", 0), default=2,
                    help="untimed steps after compiling (default 2)")
-    p.add_argument("--repeats", type=_positive_int("--repeats"), default=3,
-                   help="timed steps; the table shows their median (default 3)")
+    p.add_argument("--repeats", type=_positive_int("--repeats"), default=10,
+                   help="timed steps; the table shows their median, and ±x%% where their range "
+                        "exceeds 25%% of it (default 10)")
     p.add_argument("--profile-steps", type=_positive_int("--profile-steps"), default=2,
                    help="steps recorded per trace (default 2)")
     p.add_argument("--train", action="store_true",

@@ -75,14 +75,15 @@ def reference_trace(q, k, is_causal, scale, config):
             st = ref._gather_tile_flags(states, pool)
             forced = valid & ((pool < n_sink) | ((pool >= lo_b) & (pool <= hi_b)))
             cand = valid & ~forced & ((st == ref.CLEAN) | (st == ref.PARTIAL))
-            s = ref._leaf_scores(p, sel, q_rows, k.float(), mus[0], counts[0], pool, st, cand,
+            s = ref._leaf_scores(p, sel, q_rows, k.float(), mus[0], counts[0], None, pool, st, cand,
                                  t0, t1, scale)
             S, kept = _scores(s, cand, row_ok, top_k)
             out.append((0, pool, S, kept))
             return out
         expand = valid & (forced_anc | (vis & bad))
         cand = valid & ~expand & vis
-        s = ref._internal_scores(q_rows, mus[level - 1], counts[level - 1], pool, g, scale)
+        s = ref._internal_scores(p, q_rows, mus[level - 1], counts[level - 1], None, pool, g,
+                                 t0, t1, scale)
         S, kept = _scores(s, cand, row_ok, beam)
         out.append((level, pool, S, kept))
         pool = ref.next_pool(pool, kept, forced_anc, expand, beam, e_max, g,

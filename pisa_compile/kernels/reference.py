@@ -29,18 +29,19 @@ _CHUNK_ELEMS = 1 << 24
 
 def softmax_rows(s: Tensor) -> tuple[Tensor, Tensor]:
     """Row softmax and log-sum-exp of scores ``s`` (``-inf`` = hidden); all-hidden rows give
-    zero weights and ``lse = -inf``.
+    zero weights and ``lse = -inf``. A NaN or ``+inf`` score makes its row NaN, as in SDPA.
 
     Normalises by the row maximum, not by ``exp(s - lse)``: with large finite biases
     (``-1e9`` on every key of a row) ``lse`` rounds onto the scores and ``exp(s - lse)``
     would give every key weight 1.
     """
     m = s.amax(-1, keepdim=True)
-    m = torch.where(torch.isfinite(m), m, 0.0)
+    m = torch.where(m == float("-inf"), 0.0, m)  # NaN and +inf stay: the row turns NaN
     e = torch.exp(s - m)
     total = e.sum(-1, keepdim=True)
-    w = torch.where(total > 0, e / total, 0.0)
-    return w, torch.where(total > 0, m + torch.log(total), float("-inf"))
+    hidden = total == 0  # every key hidden; NaN is not 0, so NaN rows stay NaN
+    w = torch.where(hidden, 0.0, e / torch.where(hidden, 1.0, total))
+    return w, torch.where(hidden, float("-inf"), m + torch.log(total))
 
 
 def _acc_dtype(x: Tensor) -> torch.dtype:
@@ -268,10 +269,57 @@ def _node_flags(states: Tensor, g: int, levels: int) -> list[tuple[Tensor, Tenso
     return out
 
 
-def _lse_scores(qr: Tensor, mu: Tensor, cnt: Tensor, scale: float) -> Tensor:
-    """``scale * q . mu + log n`` for rows ``qr [..., R, D]`` and nodes ``mu [..., P, D]``."""
-    s = torch.matmul(qr, mu.transpose(-1, -2)) * scale
-    return s + torch.log(cnt).unsqueeze(-2)
+def _bias_levels(p: _Problem, key_live: Tensor, n_levels: int, g: int) -> Optional[list]:
+    """Per level, ``log sum over the node's live keys j of exp(bias_rj)`` for each row ``r``:
+    float32 ``[B, h, gm, Nq or 1, n_l]`` (``Nq`` is 1 when the bias is the same for every
+    query, as for key padding). ``None`` without a float bias.
+
+    It takes the place of ``log n`` in the pooled scores (``scale q.mu + log n`` is the LSE
+    of the node's keys when they all sit at ``mu``; with a bias each key counts ``exp(bias)``
+    instead of 1), so a finite bias (ALiBi, T5's, ``-1e4`` padding) steers the selection as
+    it steers attention. Only nodes whose live keys every valid row sees are pooled-scored,
+    so masked entries never enter (they are -inf here).
+    """
+    if p.bias is None:
+        return None
+    allowed, bias = p.allowed, p.bias
+    if bias.stride(3) == 0:  # broadcast over queries: one row holds them all
+        allowed, bias = allowed[:, :, :, :1], bias[:, :, :, :1]
+    live = key_live[:, :, None, None, :]  # [B, h, 1, 1, Nk]
+    x = torch.where(allowed & live, bias.float(), float("-inf"))
+    x = torch.nn.functional.pad(x, (0, p.L * p.C - p.Nk), value=float("-inf"))
+    out = [torch.logsumexp(x.view(*x.shape[:-1], p.L, p.C), -1)]
+    for _ in range(n_levels - 1):
+        m = out[-1].shape[-1]
+        y = torch.nn.functional.pad(out[-1], (0, cdiv(m, g) * g - m), value=float("-inf"))
+        out.append(torch.logsumexp(y.view(*y.shape[:-1], -1, g), -1))
+    return out
+
+
+def _node_term(p: _Problem, bias_lvl: Optional[Tensor], cnt: Tensor, idx: Tensor, t0: int,
+               t1: int) -> Tensor:
+    """The additive term of the pooled score of nodes ``idx [B, Hkv, t, P]``: ``log n``
+    (``[B, Hkv, t, 1, P]``), or with a bias the row's :func:`_bias_levels` entry
+    (``[B, Hkv, t, R, P]``, rows as in the selection)."""
+    if bias_lvl is None:
+        return torch.log(_gather_nodes(cnt, idx)).unsqueeze(-2)
+    B, H, nt, P = idx.shape
+    h, gm, n_rows = bias_lvl.shape[1], bias_lvl.shape[2], (t1 - t0) * p.Tq
+    if bias_lvl.shape[3] == 1:
+        x = bias_lvl.expand(B, h, gm, n_rows, bias_lvl.shape[-1])
+    else:  # rows past Nq are invalid: their scores are never read
+        x = bias_lvl[:, :, :, t0 * p.Tq:min(t1 * p.Tq, p.Nq)]
+        x = torch.nn.functional.pad(x, (0, 0, 0, n_rows - x.shape[3]))
+    x = x.reshape(B, h, gm, nt, p.Tq, x.shape[-1]).expand(B, H, p.G, nt, p.Tq, x.shape[-1])
+    ix = idx.clamp(min=0)[:, :, None, :, None, :].expand(B, H, p.G, nt, p.Tq, P)
+    out = torch.gather(x, 5, ix)  # [B, H, G, t, Tq, P]
+    return out.permute(0, 1, 3, 2, 4, 5).reshape(B, H, nt, p.G * p.Tq, P)
+
+
+def _lse_scores(qr: Tensor, mu: Tensor, term: Tensor, scale: float) -> Tensor:
+    """``scale * q . mu + term`` for rows ``qr [..., R, D]`` and nodes ``mu [..., P, D]``;
+    ``term`` from :func:`_node_term` (``log n`` without a bias)."""
+    return torch.matmul(qr, mu.transpose(-1, -2)) * scale + term
 
 
 def select_blocks(q: Tensor, k: Tensor, attn_mask: Optional[Tensor], is_causal: bool, scale: float,
@@ -299,6 +347,7 @@ def select_blocks(q: Tensor, k: Tensor, attn_mask: Optional[Tensor], is_causal: 
     with stage_range("pisa.pyramid", k):
         mus, counts = build_pyramid(k, key_live.to(dev), block_size, branching, beam)
     n_levels = len(mus)
+    biases = _bias_levels(p, key_live.to(dev), n_levels, g)
     flags = _node_flags(states, g, n_levels)
     M = block_width(p.Nk, block_size, top_k, sink_blocks, local_blocks, query_tile)
     n_forced = min(sink_blocks, p.L) + local_bound(local_blocks, query_tile, block_size)
@@ -315,8 +364,8 @@ def select_blocks(q: Tensor, k: Tensor, attn_mask: Optional[Tensor], is_causal: 
     block_counts = torch.zeros((p.B, p.Hkv, p.T), dtype=torch.int32, device=dev)
     per_tile = R * P * (g + p.C) + P * p.C * p.D
     for t0, t1 in _tile_chunks(p.T, p.B * p.Hkv * per_tile):
-        idx, cnt = _select_chunk(p, sel, q_rows[:, :, t0:t1].float(), k, mus, counts, flags,
-                                 states, t0, t1, scale, P, e_max, M)
+        idx, cnt = _select_chunk(p, sel, q_rows[:, :, t0:t1].float(), k, mus, counts, biases,
+                                 flags, states, t0, t1, scale, P, e_max, M)
         block_indices[:, :, t0:t1] = idx
         block_counts[:, :, t0:t1] = cnt
     return block_indices, block_counts
@@ -350,7 +399,8 @@ def _gather_tile_flags(f: Tensor, idx: Tensor) -> Tensor:
     return torch.gather(f, 3, idx.clamp(min=0).long())
 
 
-def _select_chunk(p, sel, q_rows, k, mus, counts, flags, states, t0, t1, scale, P, e_max, M):
+def _select_chunk(p, sel, q_rows, k, mus, counts, biases, flags, states, t0, t1, scale, P,
+                  e_max, M):
     g, beam, top_k = sel.branching, sel.beam, sel.top_k
     dev = q_rows.device
     nt = t1 - t0
@@ -375,7 +425,8 @@ def _select_chunk(p, sel, q_rows, k, mus, counts, flags, states, t0, t1, scale, 
             st = _gather_tile_flags(fl, pool)
             forced = valid & ((pool < n_sink) | ((pool >= lo_b) & (pool <= hi_b)))
             cand = valid & ~forced & ((st == CLEAN) | (st == PARTIAL))
-            s = _leaf_scores(p, sel, q_rows, k, mus[0], counts[0], pool, st, cand, t0, t1, scale)
+            s = _leaf_scores(p, sel, q_rows, k, mus[0], counts[0], _level(biases, 0), pool, st,
+                             cand, t0, t1, scale)
             picked = _top(s, cand, row_ok, top_k)
             chosen = torch.where(picked | forced, pool, torch.full_like(pool, -1))
             chosen = torch.sort(torch.where(chosen < 0, p.L, chosen), dim=-1).values
@@ -385,7 +436,8 @@ def _select_chunk(p, sel, q_rows, k, mus, counts, flags, states, t0, t1, scale, 
             return chosen[..., :M].to(torch.int32), cnt.to(torch.int32)
         expand = valid & (forced_anc | (vis & bad))
         cand = valid & ~expand & vis
-        s = _internal_scores(q_rows, mus[level - 1], counts[level - 1], pool, g, scale)
+        s = _internal_scores(p, q_rows, mus[level - 1], counts[level - 1],
+                             _level(biases, level - 1), pool, g, t0, t1, scale)
         kept = _top(s, cand, row_ok, beam)
         pool = next_pool(pool, kept, forced_anc, expand, beam, e_max, g, mus[level - 1].shape[2])
         level -= 1
@@ -423,12 +475,19 @@ def _top(s: Tensor, cand: Tensor, row_ok: Tensor, n: int) -> Tensor:
 
     ``s``: ``[B, Hkv, t, R, P]`` per-row scores. Returns a bool ``[B, Hkv, t, P]`` of kept
     candidates; ties go to the lower pool position (the pool is sorted by node index).
+
+    NaN and ``+inf`` scores (a NaN or infinite key) are kept first, as SDPA lets them reach
+    the output: they are left out of the row's softmax and their node ranks above every
+    finite score, if the row has finite scores too. A row with none (a NaN query, a NaN
+    scale) votes for nothing; its output is NaN whatever is selected.
     """
     s = s.masked_fill(~cand[..., None, :], float("-inf"))
+    bad = torch.isnan(s) | (s == float("inf"))
+    s = s.masked_fill(bad, float("-inf"))
     z = torch.logsumexp(s, -1, keepdim=True)
-    prob = torch.exp(s - z)
-    prob = torch.where(torch.isfinite(z) & row_ok[..., None], prob, 0.0)
-    S = prob.sum(-2)
+    voting = torch.isfinite(z) & row_ok[..., None]
+    prob = torch.where(voting, torch.exp(s - z), 0.0)
+    S = prob.sum(-2).masked_fill((bad & voting).any(-2), float("inf"))
     key = torch.where(cand, S, -1.0)
     order = torch.sort(key, dim=-1, descending=True, stable=True).indices[..., :n]
     kept = torch.zeros_like(cand)
@@ -436,27 +495,35 @@ def _top(s: Tensor, cand: Tensor, row_ok: Tensor, n: int) -> Tensor:
     return kept
 
 
-def _internal_scores(q_rows, mu_child, cnt_child, pool, g, scale):
-    """``s_r(a) = LSE_c (scale q_r . mu_c + log n_c)`` over the children of pool nodes."""
+def _level(biases: Optional[list], level: int) -> Optional[Tensor]:
+    return None if biases is None else biases[level]
+
+
+def _internal_scores(p, q_rows, mu_child, cnt_child, bias_child, pool, g, t0, t1, scale):
+    """``s_r(a) = LSE_c (scale q_r . mu_c + term_c)`` over the children of pool nodes
+    (``term`` is ``log n`` or the bias LSE: :func:`_node_term`)."""
     B, H, nt, P = pool.shape
     kids = pool[..., None] * g + torch.arange(g, device=pool.device)
     n_child = mu_child.shape[2]
     kid_ok = (pool[..., None] >= 0) & (kids < n_child)
     kids = torch.where(kid_ok, kids, 0).view(B, H, nt, P * g)
     mu = _gather_nodes(mu_child, kids)  # [B, H, nt, P*g, D]
-    cnt = _gather_nodes(cnt_child, kids) * kid_ok.view(B, H, nt, P * g)
-    s = _lse_scores(q_rows, mu, cnt, scale).view(B, H, nt, q_rows.shape[3], P, g)
+    term = _node_term(p, bias_child, cnt_child, kids, t0, t1)
+    term = term.masked_fill(~kid_ok.view(B, H, nt, 1, P * g), float("-inf"))
+    s = _lse_scores(q_rows, mu, term, scale).view(B, H, nt, q_rows.shape[3], P, g)
     return torch.logsumexp(s, -1)
 
 
-def _leaf_scores(p, sel, q_rows, k, mu_leaf, cnt_leaf, pool, st, cand, t0, t1, scale):
+def _leaf_scores(p, sel, q_rows, k, mu_leaf, cnt_leaf, bias_leaf, pool, st, cand, t0, t1,
+                 scale):
     """Leaf scores ``[B, Hkv, t, R, P]``: pooled, or exact LSE over visible keys.
 
     Exact scoring is used for every leaf with ``leaf_scoring="exact"``, and always for
     PARTIAL leaves, whose pooled summary would include keys hidden from some row.
     """
     B, H, nt, P = pool.shape
-    pooled = _lse_scores(q_rows, _gather_nodes(mu_leaf, pool), _gather_nodes(cnt_leaf, pool), scale)
+    pooled = _lse_scores(q_rows, _gather_nodes(mu_leaf, pool),
+                         _node_term(p, bias_leaf, cnt_leaf, pool, t0, t1), scale)
     exact_leaf = st == PARTIAL
     if sel.exact:
         exact_leaf = exact_leaf | (st == CLEAN)

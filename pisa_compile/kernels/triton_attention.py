@@ -223,21 +223,21 @@ def _fwd_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
         m_i = m_new
 
-    l_ok = l_i > 0.0
-    out = acc / tl.where(l_ok, l_i, 1.0)[:, None]
-    out = tl.where(l_ok[:, None], out, 0.0)
+    # No visible key: zeros and lse = -inf, as SDPA. l_i is NaN (not 0) for a row that met a
+    # NaN or +inf score, and that row stays NaN, as in SDPA.
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    out = tl.where(empty[:, None], 0.0, out)
+    lse2 = tl.where(empty, float("-inf"), m_i + tl.math.log2(tl.where(empty, 1.0, l_i)))
     if SPLIT:
         # Partials in the natural [B, Hq, Nq] row order, contiguous, one slab per split.
         row = (b64 * (Hkv * G) + head.to(tl.int64)) * Nq + qi
-        lse2 = tl.where(l_ok, m_i + tl.math.log2(tl.where(l_ok, l_i, 1.0)), float("-inf"))
         sp = tl.program_id(2).to(tl.int64)
         tl.store(LPart + sp * part_stride_l + row, lse2, mask=row_ok)
         tl.store(OPart + sp * part_stride_o + row[:, None] * DV + offs_dv[None, :], out,
                  mask=row_ok[:, None] & (offs_dv[None, :] < DV))
     else:
-        lse = tl.where(l_ok, (m_i + tl.math.log2(tl.where(l_ok, l_i, 1.0))) * LN2,
-                       float("-inf"))
-        tl.store(Lse + b64 * slb + head.to(tl.int64) * slh + qi * sln, lse, mask=row_ok)
+        tl.store(Lse + b64 * slb + head.to(tl.int64) * slh + qi * sln, lse2 * LN2, mask=row_ok)
         o_ptrs = (Out + b64 * sob + head[:, None].to(tl.int64) * soh
                   + qi[:, None].to(tl.int64) * son + offs_dv[None, :] * sod)
         tl.store(o_ptrs, out.to(Out.dtype.element_ty),

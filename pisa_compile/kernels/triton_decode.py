@@ -45,9 +45,9 @@ def _combine_kernel(OPart, LPart, Out, Lse, n_rows, NS, part_stride_o, part_stri
                     mask=ok[:, None] & (d[None, :] < DV), other=0.0)
         den += w
         acc += w[:, None] * o
-    has = den > 0.0
-    out = tl.where(has[:, None], acc / tl.where(has, den, 1.0)[:, None], 0.0)
-    lse = tl.where(has, (m_use + tl.math.log2(tl.where(has, den, 1.0))) * LN2,
+    empty = den == 0.0  # no visible key in any split; a NaN row stays NaN
+    out = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, den)[:, None])
+    lse = tl.where(~empty, (m_use + tl.math.log2(tl.where(empty, 1.0, den))) * LN2,
                    float("-inf"))
     tl.store(Out + rows[:, None] * DV + d[None, :], out.to(Out.dtype.element_ty),
              mask=ok[:, None] & (d[None, :] < DV))

@@ -18,7 +18,8 @@ Per level (same rules as :func:`pisa_compile.kernels.reference.select_blocks`):
   ``scale q_r . mu + log n`` (or, with ``leaf_scoring="exact"``, the LSE over the leaf's
   visible keys);
 * tile score ``S(a) = sum_r softmax_pool(s_r)(a)`` over valid rows, accumulated over row
-  chunks of ``RB`` rows (rows ``r = query * G + head``);
+  chunks of ``RB`` rows (rows ``r = query * G + head``); a NaN or ``+inf`` score makes
+  ``S(a) = +inf`` (kept first, as in ``reference._top``);
 * keep the best ``beam`` (leaves: ``top_k``), ties to the lower node index, by an all-pairs
   rank count (exact and cheap for ``P <= 128``);
 * the next pool is the children of kept and expanded nodes, in ascending node order.
@@ -136,16 +137,23 @@ def _store_compact(out_ptr, node, sel, width, W: tl.constexpr):
 
 
 @triton.jit
+def _nonfinite(s):
+    """NaN or ``+inf`` scores (a NaN or infinite key): left out of the softmax and kept
+    first (``reference._top``), as SDPA lets them reach the output."""
+    return (s != s) | (s == float("inf"))
+
+
+@triton.jit
 def _pool_share(s, cand, row_ok):
     """``sum over valid rows of softmax over candidates`` of per-row scores ``s [RB, P]``
-    (natural log; exact leaf scoring only)."""
+    (natural log; exact leaf scoring only); ``+inf`` for nodes kept first."""
     s = tl.where(cand[None, :], s, float("-inf"))
+    bad = _nonfinite(s)
+    s = tl.where(bad, float("-inf"), s)
     z = tl.max(s, axis=1)
     zs = tl.where(z == float("-inf"), 0.0, z)
     e = tl.exp(s - zs[:, None])
-    den = tl.sum(e, axis=1)
-    w = tl.where(row_ok & (den > 0), 1.0 / tl.where(den > 0, den, 1.0), 0.0)
-    return tl.sum(e * w[:, None], axis=0)
+    return tl.sum(_row_share(e, bad, row_ok), axis=0)
 
 
 @triton.jit
@@ -191,33 +199,40 @@ def _scores2(qv, mu, bias, qk_scale, LOWP: tl.constexpr):
 
 
 @triton.jit
-def _online(s, m, e, FIRST: tl.constexpr):
-    """One child's scores ``s`` into a running row max ``m`` (-inf: none finite yet) and
-    ``e = sum over children of 2^(s - max(m, 0 if m is -inf))`` per (row, pool node).
+def _online(s, m, e, bad, FIRST: tl.constexpr):
+    """One child's scores ``s`` into a running row max ``m`` (-inf: none finite yet),
+    ``e = sum over children of 2^(s - max(m, 0 if m is -inf))`` per (row, pool node), and
+    ``bad``: whether any child's score was NaN or ``+inf`` (:func:`_nonfinite`).
 
     Summing ``2^s`` over the children and then over the pool is the same as the reference's
     LSE over children followed by a softmax over the pool (both are sums of ``exp`` of the
     child scores), but needs one ``exp2`` per child score and no ``log``.
     """
+    b = _nonfinite(s)
+    s = tl.where(b, float("-inf"), s)
     if FIRST:
         m_new = tl.max(s, axis=1)
         ms = tl.where(m_new == float("-inf"), 0.0, m_new)
         e_new = tl.exp2(s - ms[:, None])
+        bad_new = b
     else:
         m_new = tl.maximum(m, tl.max(s, axis=1))
         ms = tl.where(m_new == float("-inf"), 0.0, m_new)
         # m - ms with the unsubstituted m: -inf while no score was finite, so alpha is 0, never
         # 2^(0 - ms) (which overflows for very negative scores and makes 0 * inf).
         e_new = e * tl.exp2(m - ms)[:, None] + tl.exp2(s - ms[:, None])
-    return m_new, e_new
+        bad_new = bad | b
+    return m_new, e_new, bad_new
 
 
 @triton.jit
-def _row_share(e, row_ok):
-    """Each valid row's normalised share ``e / rowsum(e)`` (0 for invalid or empty rows)."""
+def _row_share(e, bad, row_ok):
+    """Each voting row's normalised share ``e / rowsum(e)``, and ``+inf`` where its score was
+    NaN or ``+inf`` (kept first). A row votes if it is valid and has a finite score."""
     den = tl.sum(e, axis=1)
-    w = tl.where(row_ok & (den > 0), 1.0 / tl.where(den > 0, den, 1.0), 0.0)
-    return e * w[:, None]
+    voting = row_ok & (den > 0)
+    share = e * tl.where(voting, 1.0 / tl.where(den > 0, den, 1.0), 0.0)[:, None]
+    return tl.where(bad & voting[:, None], float("inf"), share)
 
 
 @triton.jit
@@ -227,15 +242,15 @@ def _internal_chunk(qbase, qoff0, c, rr, n_rows, q_first, sqh, sqn, sqd, d, mu0,
                     GB: tl.constexpr, LOWP: tl.constexpr):
     """One row chunk of an internal level: its rows' normalised shares ``[RB, P]``."""
     qv, row_ok = _q_rows(qbase, qoff0, c, rr, n_rows, q_first, sqh, sqn, sqd, d, D, BD, G, RB)
-    m, e = _online(_scores2(qv, mu0, b0, qk_scale, LOWP), 0.0, 0.0, True)
-    m, e = _online(_scores2(qv, mu1, b1, qk_scale, LOWP), m, e, False)
+    m, e, bad = _online(_scores2(qv, mu0, b0, qk_scale, LOWP), 0.0, 0.0, False, True)
+    m, e, bad = _online(_scores2(qv, mu1, b1, qk_scale, LOWP), m, e, bad, False)
     # branching > 2 only: these loads are loop-invariant too (hoisted by the compiler's LICM
     # in the rolled loop); children 0 and 1 are hoisted by hand, the default branching being 2.
     for j in tl.static_range(2, GB):
         muj, bj = _load_summaries(mu_ptr, lcnt_ptr, cbase + j, cand & (kid + j < n_child), d,
                                   D, BD)
-        m, e = _online(_scores2(qv, muj, bj, qk_scale, LOWP), m, e, False)
-    return _row_share(e, row_ok)
+        m, e, bad = _online(_scores2(qv, muj, bj, qk_scale, LOWP), m, e, bad, False)
+    return _row_share(e, bad, row_ok)
 
 
 @triton.jit
@@ -244,8 +259,8 @@ def _leaf_chunk(qbase, qoff0, c, rr, n_rows, q_first, sqh, sqn, sqd, d, mu, b, q
                 LOWP: tl.constexpr):
     """One row chunk of the (pooled) leaf level: its rows' normalised shares ``[RB, P]``."""
     qv, row_ok = _q_rows(qbase, qoff0, c, rr, n_rows, q_first, sqh, sqn, sqd, d, D, BD, G, RB)
-    m, e = _online(_scores2(qv, mu, b, qk_scale, LOWP), 0.0, 0.0, True)
-    return _row_share(e, row_ok)
+    m, e, bad = _online(_scores2(qv, mu, b, qk_scale, LOWP), 0.0, 0.0, False, True)
+    return _row_share(e, bad, row_ok)
 
 
 @triton.jit

@@ -92,21 +92,28 @@ def _name(n: Node) -> str:
     return n.target if n.op == "call_method" else getattr(n.target, "__name__", "")
 
 
-def _writes(u: Node, node: Node) -> bool:
-    """Whether ``u`` may write into ``node``'s memory."""
+def written_by(u: Node) -> list:
+    """The tensors ``u`` may write in place: ``args[0]`` of ``setitem``, ``Tensor.xxx_`` and
+    ``x //= 2``-style ops, an ``out=`` argument, and every argument of an unknown module."""
     if u.op == "call_module":
-        return True  # unknown code
-    if any(v is node for v in u.kwargs.values()) and "out" in u.kwargs:
-        return True
-    if not (u.args and u.args[0] is node):
-        return False
-    if u.op == "call_function" and u.target in _INPLACE_OPS:
-        return True
+        return [a for a in (*u.args, *u.kwargs.values()) if isinstance(a, Node)]
+    out = [u.kwargs["out"]] if isinstance(u.kwargs.get("out"), Node) else []
+    if not (u.args and isinstance(u.args[0], Node)):
+        return out
     name = _name(u)
-    if not isinstance(name, str):
-        return False
-    return (name.endswith("_") and not name.startswith("__")) or name == "__setitem__" or (
-        name.startswith("__i") and name.endswith("__"))
+    if u.op == "call_function" and getattr(u.target, "__module__", None) in ("_operator",
+                                                                              "operator"):
+        inplace = u.target in _INPLACE_OPS  # operator.and_ / or_ are not in place
+    else:
+        inplace = isinstance(name, str) and (
+            (name.endswith("_") and not name.startswith("__")) or name == "__setitem__"
+            or (name.startswith("__i") and name.endswith("__")))
+    return [u.args[0], *out] if inplace else out
+
+
+def is_view(u: Node) -> bool:
+    """Whether ``u``'s result may share memory with its first argument."""
+    return _name(u) in _VIEWS and bool(u.args) and isinstance(u.args[0], Node)
 
 
 def _mutated(node: Node, seen: Optional[set] = None) -> bool:
@@ -117,9 +124,9 @@ def _mutated(node: Node, seen: Optional[set] = None) -> bool:
         return False
     seen.add(node)
     for u in node.users:
-        if _writes(u, node):
+        if any(t is node for t in written_by(u)):
             return True
-        if _name(u) in _VIEWS and u.args and u.args[0] is node and _mutated(u, seen):
+        if is_view(u) and u.args[0] is node and _mutated(u, seen):
             return True
     return False
 

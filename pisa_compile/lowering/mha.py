@@ -1,11 +1,15 @@
-"""``nn.MultiheadAttention``: Dynamo keeps ``F.multi_head_attention_forward`` as one opaque
-call in the graph (it does not inline it), so the pass recognises that call and swaps it for
-:func:`pisa_multi_head_attention_forward`: the same projections and mask handling as
-PyTorch's function, with the attention itself done by ``pisa_attention``.
+"""``torch.nn`` attention modules that reach the graph as one opaque call.
 
-Only the plain configuration is taken: batched input, no ``bias_k``/``bias_v``, no
-``add_zero_attn``, no ``static_k``/``static_v``, dropout off, and the attention weights
-unused (``need_weights=False``, or the second output never read).
+- ``nn.MultiheadAttention``: Dynamo keeps ``F.multi_head_attention_forward`` as one call (it
+  does not inline it), so the pass swaps it for :func:`pisa_multi_head_attention_forward`:
+  the same projections and mask handling as PyTorch's function, with the attention itself
+  done by ``pisa_attention``. Only the plain configuration is taken: batched input, no
+  ``bias_k``/``bias_v``, no ``add_zero_attn``, no ``static_k``/``static_v``, dropout off,
+  and the attention weights unused (``need_weights=False``, or the second output never read).
+- ``nn.TransformerEncoderLayer`` (and ``nn.TransformerEncoder``) in inference: PyTorch's fast
+  path calls the fused ``torch._transformer_encoder_layer_fwd``, which the pass swaps for
+  :func:`pisa_transformer_encoder_layer_fwd`: the same projections, norms and feed-forward
+  written out, with ``pisa_attention`` in the middle.
 """
 
 from __future__ import annotations
@@ -13,16 +17,19 @@ from __future__ import annotations
 import inspect
 from typing import Optional
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from ..config import PisaConfig
 from ..ops import pisa_attention
 
-__all__ = ["MHA_TARGET", "MHA_SIGNATURE", "pisa_multi_head_attention_forward"]
+__all__ = ["MHA_TARGET", "MHA_SIGNATURE", "pisa_multi_head_attention_forward",
+           "ENCODER_LAYER_TARGET", "pisa_transformer_encoder_layer_fwd"]
 
 MHA_TARGET = F.multi_head_attention_forward
 MHA_SIGNATURE = inspect.signature(F.multi_head_attention_forward)
+ENCODER_LAYER_TARGET = torch._transformer_encoder_layer_fwd
 
 
 def pisa_multi_head_attention_forward(
@@ -77,3 +84,58 @@ def pisa_multi_head_attention_forward(
     out = out.permute(2, 0, 1, 3).reshape(tgt_len * bsz, embed_dim)
     out = F.linear(out, out_proj_weight, out_proj_bias)
     return out.view(tgt_len, bsz, out.size(1)), None
+
+
+def _encoder_mask(mask: Optional[Tensor], mask_type: Optional[int], batch: int,
+                  length: int) -> Optional[Tensor]:
+    """The fast path's merged mask as an SDPA mask: bool True means *masked* there (PyTorch's
+    module convention), so it is inverted; float masks are additive either way. Type 1 is a
+    key padding mask ``[B, L]``; the others are ``[L, L]`` or ``[B, H, L, L]``."""
+    if mask is None:
+        return None
+    if mask_type == 1:
+        mask = mask.view(batch, 1, 1, length)
+    return ~mask if mask.dtype == torch.bool else mask
+
+
+def pisa_transformer_encoder_layer_fwd(
+    src: Tensor, embed_dim: int, num_heads: int, qkv_weight: Tensor, qkv_bias: Tensor,
+    proj_weight: Tensor, proj_bias: Tensor, use_gelu: bool, norm_first: bool, eps: float,
+    norm_weight_1: Tensor, norm_bias_1: Tensor, norm_weight_2: Tensor, norm_bias_2: Tensor,
+    ffn_weight_1: Tensor, ffn_bias_1: Tensor, ffn_weight_2: Tensor, ffn_bias_2: Tensor,
+    mask: Optional[Tensor] = None, mask_type: Optional[int] = None, *,
+    config: Optional[PisaConfig] = None,
+) -> Tensor:
+    """``torch._transformer_encoder_layer_fwd`` (``nn.TransformerEncoderLayer``'s inference
+    fast path) with the attention done by ``pisa_attention``.
+
+    ``src`` is batch-first ``[B, L, E]``; returns ``[B, L, E]`` in ``src.dtype``. Post-norm
+    (``norm_first=False``): ``x = norm1(x + sa(x)); x = norm2(x + ff(x))``; pre-norm:
+    ``x = x + sa(norm1(x)); x = x + ff(norm2(x))`` (PyTorch's ``TransformerEncoderLayer``).
+    """
+    B, L, E = src.shape
+    head_dim = embed_dim // num_heads
+    attn_mask = _encoder_mask(mask, mask_type, B, L)
+
+    def sa(x: Tensor) -> Tensor:
+        qkv = F.linear(x, qkv_weight, qkv_bias).view(B, L, 3, num_heads, head_dim)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+        out = pisa_attention(q, k, v, attn_mask=attn_mask, config=config)
+        return F.linear(out.transpose(1, 2).reshape(B, L, E), proj_weight, proj_bias)
+
+    def ff(x: Tensor) -> Tensor:
+        h = F.linear(x, ffn_weight_1, ffn_bias_1)
+        return F.linear(F.gelu(h) if use_gelu else F.relu(h), ffn_weight_2, ffn_bias_2)
+
+    def norm1(x: Tensor) -> Tensor:
+        return F.layer_norm(x, (E,), norm_weight_1, norm_bias_1, eps)
+
+    def norm2(x: Tensor) -> Tensor:
+        return F.layer_norm(x, (E,), norm_weight_2, norm_bias_2, eps)
+
+    x = src
+    if norm_first:
+        x = x + sa(norm1(x))
+        return x + ff(norm2(x))
+    x = norm1(x + sa(x))
+    return norm2(x + ff(x))

@@ -30,6 +30,9 @@ class Site:
             when the mask is built in the graph from ``tril``/``triu``.
         decision: ``"rewritten"`` or ``"left dense"``.
         reason: why it was left dense (empty when rewritten).
+        note: for a rewritten site, what will run where it is not the fused sparse path:
+            plain SDPA below ``min_seq_len``, the PyTorch reference selection for an explicit
+            mask (empty when nothing needs saying).
         node: the FX node name of the site (the SDPA call or the softmax).
         source: ``file:line`` of the user code, where Dynamo recorded it.
         graph: index of the captured graph (graph breaks give several).
@@ -42,6 +45,7 @@ class Site:
     mask: str = "none"
     decision: str = LEFT_DENSE
     reason: str = ""
+    note: str = ""
     node: str = ""
     source: str = ""
     graph: int = 0
@@ -50,8 +54,13 @@ class Site:
     def rewritten(self) -> bool:
         return self.decision == REWRITTEN
 
+    @property
+    def explanation(self) -> str:
+        """The reason a site was left dense, or the note on a rewritten one."""
+        return self.reason or self.note
+
     def line(self) -> str:
-        why = f" ({self.reason})" if self.reason else ""
+        why = f" ({self.reason or self.note})" if self.reason or self.note else ""
         return (f"pisa site {self.node} [{self.form}] q={self.q_shape} k={self.k_shape} "
                 f"v={self.v_shape} mask={self.mask}: {self.decision}{why}"
                 + (f" at {self.source}" if self.source else ""))
@@ -59,7 +68,7 @@ class Site:
 
 _COLUMNS = (("graph", "graph"), ("node", "node"), ("form", "form"), ("q", "q_shape"),
             ("k", "k_shape"), ("v", "v_shape"), ("mask", "mask"), ("decision", "decision"),
-            ("reason", "reason"), ("source", "source"))
+            ("reason or note", "explanation"), ("source", "source"))
 
 
 @dataclass

@@ -11,6 +11,7 @@ Entry point: :func:`rewrite_graph`.
 
 from __future__ import annotations
 
+import inspect
 import operator
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -23,7 +24,8 @@ from ..config import PisaConfig
 from ..ops import pisa_attention
 from . import masks as M
 from . import patterns as P
-from .mha import MHA_SIGNATURE, MHA_TARGET, pisa_multi_head_attention_forward
+from .mha import (ENCODER_LAYER_TARGET, MHA_SIGNATURE, MHA_TARGET,
+                  pisa_multi_head_attention_forward, pisa_transformer_encoder_layer_fwd)
 from .report import LEFT_DENSE, REWRITTEN, Site, fmt_shape, source_of
 
 __all__ = ["rewrite_graph", "find_sites", "LeaveDense"]
@@ -57,8 +59,8 @@ class _Plan:
     v_perm: Optional[list] = None
     out_perm: Optional[list] = None
     mask: Optional[Node] = None      # an SDPA call's attn_mask, as is
-    masks: list = field(default_factory=list)     # hand-written: ("add", m, factors) |
-                                                  # ("bool", m, attend_if)
+    masks: list = field(default_factory=list)     # hand-written: (kind, m, extra, dtype):
+    # ("add", m, factors after it, dtype of the sum) | ("bool", m, attend_if, scores dtype)
     is_causal: bool = False
     scale: Any = None                # None: SDPA's default 1/sqrt(D); else list of factors
     enable_gqa: bool = False
@@ -92,21 +94,19 @@ def _same_shape(a: Node, b: Node) -> bool:
 
 def _causal_only(masks: list, n_queries, n_keys) -> bool:
     """Every mask is SDPA's causal mask, so the site is ``is_causal=True`` with no mask tensor
-    (:mod:`.masks` has the proof rules). ``masks``: ``(kind, mask, extra, dtype)`` with
-    ``kind``/``mask``/``extra`` as in ``_Plan.masks`` and ``dtype`` the dtype of the masked
-    scores (for ``"add"``, the fill must still mask after the scales that follow it)."""
+    (:mod:`.masks` has the proof rules). ``masks``: ``(kind, mask, extra, dtype)`` as in
+    ``_Plan.masks``. An additive fill is judged where it is added, before the positive scales
+    that follow it, as the op judges it (see ``_apply``)."""
     for kind, mask, extra, dtype in masks:
         if not M.spans(mask, n_queries, n_keys):
             return False
         if kind == "bool" and not M.is_causal_bool(mask, extra):
             return False
         if kind == "add":
-            scale = 1.0
-            for f, div in extra:
+            for f, _div in extra:
                 if not (isinstance(f, (int, float)) and not isinstance(f, bool) and f > 0):
                     return False
-                scale = scale / f if div else scale * f
-            if not (isinstance(dtype, torch.dtype) and M.is_causal_additive(mask, scale, dtype)):
+            if not (isinstance(dtype, torch.dtype) and M.is_causal_additive(mask, 1.0, dtype)):
                 return False
     return bool(masks)
 
@@ -433,11 +433,11 @@ def _v_layout(pv: Node, w_in: Node, score_letters: Optional[str]):
 
 def _plan_masks(plan: _Plan, masks: list) -> None:
     """Check each mask of the chain and record it in ``plan.masks``."""
-    for mask_op, post, _dtype in masks:
+    for mask_op, post, dtype in masks:
         if mask_op.kind == "add":
             _check_mask_tensor(mask_op.mask, float_only=True)
             # (s + m) * c == s*c + m*c
-            plan.masks.append(("add", mask_op.mask, post))
+            plan.masks.append(("add", mask_op.mask, post, dtype))
         else:
             _check_mask_tensor(mask_op.mask, bool_only=True)
             sv = P.val(mask_op.scores)
@@ -447,7 +447,7 @@ def _plan_masks(plan: _Plan, masks: list) -> None:
             for f, _div in post:   # -inf * c stays -inf only for c > 0
                 if not (isinstance(f, (int, float)) and f > 0):
                     raise LeaveDense("a scale after the mask is not a positive constant")
-            plan.masks.append(("bool", mask_op.mask, mask_op.attend_if))
+            plan.masks.append(("bool", mask_op.mask, mask_op.attend_if, dtype))
         _check_mask_grad(mask_op.mask)
 
 
@@ -493,8 +493,7 @@ def _analyze_softmax(sm: Node, site: Site) -> Optional[_Plan]:
     plan.scale = chain.factors
     sv = P.val(x)
     if isinstance(sv, torch.Tensor) and sv.dim() >= 2 and _causal_only(
-            [(k_, m, e, dt) for (k_, m, e), (_o, _p, dt) in zip(plan.masks, chain.masks)],
-            sv.shape[-2], sv.shape[-1]):
+            plan.masks, sv.shape[-2], sv.shape[-1]):
         plan.masks, plan.is_causal = [], True
         site.mask = f"{site.mask}->is_causal"
 
@@ -509,6 +508,41 @@ def _analyze_softmax(sm: Node, site: Site) -> Optional[_Plan]:
     if chain.reasons:
         raise LeaveDense(chain.reasons[0])
     return plan
+
+
+def _check_no_writes(graph, plan: _Plan) -> None:
+    """``LeaveDense`` if a node between the site's first node and its anchor may write in place
+    into memory the site reads (q, k, v, the masks, or the site's own intermediates, through
+    any view). The op runs at the anchor, so it would read the written values: ``k.mul_(-3)``
+    after ``q @ k.mT``, ``s.div_(4)`` on raw scores the softmax then reads, a ``masked_fill_``
+    off the chain."""
+    parent: dict = {}
+
+    def find(n):
+        while parent.get(n, n) is not n:
+            n = parent[n]
+        return n
+
+    order = {}
+    for i, n in enumerate(graph.nodes):
+        order[n] = i
+        # A view or an in-place result shares memory with its source.
+        for src in ([n.args[0]] if M.is_view(n) else []) + (
+                [] if n.op == "call_module" else M.written_by(n)):
+            parent[find(n)] = find(src)
+    site = [n for n in plan.owned if isinstance(n, Node) and n in order] + [plan.anchor]
+    reads = [plan.q, plan.k, plan.v, plan.mask, *(m for _, m, *_ in plan.masks), *site]
+    roots = {find(n) for n in reads if P.is_tensor_node(n)}
+    first, last = min(order[n] for n in site), order[plan.anchor]
+    owned = set(site)
+    for n in graph.nodes:
+        if not first < order[n] < last or n in owned:
+            continue
+        for t in M.written_by(n):
+            if find(t) in roots:
+                raise LeaveDense(f"{P.describe(n)} ({n.name}) may write in place into {t.name}, "
+                                 "which the site reads, between its first node and its last; "
+                                 "the op there would read the written value")
 
 
 # -- graph editing ---------------------------------------------------------------------------------
@@ -560,13 +594,9 @@ def _apply(gm: GraphModule, plan: _Plan, config: PisaConfig) -> Node:
     q, k, v = perm(plan.q, plan.q_perm), perm(plan.k, plan.k_perm), perm(plan.v, plan.v_perm)
     mask = plan.mask
     float_terms, bool_term = [], None
-    for kind, m, extra in plan.masks:
+    for kind, m, extra, dtype in plan.masks:
         if kind == "add":
-            for f, div in extra:
-                m = emit("call_function", operator.truediv if div else operator.mul, (m, f))
-            mv = P.val(m)
-            if not (isinstance(mv, torch.Tensor) and mv.dtype == plan.dtype):  # unknown: cast
-                m = emit("call_method", "to", (m, plan.dtype))
+            m = _folded_additive(emit, m, extra, dtype, plan.dtype)
             float_terms.append(m)
         else:
             if not extra:                                # masked_fill: True = masked
@@ -602,6 +632,32 @@ def _apply(gm: GraphModule, plan: _Plan, config: PisaConfig) -> Node:
     return out
 
 
+def _folded_additive(emit, m: Node, factors: list, sum_dtype, q_dtype) -> Node:
+    """An additive mask ``m`` with the scales that follow it folded in, in ``q_dtype``.
+
+    Where the mask is added, an entry at or below ``finfo(sum_dtype).min / 2`` (or ``-inf``)
+    masks its key (DESIGN.md, "The algorithm"). Scaling or casting can move such an entry
+    above the op's own threshold (``finfo.min / 8`` after ``/ 8``; fp16's ``-65504`` cast to
+    fp32), where the op would read it as a finite bias and let the key steer the selection.
+    So masked entries become ``-inf`` first, which every positive scale and cast keeps.
+    """
+    mv = P.val(m)
+    if not factors and isinstance(mv, torch.Tensor) and mv.dtype == q_dtype:
+        return m  # the op applies the same threshold to the same dtype
+    if isinstance(sum_dtype, torch.dtype) and sum_dtype.is_floating_point:
+        masked = emit("call_function", operator.le, (m, torch.finfo(sum_dtype).min / 2))
+        for f, div in factors:
+            m = emit("call_function", operator.truediv if div else operator.mul, (m, f))
+        m = emit("call_function", torch.where, (masked, float("-inf"), m))
+    else:  # pragma: no cover - the sum of a float mask and float scores is float
+        for f, div in factors:
+            m = emit("call_function", operator.truediv if div else operator.mul, (m, f))
+    mv = P.val(m)
+    if not (isinstance(mv, torch.Tensor) and mv.dtype == q_dtype):  # unknown: cast
+        m = emit("call_method", "to", (m, q_dtype))
+    return m
+
+
 def _erase_dead(graph, owned: list) -> None:
     """Erase the site's own nodes that no longer have users (never placeholders)."""
     owned_set = {n for n in owned if n.op in ("call_function", "call_method")}
@@ -621,11 +677,16 @@ def _is_mha(node: Node) -> bool:
     return node.op == "call_function" and node.target is MHA_TARGET
 
 
+def _is_encoder_layer(node: Node) -> bool:
+    return node.op == "call_function" and node.target is ENCODER_LAYER_TARGET
+
+
 def find_sites(gm: GraphModule) -> list[Node]:
     """Candidate anchors in graph order: SDPA calls, softmax nodes, and
     ``F.multi_head_attention_forward`` calls (``nn.MultiheadAttention``)."""
     return [n for n in gm.graph.nodes
-            if P.sdpa_args(n) is not None or P.is_softmax(n) or _is_mha(n)]
+            if P.sdpa_args(n) is not None or P.is_softmax(n) or _is_mha(n)
+            or _is_encoder_layer(n)]
 
 
 def _analyze_mha(node: Node, site: Site) -> dict:
@@ -667,10 +728,33 @@ def _analyze_mha(node: Node, site: Site) -> dict:
     return a
 
 
-def _apply_mha(gm: GraphModule, node: Node, bound: dict, config: PisaConfig) -> None:
+def _analyze_encoder_layer(node: Node, site: Site) -> dict:
+    """Checks a ``torch._transformer_encoder_layer_fwd`` call; returns its arguments."""
+    names = list(inspect.signature(pisa_transformer_encoder_layer_fwd).parameters)[:-1]
+    if len(node.args) > len(names) or set(node.kwargs) - set(names):
+        raise LeaveDense("unexpected _transformer_encoder_layer_fwd call")
+    a = dict(zip(names, node.args), **node.kwargs)
+    for name, default in (("mask", None), ("mask_type", None)):
+        a.setdefault(name, default)
+    src = P.val(a.get("src"))
+    site.q_shape = site.k_shape = site.v_shape = fmt_shape(src)
+    site.mask = "none" if a["mask"] is None else (
+        f"{'bool' if P.val(a['mask']).dtype == torch.bool else 'float'}"
+        f"({'key padding' if a['mask_type'] == 1 else 'attn_mask'})")
+    if not isinstance(src, torch.Tensor) or src.dim() != 3 or not src.is_floating_point():
+        raise LeaveDense("unbatched or non-float input to the fused encoder layer")
+    for name in ("embed_dim", "num_heads", "use_gelu", "norm_first", "mask_type"):
+        if isinstance(a[name], Node):
+            raise LeaveDense(f"{name} is not a constant")
+    if a["mask"] is not None:
+        _check_mask_tensor(a["mask"])
+    return a
+
+
+def _apply_mha(gm: GraphModule, node: Node, bound: dict, config: PisaConfig,
+               target=pisa_multi_head_attention_forward) -> None:
     with gm.graph.inserting_before(node):
-        new = gm.graph.call_function(pisa_multi_head_attention_forward, (),
-                                     dict(bound, config=config))
+        new = gm.graph.call_function(target, (), dict(bound, config=config))
     new.meta.update(node.meta)
     node.replace_all_uses_with(new)
     gm.graph.erase_node(node)
@@ -693,15 +777,20 @@ def rewrite_graph(gm: GraphModule, config: PisaConfig, apply: bool = True) -> li
         if node.graph is not gm.graph or node not in node.graph.nodes:
             continue  # erased by an earlier site
         is_sdpa = P.sdpa_args(node) is not None
-        is_mha = _is_mha(node)
+        is_mha, is_layer = _is_mha(node), _is_encoder_layer(node)
         site = Site(form="sdpa" if is_sdpa else "nn.MultiheadAttention" if is_mha
-                    else "softmax", node=node.name, source=source_of(node.meta))
+                    else "nn.TransformerEncoderLayer" if is_layer else "softmax",
+                    node=node.name, source=source_of(node.meta))
         try:
-            if is_mha:
-                bound = _analyze_mha(node, site)
+            if is_mha or is_layer:
+                bound = (_analyze_mha if is_mha else _analyze_encoder_layer)(node, site)
                 if apply:
-                    _apply_mha(gm, node, bound, config)
+                    _apply_mha(gm, node, bound, config, pisa_multi_head_attention_forward
+                               if is_mha else pisa_transformer_encoder_layer_fwd)
                 site.decision, site.reason = REWRITTEN, ""
+                key = bound["key"] if is_mha else bound["src"]
+                site.note = _note(P.val(key).shape[-3 if is_mha else -2], site.mask != "none"
+                                  and site.mask != "causal", config)
                 sites.append(site)
                 continue
             if is_sdpa:
@@ -712,18 +801,32 @@ def rewrite_graph(gm: GraphModule, config: PisaConfig, apply: bool = True) -> li
                     continue  # a softmax that does not feed a matmul: not attention
             q, k, v = _check_shapes(plan)
             site.q_shape, site.k_shape, site.v_shape = fmt_shape(q), fmt_shape(k), fmt_shape(v)
+            _check_no_writes(gm.graph, plan)
             if apply:
                 _apply(gm, plan, config)
             site.decision, site.reason = REWRITTEN, ""
+            site.note = _note(k.shape[-2], plan.mask is not None or bool(plan.masks), config)
         except LeaveDense as why:
             site.decision, site.reason = LEFT_DENSE, str(why)
-            if site.q_shape == "?" and not is_mha:
+            if site.q_shape == "?" and not (is_mha or is_layer):
                 _fill_shapes_best_effort(node, site)
         sites.append(site)
     if apply and any(s.rewritten for s in sites):
         gm.graph.lint()
         gm.recompile()
     return sites
+
+
+def _note(n_keys, has_mask: bool, config: PisaConfig) -> str:
+    """What a rewritten site will run where it is not the fused sparse path."""
+    if statically_known_true(n_keys < config.min_seq_len):
+        return f"runs plain SDPA: Nk={n_keys} < min_seq_len={config.min_seq_len}"
+    notes = []
+    if not statically_known_true(n_keys >= config.min_seq_len):
+        notes.append(f"plain SDPA while Nk={n_keys} < min_seq_len={config.min_seq_len}")
+    if has_mask:
+        notes.append("explicit mask: the selection runs the PyTorch reference")
+    return "; ".join(notes)
 
 
 def _fill_shapes_best_effort(node: Node, site: Site) -> None:

@@ -119,3 +119,21 @@ def test_explicit_causal_mask_under_compile():
     ref, _ = reference.sparse_attention(q.float(), k.float(), v.float(), mask, False,
                                         q.shape[-1] ** -0.5, bi, bc, **CFG.attention_options())
     assert _rel(out, ref) < 1e-2
+
+
+@pytest.mark.parametrize("where", ["q", "k", "k_inf"])
+def test_nan_and_inf_reach_the_rows_that_see_them(where):
+    """The fused kernels (selection, attention, decode) on the GPU: a NaN in q spoils its row,
+    a NaN or inf key every row that sees it (it ranks first in the selection), and no other
+    row; the float64 dense oracle decides which rows."""
+    from pisa_compile.kernels.reference import dense_attention
+    q, k, v = _qkv(4096)
+    t = q if where == "q" else k
+    t[0, 1, 3000, 5] = float("inf") if where == "k_inf" else float("nan")
+    want = torch.isnan(dense_attention(q.double(), k.double(), v.double(), is_causal=True))
+    assert want.any() and not want.all()
+    assert torch.equal(torch.isnan(_attn(q, k, v)), want)
+    qd = q[:, :, -4:].contiguous()  # decode: the last 4 queries over the whole cache
+    want_d = torch.isnan(dense_attention(qd.double(), k.double(), v.double()))
+    got_d = pisa_attention(qd, k, v, enable_gqa=True, config=CFG)
+    assert torch.equal(torch.isnan(got_d), want_d)

@@ -57,7 +57,7 @@ def reference_trace(q, k, is_causal, scale, config):
     t = torch.arange(t0, t1, device=dev)
     n_sink, lo, hi = forced_ranges(t, p.Nq, p.Nk, p.offset, p.C, p.Tq, config.sink_blocks,
                                    config.local_blocks)
-    row_ok = ref._row_valid(p, t0, t1, dev)
+    row_ok = ref._row_valid(p, t0, t1, dev) & torch.isfinite(q_rows).all(-1)
     level = len(mus) - 1
     n_top = mus[level].shape[2]
     pool = torch.arange(n_top, device=dev).expand(p.B, p.Hkv, p.T, n_top)
@@ -75,28 +75,24 @@ def reference_trace(q, k, is_causal, scale, config):
             st = ref._gather_tile_flags(states, pool)
             forced = valid & ((pool < n_sink) | ((pool >= lo_b) & (pool <= hi_b)))
             cand = valid & ~forced & ((st == ref.CLEAN) | (st == ref.PARTIAL))
-            s = ref._leaf_scores(p, sel, q_rows, k.float(), mus[0], counts[0], None, pool, st, cand,
-                                 t0, t1, scale)
-            S, kept = _scores(s, cand, row_ok, top_k)
+            s, bad = ref._leaf_scores(p, sel, q_rows, k.float(), mus[0], counts[0], None, pool,
+                                      st, cand, t0, t1, scale)
+            S, kept = _scores(s, cand, row_ok, top_k, bad)
             out.append((0, pool, S, kept))
             return out
         expand = valid & (forced_anc | (vis & bad))
         cand = valid & ~expand & vis
-        s = ref._internal_scores(p, q_rows, mus[level - 1], counts[level - 1], None, pool, g,
-                                 t0, t1, scale)
-        S, kept = _scores(s, cand, row_ok, beam)
+        s, bad = ref._internal_scores(p, q_rows, mus[level - 1], counts[level - 1], None, pool,
+                                      g, t0, t1, scale)
+        S, kept = _scores(s, cand, row_ok, beam, bad)
         out.append((level, pool, S, kept))
         pool = ref.next_pool(pool, kept, forced_anc, expand, beam, e_max, g,
                              mus[level - 1].shape[2])
         level -= 1
 
 
-def _scores(s, cand, row_ok, n):
-    s = s.masked_fill(~cand[..., None, :], float("-inf"))
-    z = torch.logsumexp(s, -1, keepdim=True)
-    prob = torch.where(torch.isfinite(z) & row_ok[..., None], torch.exp(s - z), 0.0)
-    S = prob.sum(-2)
-    return S, ref._top(s, cand, row_ok, n)
+def _scores(s, cand, row_ok, n, bad):
+    return ref.tile_scores(s, cand, row_ok, bad), ref._top(s, cand, row_ok, n, bad)
 
 
 def check_selection(q, k, is_causal, scale, config, tol=1e-4, max_tie_frac=0.05):

@@ -46,6 +46,10 @@ _warned: set[str] = set()
 
 
 def _warn_once(reason: str) -> None:
+    # Dynamo cannot trace warnings.warn; a plan made while it traces user code is reported by
+    # the rewrite's notes (explain) instead.
+    if torch.compiler.is_dynamo_compiling():
+        return
     if reason not in _warned:
         _warned.add(reason)
         warnings.warn(f"pisa_compile: {reason}; the PyTorch reference runs instead (exact, "

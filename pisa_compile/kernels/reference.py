@@ -407,7 +407,9 @@ def _select_chunk(p, sel, q_rows, k, mus, counts, biases, flags, states, t0, t1,
     t = torch.arange(t0, t1, device=dev)
     n_sink, lo, hi = forced_ranges(t, p.Nq, p.Nk, p.offset, p.C, p.Tq, sel.sink_blocks,
                                    sel.local_blocks)
-    row_ok = _row_valid(p, t0, t1, dev)  # [B, Hkv, nt, R]
+    # Rows that exist, see a key and have a finite query vote (a NaN query's output is NaN
+    # whatever is selected).
+    row_ok = _row_valid(p, t0, t1, dev) & torch.isfinite(q_rows).all(-1)  # [B, Hkv, nt, R]
     level = len(mus) - 1
     n_top = mus[level].shape[2]
     pool = torch.arange(n_top, device=dev).expand(p.B, p.Hkv, nt, n_top)
@@ -419,26 +421,26 @@ def _select_chunk(p, sel, q_rows, k, mus, counts, biases, flags, states, t0, t1,
         first, last = pool * span, pool * span + span - 1
         forced_anc = valid & ((first < n_sink) | ((last >= lo_b) & (first <= hi_b)))
         fl = states[..., t0:t1, :] if level == 0 else None
-        vis, bad = (_gather_tile_flags(flags[level][0][..., t0:t1, :], pool),
-                    _gather_tile_flags(flags[level][1][..., t0:t1, :], pool))
+        vis, mixed = (_gather_tile_flags(flags[level][0][..., t0:t1, :], pool),
+                      _gather_tile_flags(flags[level][1][..., t0:t1, :], pool))
         if level == 0:
             st = _gather_tile_flags(fl, pool)
             forced = valid & ((pool < n_sink) | ((pool >= lo_b) & (pool <= hi_b)))
             cand = valid & ~forced & ((st == CLEAN) | (st == PARTIAL))
-            s = _leaf_scores(p, sel, q_rows, k, mus[0], counts[0], _level(biases, 0), pool, st,
-                             cand, t0, t1, scale)
-            picked = _top(s, cand, row_ok, top_k)
+            s, bad = _leaf_scores(p, sel, q_rows, k, mus[0], counts[0], _level(biases, 0), pool,
+                                  st, cand, t0, t1, scale)
+            picked = _top(s, cand, row_ok, top_k, bad)
             chosen = torch.where(picked | forced, pool, torch.full_like(pool, -1))
             chosen = torch.sort(torch.where(chosen < 0, p.L, chosen), dim=-1).values
             chosen = torch.where(chosen >= p.L, -1, chosen)
             # Forced and picked leaves are distinct, so at most M are valid.
             cnt = (chosen >= 0).sum(-1)
             return chosen[..., :M].to(torch.int32), cnt.to(torch.int32)
-        expand = valid & (forced_anc | (vis & bad))
+        expand = valid & (forced_anc | (vis & mixed))
         cand = valid & ~expand & vis
-        s = _internal_scores(p, q_rows, mus[level - 1], counts[level - 1],
-                             _level(biases, level - 1), pool, g, t0, t1, scale)
-        kept = _top(s, cand, row_ok, beam)
+        s, bad = _internal_scores(p, q_rows, mus[level - 1], counts[level - 1],
+                                  _level(biases, level - 1), pool, g, t0, t1, scale)
+        kept = _top(s, cand, row_ok, beam, bad)
         pool = next_pool(pool, kept, forced_anc, expand, beam, e_max, g, mus[level - 1].shape[2])
         level -= 1
 
@@ -470,24 +472,26 @@ def _first_true(pool: Tensor, sel: Tensor, n: int) -> Tensor:
     return out
 
 
-def _top(s: Tensor, cand: Tensor, row_ok: Tensor, n: int) -> Tensor:
-    """Tile score ``S(a) = sum_r softmax_pool(s_r)(a)`` over valid rows; keep the best ``n``.
+def tile_scores(s: Tensor, cand: Tensor, row_ok: Tensor, bad: Tensor) -> Tensor:
+    """Tile score ``S(a) = sum_r softmax_pool(s_r)(a)`` over voting rows: ``[B, Hkv, t, P]``.
 
-    ``s``: ``[B, Hkv, t, R, P]`` per-row scores. Returns a bool ``[B, Hkv, t, P]`` of kept
-    candidates; ties go to the lower pool position (the pool is sorted by node index).
-
-    NaN and ``+inf`` scores (a NaN or infinite key) are kept first, as SDPA lets them reach
-    the output: they are left out of the row's softmax and their node ranks above every
-    finite score, if the row has finite scores too. A row with none (a NaN query, a NaN
-    scale) votes for nothing; its output is NaN whatever is selected.
+    ``s``: ``[B, Hkv, t, R, P]`` per-row scores; ``row_ok`` ``[B, Hkv, t, R]``: rows that
+    exist, see a key and have a finite query; ``bad`` ``[B, Hkv, t, P]``: nodes whose summary
+    is not finite (they hold a NaN or infinite key). Bad nodes are left out of the softmax
+    and rank above every finite score (``+inf``), so the rows that see such a key get NaN as
+    in dense attention; a row without a finite score (a NaN scale) votes for nothing.
     """
-    s = s.masked_fill(~cand[..., None, :], float("-inf"))
-    bad = torch.isnan(s) | (s == float("inf"))
-    s = s.masked_fill(bad, float("-inf"))
+    s = s.masked_fill(~cand[..., None, :] | bad[..., None, :], float("-inf"))
     z = torch.logsumexp(s, -1, keepdim=True)
     voting = torch.isfinite(z) & row_ok[..., None]
-    prob = torch.where(voting, torch.exp(s - z), 0.0)
-    S = prob.sum(-2).masked_fill((bad & voting).any(-2), float("inf"))
+    S = torch.where(voting, torch.exp(s - z), 0.0).sum(-2)
+    return S.masked_fill(bad & cand & voting.any(-2), float("inf"))
+
+
+def _top(s: Tensor, cand: Tensor, row_ok: Tensor, n: int, bad: Tensor) -> Tensor:
+    """The ``n`` candidates of best :func:`tile_scores`: a bool ``[B, Hkv, t, P]``; ties go
+    to the lower pool position (the pool is sorted by node index)."""
+    S = tile_scores(s, cand, row_ok, bad)
     key = torch.where(cand, S, -1.0)
     order = torch.sort(key, dim=-1, descending=True, stable=True).indices[..., :n]
     kept = torch.zeros_like(cand)
@@ -499,36 +503,48 @@ def _level(biases: Optional[list], level: int) -> Optional[Tensor]:
     return None if biases is None else biases[level]
 
 
+def _finite_nodes(mu: Tensor, ok: Tensor) -> tuple[Tensor, Tensor]:
+    """Gathered summaries ``mu [..., n, D]`` with the non-finite ones zeroed, and which those
+    were (among ``ok``): ``[..., n]``."""
+    bad = ~torch.isfinite(mu).all(-1) & ok
+    return mu.masked_fill(bad[..., None], 0.0), bad
+
+
 def _internal_scores(p, q_rows, mu_child, cnt_child, bias_child, pool, g, t0, t1, scale):
     """``s_r(a) = LSE_c (scale q_r . mu_c + term_c)`` over the children of pool nodes
-    (``term`` is ``log n`` or the bias LSE: :func:`_node_term`)."""
+    (``term`` is ``log n`` or the bias LSE: :func:`_node_term`), and which pool nodes have a
+    child whose summary is not finite (those children score nothing: see :func:`_top`)."""
     B, H, nt, P = pool.shape
     kids = pool[..., None] * g + torch.arange(g, device=pool.device)
     n_child = mu_child.shape[2]
     kid_ok = (pool[..., None] >= 0) & (kids < n_child)
     kids = torch.where(kid_ok, kids, 0).view(B, H, nt, P * g)
-    mu = _gather_nodes(mu_child, kids)  # [B, H, nt, P*g, D]
+    mu, kid_bad = _finite_nodes(_gather_nodes(mu_child, kids), kid_ok.view(B, H, nt, P * g))
     term = _node_term(p, bias_child, cnt_child, kids, t0, t1)
-    term = term.masked_fill(~kid_ok.view(B, H, nt, 1, P * g), float("-inf"))
+    term = term.masked_fill(~(kid_ok.view(B, H, nt, 1, P * g) & ~kid_bad[..., None, :]),
+                            float("-inf"))
     s = _lse_scores(q_rows, mu, term, scale).view(B, H, nt, q_rows.shape[3], P, g)
-    return torch.logsumexp(s, -1)
+    return torch.logsumexp(s, -1), kid_bad.view(B, H, nt, P, g).any(-1)
 
 
 def _leaf_scores(p, sel, q_rows, k, mu_leaf, cnt_leaf, bias_leaf, pool, st, cand, t0, t1,
                  scale):
-    """Leaf scores ``[B, Hkv, t, R, P]``: pooled, or exact LSE over visible keys.
+    """Leaf scores ``[B, Hkv, t, R, P]``: pooled, or exact LSE over visible keys; and which
+    leaves have a summary that is not finite (see :func:`tile_scores`).
 
     Exact scoring is used for every leaf with ``leaf_scoring="exact"``, and always for
     PARTIAL leaves, whose pooled summary would include keys hidden from some row.
     """
     B, H, nt, P = pool.shape
-    pooled = _lse_scores(q_rows, _gather_nodes(mu_leaf, pool),
-                         _node_term(p, bias_leaf, cnt_leaf, pool, t0, t1), scale)
+    mu, bad = _finite_nodes(_gather_nodes(mu_leaf, pool), pool >= 0)
+    term = _node_term(p, bias_leaf, cnt_leaf, pool, t0, t1).masked_fill(bad[..., None, :],
+                                                                        float("-inf"))
+    pooled = _lse_scores(q_rows, mu, term, scale)
     exact_leaf = st == PARTIAL
     if sel.exact:
         exact_leaf = exact_leaf | (st == CLEAN)
     if not bool((exact_leaf & cand).any()):
-        return pooled
+        return pooled, bad
     k_pos = (pool.clamp(min=0)[..., None] * p.C + torch.arange(p.C, device=pool.device))
     k_pos = torch.where(pool[..., None] >= 0, k_pos, -1).view(B, H, nt, P * p.C)
     kk = _gather_nodes(torch.nn.functional.pad(k, (0, 0, 0, p.L * p.C - p.Nk)),
@@ -538,7 +554,7 @@ def _leaf_scores(p, sel, q_rows, k, mu_leaf, cnt_leaf, bias_leaf, pool, st, cand
     vis = _visible_rows(p, k_pos, t0, t1)
     s = s.masked_fill(~vis, float("-inf")).view(B, H, nt, -1, P, p.C)
     exact = torch.logsumexp(s, -1)
-    return torch.where(exact_leaf[..., None, :], exact, pooled)
+    return torch.where(exact_leaf[..., None, :], exact, pooled), bad
 
 
 def _to_rows(x: Tensor, B: int, H: int, nt: int, G: int, Tq: int) -> Tensor:

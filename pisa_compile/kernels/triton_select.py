@@ -18,8 +18,9 @@ Per level (same rules as :func:`pisa_compile.kernels.reference.select_blocks`):
   ``scale q_r . mu + log n`` (or, with ``leaf_scoring="exact"``, the LSE over the leaf's
   visible keys);
 * tile score ``S(a) = sum_r softmax_pool(s_r)(a)`` over valid rows, accumulated over row
-  chunks of ``RB`` rows (rows ``r = query * G + head``); a NaN or ``+inf`` score makes
-  ``S(a) = +inf`` (kept first, as in ``reference._top``);
+  chunks of ``RB`` rows (rows ``r = query * G + head``); a node whose summary is not finite
+  (a NaN or infinite key) gets ``S(a) = +inf`` and a row whose query is not finite votes
+  for nothing (as in ``reference._top``);
 * keep the best ``beam`` (leaves: ``top_k``), ties to the lower node index, by an all-pairs
   rank count (exact and cheap for ``P <= 128``);
 * the next pool is the children of kept and expanded nodes, in ascending node order.
@@ -137,43 +138,54 @@ def _store_compact(out_ptr, node, sel, width, W: tl.constexpr):
 
 
 @triton.jit
-def _nonfinite(s):
-    """NaN or ``+inf`` scores (a NaN or infinite key): left out of the softmax and kept
-    first (``reference._top``), as SDPA lets them reach the output."""
-    return (s != s) | (s == float("inf"))
+def _nonfinite(x):
+    """NaN or infinite entries."""
+    return (x != x) | (tl.abs(x) == float("inf"))
+
+
+@triton.jit
+def _prioritise(S, bad, cand):
+    """A candidate whose summary is not finite (it holds a NaN or infinite key) ranks above
+    every finite tile score, as long as some row voted (``reference._top``): dense attention
+    lets such keys reach the output, so the selection must not drop them."""
+    # Each voting row adds shares summing to 1. (A scalar in a where, not in a bool-vector &:
+    # the interpreter turns bool-vector & bool-scalar into int32.)
+    first = tl.where(tl.sum(S, axis=0) > 0, float("inf"), 0.0)
+    return tl.where(bad & cand, tl.maximum(S, first), S)
 
 
 @triton.jit
 def _pool_share(s, cand, row_ok):
-    """``sum over valid rows of softmax over candidates`` of per-row scores ``s [RB, P]``
-    (natural log; exact leaf scoring only); ``+inf`` for nodes kept first."""
+    """``sum over voting rows of softmax over candidates`` of per-row scores ``s [RB, P]``
+    (natural log; exact leaf scoring only)."""
     s = tl.where(cand[None, :], s, float("-inf"))
-    bad = _nonfinite(s)
-    s = tl.where(bad, float("-inf"), s)
     z = tl.max(s, axis=1)
     zs = tl.where(z == float("-inf"), 0.0, z)
-    e = tl.exp(s - zs[:, None])
-    return tl.sum(_row_share(e, bad, row_ok), axis=0)
+    return tl.sum(_row_share(tl.exp(s - zs[:, None]), row_ok), axis=0)
 
 
 @triton.jit
 def _load_summaries(mu_ptr, lcnt_ptr, idx, ok, d, D: tl.constexpr, BD: tl.constexpr):
     """Summaries ``[P, BD]`` of nodes ``idx`` (already in the dot's input dtype: the B
-    operand) and their base-2 log counts (precomputed; ``-inf`` for empty nodes, as the
-    reference's ``log 0``), ``-inf`` where ``ok`` is false: such columns score nothing."""
+    operand), their base-2 log counts (precomputed; ``-inf`` for empty nodes, as the
+    reference's ``log 0``), ``-inf`` where ``ok`` is false: such columns score nothing; and
+    which summaries are not finite. Those score nothing either (zeroed, ``-inf`` bias) and are
+    kept first instead (:func:`_prioritise`)."""
     if BD == D:  # no column mask: full-width vector loads
         msk = ok[:, None]
     else:
         msk = ok[:, None] & (d < D)[None, :]
     mu = tl.load(mu_ptr + idx.to(tl.int64)[:, None] * D + d[None, :], mask=msk, other=0.0)
     lc = tl.load(lcnt_ptr + idx, mask=ok, other=float("-inf"))
-    return mu, lc
+    bad = tl.max(_nonfinite(mu).to(tl.int32), axis=1) > 0
+    return tl.where(bad[:, None], 0.0, mu), tl.where(bad, float("-inf"), lc), bad
 
 
 @triton.jit
 def _q_rows(qbase, qoff0, c, rr, n_rows, q_first, sqh, sqn, sqd, d, D: tl.constexpr,
             BD: tl.constexpr, G: tl.constexpr, RB: tl.constexpr):
-    """Rows ``c * RB + rr`` of the tile, ``[RB, BD]``, and which of them exist."""
+    """Rows ``c * RB + rr`` of the tile, ``[RB, BD]``, and which of them vote: they exist
+    and their query is finite (a NaN query's output is NaN whatever is selected)."""
     r = c * RB + rr
     row_ok = r < n_rows
     if RB % G == 0:
@@ -185,7 +197,8 @@ def _q_rows(qbase, qoff0, c, rr, n_rows, q_first, sqh, sqn, sqd, d, D: tl.conste
         msk = row_ok[:, None]
     else:
         msk = row_ok[:, None] & (d < D)[None, :]
-    return tl.load(qbase + off[:, None] + d[None, :] * sqd, mask=msk, other=0.0), row_ok
+    qv = tl.load(qbase + off[:, None] + d[None, :] * sqd, mask=msk, other=0.0)
+    return qv, row_ok & (tl.max(_nonfinite(qv).to(tl.int32), axis=1) == 0)
 
 
 @triton.jit
@@ -199,40 +212,35 @@ def _scores2(qv, mu, bias, qk_scale, LOWP: tl.constexpr):
 
 
 @triton.jit
-def _online(s, m, e, bad, FIRST: tl.constexpr):
-    """One child's scores ``s`` into a running row max ``m`` (-inf: none finite yet),
-    ``e = sum over children of 2^(s - max(m, 0 if m is -inf))`` per (row, pool node), and
-    ``bad``: whether any child's score was NaN or ``+inf`` (:func:`_nonfinite`).
+def _online(s, m, e, FIRST: tl.constexpr):
+    """One child's scores ``s`` into a running row max ``m`` (-inf: none finite yet) and
+    ``e = sum over children of 2^(s - max(m, 0 if m is -inf))`` per (row, pool node).
 
     Summing ``2^s`` over the children and then over the pool is the same as the reference's
     LSE over children followed by a softmax over the pool (both are sums of ``exp`` of the
     child scores), but needs one ``exp2`` per child score and no ``log``.
     """
-    b = _nonfinite(s)
-    s = tl.where(b, float("-inf"), s)
     if FIRST:
         m_new = tl.max(s, axis=1)
         ms = tl.where(m_new == float("-inf"), 0.0, m_new)
         e_new = tl.exp2(s - ms[:, None])
-        bad_new = b
     else:
         m_new = tl.maximum(m, tl.max(s, axis=1))
         ms = tl.where(m_new == float("-inf"), 0.0, m_new)
         # m - ms with the unsubstituted m: -inf while no score was finite, so alpha is 0, never
         # 2^(0 - ms) (which overflows for very negative scores and makes 0 * inf).
         e_new = e * tl.exp2(m - ms)[:, None] + tl.exp2(s - ms[:, None])
-        bad_new = bad | b
-    return m_new, e_new, bad_new
+    return m_new, e_new
 
 
 @triton.jit
-def _row_share(e, bad, row_ok):
-    """Each voting row's normalised share ``e / rowsum(e)``, and ``+inf`` where its score was
-    NaN or ``+inf`` (kept first). A row votes if it is valid and has a finite score."""
+def _row_share(e, row_ok):
+    """Each voting row's normalised share ``e / rowsum(e)``, 0 elsewhere. A row votes if it is
+    valid with a finite query and a positive, finite sum (a NaN scale votes for nothing)."""
     den = tl.sum(e, axis=1)
-    voting = row_ok & (den > 0)
-    share = e * tl.where(voting, 1.0 / tl.where(den > 0, den, 1.0), 0.0)[:, None]
-    return tl.where(bad & voting[:, None], float("inf"), share)
+    voting = row_ok & (den > 0) & (den < float("inf"))
+    w = tl.where(voting, 1.0 / tl.where(voting, den, 1.0), 0.0)
+    return tl.where(voting[:, None], e * w[:, None], 0.0)
 
 
 @triton.jit
@@ -242,15 +250,15 @@ def _internal_chunk(qbase, qoff0, c, rr, n_rows, q_first, sqh, sqn, sqd, d, mu0,
                     GB: tl.constexpr, LOWP: tl.constexpr):
     """One row chunk of an internal level: its rows' normalised shares ``[RB, P]``."""
     qv, row_ok = _q_rows(qbase, qoff0, c, rr, n_rows, q_first, sqh, sqn, sqd, d, D, BD, G, RB)
-    m, e, bad = _online(_scores2(qv, mu0, b0, qk_scale, LOWP), 0.0, 0.0, False, True)
-    m, e, bad = _online(_scores2(qv, mu1, b1, qk_scale, LOWP), m, e, bad, False)
+    m, e = _online(_scores2(qv, mu0, b0, qk_scale, LOWP), 0.0, 0.0, True)
+    m, e = _online(_scores2(qv, mu1, b1, qk_scale, LOWP), m, e, False)
     # branching > 2 only: these loads are loop-invariant too (hoisted by the compiler's LICM
     # in the rolled loop); children 0 and 1 are hoisted by hand, the default branching being 2.
     for j in tl.static_range(2, GB):
-        muj, bj = _load_summaries(mu_ptr, lcnt_ptr, cbase + j, cand & (kid + j < n_child), d,
-                                  D, BD)
-        m, e, bad = _online(_scores2(qv, muj, bj, qk_scale, LOWP), m, e, bad, False)
-    return _row_share(e, bad, row_ok)
+        muj, bj, _ = _load_summaries(mu_ptr, lcnt_ptr, cbase + j, cand & (kid + j < n_child),
+                                     d, D, BD)
+        m, e = _online(_scores2(qv, muj, bj, qk_scale, LOWP), m, e, False)
+    return _row_share(e, row_ok)
 
 
 @triton.jit
@@ -259,8 +267,8 @@ def _leaf_chunk(qbase, qoff0, c, rr, n_rows, q_first, sqh, sqn, sqd, d, mu, b, q
                 LOWP: tl.constexpr):
     """One row chunk of the (pooled) leaf level: its rows' normalised shares ``[RB, P]``."""
     qv, row_ok = _q_rows(qbase, qoff0, c, rr, n_rows, q_first, sqh, sqn, sqd, d, D, BD, G, RB)
-    m, e, bad = _online(_scores2(qv, mu, b, qk_scale, LOWP), 0.0, 0.0, False, True)
-    return _row_share(e, bad, row_ok)
+    m, e = _online(_scores2(qv, mu, b, qk_scale, LOWP), 0.0, 0.0, True)
+    return _row_share(e, row_ok)
 
 
 @triton.jit
@@ -323,8 +331,14 @@ def _internal_level(pool, span, lev, L, mbase, mu_ptr, lcnt_ptr, scr, trace,
     # before its softmax over the pool, so they change nothing).
     kid = pool * GB
     cbase = mbase + _level_offset(L, GB, lev - 1) + kid
-    mu0, b0 = _load_summaries(mu_ptr, lcnt_ptr, cbase, cand & (kid < n_child), d, D, BD)
-    mu1, b1 = _load_summaries(mu_ptr, lcnt_ptr, cbase + 1, cand & (kid + 1 < n_child), d, D, BD)
+    mu0, b0, bad = _load_summaries(mu_ptr, lcnt_ptr, cbase, cand & (kid < n_child), d, D, BD)
+    mu1, b1, bad1 = _load_summaries(mu_ptr, lcnt_ptr, cbase + 1, cand & (kid + 1 < n_child), d,
+                                    D, BD)
+    bad = bad | bad1
+    for j in tl.static_range(2, GB):  # branching > 2: the other children's flags
+        _, _, badj = _load_summaries(mu_ptr, lcnt_ptr, cbase + j, cand & (kid + j < n_child), d,
+                                     D, BD)
+        bad = bad | badj
     acc = tl.zeros([RB, P], dtype=tl.float32)
     if UNROLL:  # all rows, masked past n_rows (see select_blocks' tuning)
         for c in tl.static_range((G * TQ + RB - 1) // RB):
@@ -336,7 +350,7 @@ def _internal_level(pool, span, lev, L, mbase, mu_ptr, lcnt_ptr, scr, trace,
             acc += _internal_chunk(qbase, qoff0, c, rr, n_rows, q_first, sqh, sqn, sqd, d,
                                    mu0, b0, mu1, b1, mu_ptr, lcnt_ptr, cbase, kid, cand,
                                    n_child, qk_scale, D, BD, G, RB, GB, LOWP)
-    kept = _top_mask(tl.sum(acc, axis=0), cand, BEAM, P)
+    kept = _top_mask(_prioritise(tl.sum(acc, axis=0), bad, cand), cand, BEAM, P)
     if TRACE:
         _store_compact(trace + lev * TW, pool, kept, BEAM, TW)
     return _children(scr, pool, kept | expand, n_child, P, GB)
@@ -348,7 +362,8 @@ def _exact_leaf_shares(pool, cand, kbase, skn, skd, qbase, rr, d, n_rows, n_chun
                        C: tl.constexpr, KC: tl.constexpr, RB: tl.constexpr, P: tl.constexpr,
                        CAUSAL: tl.constexpr, LOWP: tl.constexpr):
     """Tile scores ``S [P]`` of the leaf pool with exact leaf scores: the LSE over each
-    candidate leaf's visible keys (``leaf_scoring="exact"``), natural log."""
+    candidate leaf's visible keys (``leaf_scoring="exact"``), natural log. ``cand`` leaves
+    out leaves whose summary is not finite (the caller keeps them first)."""
     ar = tl.arange(0, P)
     dm = d < D
     kc = tl.arange(0, KC)
@@ -360,6 +375,7 @@ def _exact_leaf_shares(pool, cand, kbase, skn, skd, qbase, rr, d, n_rows, n_chun
         qv = tl.load(qbase + (r % G).to(tl.int64)[:, None] * sqh
                      + qpos.to(tl.int64)[:, None] * sqn + d[None, :] * sqd,
                      mask=row_ok[:, None] & dm[None, :], other=0.0)
+        row_ok = row_ok & (tl.max(_nonfinite(qv).to(tl.int32), axis=1) == 0)
         s = tl.full([RB, P], float("-inf"), tl.float32)
         for pi in range(P):
             leaf = tl.sum(tl.where(ar == pi, pool, 0), axis=0)
@@ -445,13 +461,13 @@ def _select_kernel(
     valid = pool >= 0
     forced = valid & ((pool < n_sink) | ((pool >= lo) & (pool <= hi)))
     cand = valid & (~forced) & (pool < partial_end)
+    mul, bl, bad = _load_summaries(mu_ptr, lcnt_ptr, mbase + pool, cand, d, D, BD)
     if EXACT:
         kbase = k_ptr + b.to(tl.int64) * skb + h.to(tl.int64) * skh
-        S = _exact_leaf_shares(pool, cand, kbase, skn, skd, qbase, rr, d, n_rows, n_chunks,
-                               q_first, sqh, sqn, sqd, Nk, scale, D, G, C, KC, RB, P, CAUSAL,
-                               LOWP)
+        S = _exact_leaf_shares(pool, cand & ~bad, kbase, skn, skd, qbase, rr, d, n_rows,
+                               n_chunks, q_first, sqh, sqn, sqd, Nk, scale, D, G, C, KC, RB, P,
+                               CAUSAL, LOWP)
     else:
-        mul, bl = _load_summaries(mu_ptr, lcnt_ptr, mbase + pool, cand, d, D, BD)
         acc = tl.zeros([RB, P], dtype=tl.float32)
         if UNROLL:
             for c in tl.static_range((G * TQ + RB - 1) // RB):
@@ -462,7 +478,7 @@ def _select_kernel(
                 acc += _leaf_chunk(qbase, qoff0, c, rr, n_rows, q_first, sqh, sqn, sqd, d, mul,
                                    bl, qk_scale, D, BD, G, RB, LOWP)
         S = tl.sum(acc, axis=0)
-    picked = _top_mask(S, cand, TOPK, P)
+    picked = _top_mask(_prioritise(S, bad, cand), cand, TOPK, P)
     if TRACE:
         _store_compact(trace, pool, picked, TOPK, TW)
     chosen = picked | forced

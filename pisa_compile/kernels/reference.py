@@ -407,9 +407,7 @@ def _select_chunk(p, sel, q_rows, k, mus, counts, biases, flags, states, t0, t1,
     t = torch.arange(t0, t1, device=dev)
     n_sink, lo, hi = forced_ranges(t, p.Nq, p.Nk, p.offset, p.C, p.Tq, sel.sink_blocks,
                                    sel.local_blocks)
-    # Rows that exist, see a key and have a finite query vote (a NaN query's output is NaN
-    # whatever is selected).
-    row_ok = _row_valid(p, t0, t1, dev) & torch.isfinite(q_rows).all(-1)  # [B, Hkv, nt, R]
+    row_ok = _row_valid(p, t0, t1, dev)  # [B, Hkv, nt, R]
     level = len(mus) - 1
     n_top = mus[level].shape[2]
     pool = torch.arange(n_top, device=dev).expand(p.B, p.Hkv, nt, n_top)
@@ -476,10 +474,11 @@ def tile_scores(s: Tensor, cand: Tensor, row_ok: Tensor, bad: Tensor) -> Tensor:
     """Tile score ``S(a) = sum_r softmax_pool(s_r)(a)`` over voting rows: ``[B, Hkv, t, P]``.
 
     ``s``: ``[B, Hkv, t, R, P]`` per-row scores; ``row_ok`` ``[B, Hkv, t, R]``: rows that
-    exist, see a key and have a finite query; ``bad`` ``[B, Hkv, t, P]``: nodes whose summary
-    is not finite (they hold a NaN or infinite key). Bad nodes are left out of the softmax
-    and rank above every finite score (``+inf``), so the rows that see such a key get NaN as
-    in dense attention; a row without a finite score (a NaN scale) votes for nothing.
+    exist and see a key; ``bad`` ``[B, Hkv, t, P]``: nodes whose summary is not finite (they
+    hold a NaN or infinite key). Bad nodes are left out of the softmax and rank above every
+    finite score (``+inf``), so the rows that see such a key get NaN as in dense attention. A
+    row whose scores do not sum to a finite value (a NaN or infinite query, a NaN scale)
+    votes for nothing: its output is NaN whatever is selected.
     """
     s = s.masked_fill(~cand[..., None, :] | bad[..., None, :], float("-inf"))
     z = torch.logsumexp(s, -1, keepdim=True)

@@ -138,12 +138,6 @@ def _store_compact(out_ptr, node, sel, width, W: tl.constexpr):
 
 
 @triton.jit
-def _nonfinite(x):
-    """NaN or infinite entries."""
-    return (x != x) | (tl.abs(x) == float("inf"))
-
-
-@triton.jit
 def _prioritise(S, bad, cand):
     """A candidate whose summary is not finite (it holds a NaN or infinite key) ranks above
     every finite tile score, as long as some row voted (``reference._top``): dense attention
@@ -169,23 +163,23 @@ def _load_summaries(mu_ptr, lcnt_ptr, idx, ok, d, D: tl.constexpr, BD: tl.conste
     """Summaries ``[P, BD]`` of nodes ``idx`` (already in the dot's input dtype: the B
     operand), their base-2 log counts (precomputed; ``-inf`` for empty nodes, as the
     reference's ``log 0``), ``-inf`` where ``ok`` is false: such columns score nothing; and
-    which summaries are not finite. Those score nothing either (zeroed, ``-inf`` bias) and are
-    kept first instead (:func:`_prioritise`)."""
+    which summaries are not finite. The host zeroed those and marked their log count ``+inf``
+    (``select_blocks``): they score nothing either and are kept first (:func:`_prioritise`).
+    """
     if BD == D:  # no column mask: full-width vector loads
         msk = ok[:, None]
     else:
         msk = ok[:, None] & (d < D)[None, :]
     mu = tl.load(mu_ptr + idx.to(tl.int64)[:, None] * D + d[None, :], mask=msk, other=0.0)
     lc = tl.load(lcnt_ptr + idx, mask=ok, other=float("-inf"))
-    bad = tl.max(_nonfinite(mu).to(tl.int32), axis=1) > 0
-    return tl.where(bad[:, None], 0.0, mu), tl.where(bad, float("-inf"), lc), bad
+    bad = lc == float("inf")
+    return mu, tl.where(bad, float("-inf"), lc), bad
 
 
 @triton.jit
 def _q_rows(qbase, qoff0, c, rr, n_rows, q_first, sqh, sqn, sqd, d, D: tl.constexpr,
             BD: tl.constexpr, G: tl.constexpr, RB: tl.constexpr):
-    """Rows ``c * RB + rr`` of the tile, ``[RB, BD]``, and which of them vote: they exist
-    and their query is finite (a NaN query's output is NaN whatever is selected)."""
+    """Rows ``c * RB + rr`` of the tile, ``[RB, BD]``, and which of them exist."""
     r = c * RB + rr
     row_ok = r < n_rows
     if RB % G == 0:
@@ -197,8 +191,7 @@ def _q_rows(qbase, qoff0, c, rr, n_rows, q_first, sqh, sqn, sqd, d, D: tl.conste
         msk = row_ok[:, None]
     else:
         msk = row_ok[:, None] & (d < D)[None, :]
-    qv = tl.load(qbase + off[:, None] + d[None, :] * sqd, mask=msk, other=0.0)
-    return qv, row_ok & (tl.max(_nonfinite(qv).to(tl.int32), axis=1) == 0)
+    return tl.load(qbase + off[:, None] + d[None, :] * sqd, mask=msk, other=0.0), row_ok
 
 
 @triton.jit
@@ -236,7 +229,8 @@ def _online(s, m, e, FIRST: tl.constexpr):
 @triton.jit
 def _row_share(e, row_ok):
     """Each voting row's normalised share ``e / rowsum(e)``, 0 elsewhere. A row votes if it is
-    valid with a finite query and a positive, finite sum (a NaN scale votes for nothing)."""
+    valid and its sum is positive and finite: a non-finite query or scale makes it NaN (with
+    finite summaries), so such a row votes for nothing (as ``reference.tile_scores``)."""
     den = tl.sum(e, axis=1)
     voting = row_ok & (den > 0) & (den < float("inf"))
     w = tl.where(voting, 1.0 / tl.where(voting, den, 1.0), 0.0)
@@ -375,7 +369,6 @@ def _exact_leaf_shares(pool, cand, kbase, skn, skd, qbase, rr, d, n_rows, n_chun
         qv = tl.load(qbase + (r % G).to(tl.int64)[:, None] * sqh
                      + qpos.to(tl.int64)[:, None] * sqn + d[None, :] * sqd,
                      mask=row_ok[:, None] & dm[None, :], other=0.0)
-        row_ok = row_ok & (tl.max(_nonfinite(qv).to(tl.int32), axis=1) == 0)
         s = tl.full([RB, P], float("-inf"), tl.float32)
         for pi in range(P):
             leaf = tl.sum(tl.where(ar == pi, pool, 0), axis=0)
@@ -561,6 +554,11 @@ def select_blocks(q: Tensor, k: Tensor, is_causal: bool, scale: float, *, block_
     # kernel, at half the bytes and registers per load).
     lcnt = torch.log2(cnt)
     mu_dot = mu.to(q.dtype)
+    # A summary that is not finite (a NaN or infinite key) is zeroed and its log count marked
+    # +inf: the kernel keeps such nodes first (_prioritise) at the cost of one compare.
+    bad = ~torch.isfinite(mu_dot).all(-1)
+    mu_dot = mu_dot.masked_fill(bad[..., None], 0)
+    lcnt = lcnt.masked_fill(bad, float("inf"))
     # Per program, two rows of P slots for the pool compaction (see _children).
     scratch = torch.empty(B * Hkv * T * 2 * P, dtype=torch.int32, device=q.device)
     launcher(_select_kernel, q)[(T, B * Hkv)](

@@ -48,7 +48,7 @@ def n_levels(L, GB: tl.constexpr, TOP: tl.constexpr):
 
 
 @triton.jit
-def _leaf_kernel(k_ptr, live_ptr, mu_ptr, cnt_ptr,
+def _leaf_kernel(k_ptr, live_ptr, mu_ptr, cnt_ptr, lc_ptr,
                  skb, skh, skn, skd, slb, slh, sln,
                  Hkv, Nk, live_limit, total, D,
                  C: tl.constexpr, KC: tl.constexpr, BD: tl.constexpr, HAS_LIVE: tl.constexpr):
@@ -75,12 +75,15 @@ def _leaf_kernel(k_ptr, live_ptr, mu_ptr, cnt_ptr,
         n += live.to(tl.float32)
     cnt = tl.sum(n, axis=0)
     out = bh.to(tl.int64) * total + leaf
-    tl.store(mu_ptr + out * D + d, acc / tl.maximum(cnt, 1.0), mask=dm)
+    mean = acc / tl.maximum(cnt, 1.0)
+    bad = tl.max(((mean != mean) | (tl.abs(mean) == float("inf"))).to(tl.int32), axis=0) > 0
+    tl.store(mu_ptr + out * D + d, tl.where(bad, 0.0, mean), mask=dm)
     tl.store(cnt_ptr + out, cnt)
+    tl.store(lc_ptr + out, tl.where(bad, float("inf"), tl.log2(cnt)))
 
 
 @triton.jit
-def _upper_kernel(mu_ptr, cnt_ptr, L, total, D,
+def _upper_kernel(mu_ptr, cnt_ptr, lc_ptr, L, total, D,
                   GB: tl.constexpr, TOP: tl.constexpr, GP: tl.constexpr, NB: tl.constexpr,
                   DB: tl.constexpr):
     bh = tl.program_id(0)
@@ -99,15 +102,21 @@ def _upper_kernel(mu_ptr, cnt_ptr, L, total, D,
             kid = node[:, None] * GB + j[None, :]  # [NB, GP]
             km = (kid < n_prev) & (j[None, :] < GB) & (node[:, None] < n_cur)
             cn = tl.load(cnt_ptr + base + off_prev + kid, mask=km, other=0.0)
+            # A node over a non-finite summary is non-finite (a NaN mean, or inf - inf).
+            bad = tl.max((tl.load(lc_ptr + base + off_prev + kid, mask=km, other=0.0)
+                          == float("inf")).to(tl.int32), axis=1) > 0
             m = tl.load(mu_ptr + (base + off_prev + kid)[:, :, None] * D + d[None, None, :],
                         mask=km[:, :, None] & dm[None, None, :], other=0.0)
             s = tl.sum(m * cn[:, :, None], axis=1)  # [NB, DB]
             c = tl.sum(cn, axis=1)
             nm = node < n_cur
             tl.store(mu_ptr + (base + off_cur + node)[:, None] * D + d[None, :],
-                     s / tl.maximum(c, 1.0)[:, None], mask=nm[:, None] & dm[None, :])
+                     tl.where(bad[:, None], 0.0, s / tl.maximum(c, 1.0)[:, None]),
+                     mask=nm[:, None] & dm[None, :])
             # Every D-slice program writes the same counts, so each reads back its own writes.
             tl.store(cnt_ptr + base + off_cur + node, c, mask=nm)
+            tl.store(lc_ptr + base + off_cur + node, tl.where(bad, float("inf"), tl.log2(c)),
+                     mask=nm)
         # The next level reads what other threads of this CTA just wrote.
         tl.debug_barrier()
         n_prev = n_cur
@@ -116,7 +125,7 @@ def _upper_kernel(mu_ptr, cnt_ptr, L, total, D,
 
 def pyramid_buffers(k: Tensor, block_size: int, branching: int, beam: int,
                     live_limit: Optional[int] = None,
-                    key_live: Optional[Tensor] = None) -> tuple[Tensor, Tensor, int]:
+                    key_live: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, int]:
     """All levels in flat buffers.
 
     Args:
@@ -126,9 +135,12 @@ def pyramid_buffers(k: Tensor, block_size: int, branching: int, beam: int,
         key_live: optional bool ``[B, Hkv or 1, Nk]``: keys some query may see.
 
     Returns:
-        ``mu`` float32 ``[B, Hkv, total, D]``, ``cnt`` float32 ``[B, Hkv, total]`` with the
-        levels stacked leaves first (sizes: :func:`level_sizes`; ``total`` is
-        :func:`total_bound`, rows past the last level are unused), and the row count ``total``.
+        ``mu`` float32 ``[B, Hkv, total, D]``, ``cnt`` float32 ``[B, Hkv, total]`` and the
+        base-2 log counts ``lcnt`` (``-inf`` for empty nodes) with the levels stacked leaves
+        first (sizes: :func:`level_sizes`; ``total`` is :func:`total_bound`, rows past the
+        last level are unused), and the row count ``total``. A node whose summary is not
+        finite (it holds a NaN or infinite key) has ``mu`` zeroed and ``lcnt = +inf``: the
+        selection keeps it first (``triton_select._prioritise``).
     """
     B, Hkv, Nk, D = k.shape
     C = block_size
@@ -136,6 +148,7 @@ def pyramid_buffers(k: Tensor, block_size: int, branching: int, beam: int,
     total = total_bound(L, branching)
     mu = torch.empty(B, Hkv, total, D, dtype=torch.float32, device=k.device)
     cnt = torch.empty(B, Hkv, total, dtype=torch.float32, device=k.device)
+    lcnt = torch.empty(B, Hkv, total, dtype=torch.float32, device=k.device)
     BD = max(16, triton.next_power_of_2(D))
     KC = min(C, max(1, 8192 // BD))
     if key_live is not None:
@@ -145,14 +158,14 @@ def pyramid_buffers(k: Tensor, block_size: int, branching: int, beam: int,
         live_arg, sl = cnt, (0, 0, 0)  # unused
     limit = Nk if live_limit is None else live_limit  # the kernel also stops at Nk
     launcher(_leaf_kernel, k)[(L, B * Hkv)](
-        k, live_arg, mu, cnt, *k.stride(), *sl, Hkv, Nk, limit, total, D,
+        k, live_arg, mu, cnt, lcnt, *k.stride(), *sl, Hkv, Nk, limit, total, D,
         C=C, KC=KC, BD=BD, HAS_LIVE=key_live is not None, num_warps=4)
     DB = min(BD, 32)
     g = branching
     launcher(_upper_kernel, k)[(B * Hkv, triton.cdiv(BD, DB))](
-        mu, cnt, L, total, D, GB=g, TOP=g * beam,
+        mu, cnt, lcnt, L, total, D, GB=g, TOP=g * beam,
         GP=triton.next_power_of_2(g), NB=64, DB=DB, num_warps=4)
-    return mu, cnt, total
+    return mu, cnt, lcnt, total
 
 
 def build_pyramid(k: Tensor, key_live: Tensor, block_size: int, branching: int,
@@ -167,7 +180,7 @@ def build_pyramid(k: Tensor, key_live: Tensor, block_size: int, branching: int,
         ``mus[l]`` float32 ``[B, Hkv, n_l, D]`` and ``counts[l]`` float32 ``[B, Hkv, n_l]``,
         level 0 = leaves (views into one buffer).
     """
-    mu, cnt, _ = pyramid_buffers(k, block_size, branching, beam, key_live=key_live)
+    mu, cnt, _, _ = pyramid_buffers(k, block_size, branching, beam, key_live=key_live)
     mus, counts, off = [], [], 0
     for n in level_sizes(k.shape[2], block_size, branching, beam):
         mus.append(mu[:, :, off:off + n])

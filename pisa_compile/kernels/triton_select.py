@@ -163,8 +163,9 @@ def _load_summaries(mu_ptr, lcnt_ptr, idx, ok, d, D: tl.constexpr, BD: tl.conste
     """Summaries ``[P, BD]`` of nodes ``idx`` (already in the dot's input dtype: the B
     operand), their base-2 log counts (precomputed; ``-inf`` for empty nodes, as the
     reference's ``log 0``), ``-inf`` where ``ok`` is false: such columns score nothing; and
-    which summaries are not finite. The host zeroed those and marked their log count ``+inf``
-    (``select_blocks``): they score nothing either and are kept first (:func:`_prioritise`).
+    which summaries are not finite. The pyramid zeroed those and marked their log count
+    ``+inf`` (``triton_pyramid``): they score nothing either and are kept first
+    (:func:`_prioritise`).
     """
     if BD == D:  # no column mask: full-width vector loads
         msk = ok[:, None]
@@ -530,8 +531,8 @@ def select_blocks(q: Tensor, k: Tensor, is_causal: bool, scale: float, *, block_
     C, Tq = block_size, query_tile
     T = cdiv(Nq, Tq)
     with stage_range("pisa.pyramid", k):
-        mu, cnt, total = pyramid_buffers(k, block_size, branching, beam,
-                                         live_limit=Nq if is_causal else None)
+        mu, _, lcnt, total = pyramid_buffers(k, block_size, branching, beam,
+                                             live_limit=Nq if is_causal else None)
     L = cdiv(Nk, C)
     M = block_width(Nk, block_size, top_k, sink_blocks, local_blocks, query_tile)
     n_sink = min(sink_blocks, L)
@@ -549,16 +550,11 @@ def select_blocks(q: Tensor, k: Tensor, is_causal: bool, scale: float, *, block_
             raise ValueError(f"trace must be a contiguous [B, Hkv, T, n_levels, width] = "
                              f"{[B, Hkv, T, n_lev, TW]} buffer, got {tuple(trace.shape)}")
     launch = {key: tune[key] for key in ("num_stages", "maxnreg") if tune[key] is not None}
-    # Once per node (O(Nk / C) elements) rather than once per use in the kernel: base-2 log
-    # counts, and the summaries in the dot's input dtype (the same rounding as a cast in the
-    # kernel, at half the bytes and registers per load).
-    lcnt = torch.log2(cnt)
+    # Once per node (O(Nk / C) elements) rather than once per use in the kernel: the summaries
+    # in the dot's input dtype (the same rounding as a cast in the kernel, at half the bytes
+    # and registers per load); the pyramid wrote base-2 log counts, +inf for a non-finite
+    # summary (zeroed), which the kernel keeps first at the cost of one compare.
     mu_dot = mu.to(q.dtype)
-    # A summary that is not finite (a NaN or infinite key) is zeroed and its log count marked
-    # +inf: the kernel keeps such nodes first (_prioritise) at the cost of one compare.
-    bad = ~torch.isfinite(mu_dot).all(-1)
-    mu_dot = mu_dot.masked_fill(bad[..., None], 0)
-    lcnt = lcnt.masked_fill(bad, float("inf"))
     # Per program, two rows of P slots for the pool compaction (see _children).
     scratch = torch.empty(B * Hkv * T * 2 * P, dtype=torch.int32, device=q.device)
     launcher(_select_kernel, q)[(T, B * Hkv)](

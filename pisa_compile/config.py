@@ -8,10 +8,11 @@ import numbers
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
+from .kernels.dispatch import KERNELS  # the implementations plan() chooses from
+
 __all__ = ["PisaConfig", "split_options"]
 
 LEAF_SCORINGS = ("pooled", "exact")
-KERNELS = ("auto", "triton", "reference")
 
 
 def _is_pow2(x: int) -> bool:
@@ -73,7 +74,7 @@ class PisaConfig:
             value = getattr(self, f.name)
             if f.name in ("leaf_scoring", "kernel") or value is None or type(value) is int:
                 continue
-            # numpy and torch integers become ints, so configs hash and print as plain ints.
+            # numpy integers become ints, so configs hash and print as plain ints.
             object.__setattr__(self, f.name, _as_int(f.name, value))
         _check_int("block_size", self.block_size, 4, 1024, pow2=True)
         _check_int("top_k", self.top_k, 1)

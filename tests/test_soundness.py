@@ -360,3 +360,90 @@ def test_explain_says_when_a_site_runs_plain_sdpa():
     assert report[0].note == "runs plain SDPA: Nk=64 < min_seq_len=2048"
     assert "runs plain SDPA" in str(report)
     assert pisa_compile.plan(q, q, q, config=PisaConfig()).attention == "sdpa"
+
+
+# -- NaN in keys no row may see, and NaN in masks -------------------------------------------------
+
+def _configs_sparse_small():
+    kw = dict(min_seq_len=0, block_size=8, query_tile=8, top_k=2)
+    return [PisaConfig(kernel="reference", **kw)] + (
+        [PisaConfig(kernel="triton", **kw)] if INTERPRET else [])
+
+
+@pytest.mark.parametrize("case", ["padding", "causal_beyond_queries", "packed_documents"])
+def test_nan_in_keys_no_row_sees_changes_nothing(case):
+    """A NaN key that a row may not see changes neither its output nor its tile's selection:
+    padded keys, causal keys past the last query, and another document of a packed batch."""
+    q, k, v = _qkv(96, 16)
+    mask, causal = None, False
+    if case == "padding":
+        mask = (torch.arange(96) < 70).view(1, 1, 1, 96)
+        bad_at = 80
+    elif case == "causal_beyond_queries":
+        q, causal, bad_at = q[:, :, :60].contiguous(), True, 80
+    else:  # two documents split at key 50, each attending only itself
+        doc = (torch.arange(96) >= 50).long()
+        mask = (doc[:, None] == doc[None, :]).view(1, 1, 96, 96)
+        bad_at = 45
+    k_nan = k.clone()
+    k_nan[0, 1, bad_at, 3] = float("nan")
+    for cfg in _configs_sparse_small():
+        if cfg.kernel == "triton" and mask is not None:
+            continue  # masked selection runs the reference
+        want = pisa_attention(q, k, v, attn_mask=mask, is_causal=causal, config=cfg)
+        got = pisa_attention(q, k_nan, v, attn_mask=mask, is_causal=causal, config=cfg)
+        rows = slice(50, 96) if case == "packed_documents" else slice(None)
+        assert torch.equal(got[:, :, rows], want[:, :, rows]), cfg.kernel
+        if case != "packed_documents":
+            assert not torch.isnan(got).any()
+
+
+def test_nan_in_a_float_mask_reaches_its_row():
+    q, k, v = _qkv(64, 16)
+    bias = torch.zeros(1, 1, 64, 64)
+    bias[0, 0, 10, 5] = float("nan")
+    want = torch.isnan(dense_attention(q, k, v, attn_mask=bias))
+    for cfg in _configs_sparse_small():
+        assert torch.equal(torch.isnan(pisa_attention(q, k, v, attn_mask=bias, config=cfg)),
+                           want)
+
+
+def test_zero_or_masked_float_mask_selects_as_the_bool_mask():
+    """0 / -inf padding carries no finite bias: the selection is the bool mask's."""
+    q, k, _ = _qkv(512, 32, seed=5)
+    keep = (torch.arange(512) < 400).view(1, 1, 1, 512)
+    cfg = PisaConfig(min_seq_len=0, block_size=16, top_k=3, query_tile=16)
+    a = select_blocks(q, k, attn_mask=keep, config=cfg)
+    b = select_blocks(q, k, attn_mask=torch.zeros(1, 1, 1, 512).masked_fill(~keep,
+                                                                           float("-inf")),
+                      config=cfg)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+# -- more in-place writes and scale signs ---------------------------------------------------------
+
+def _relu_k_inplace(q, k, v):
+    s = (q @ k.mT) * 0.25
+    F.relu(k, inplace=True)
+    return s.softmax(-1) @ v
+
+
+def _write_through_mT(q, k, v):
+    s = (q @ k.mT) * 0.25
+    kt = k.mT
+    kt.mul_(-3.0)
+    return s.softmax(-1) @ v
+
+
+@pytest.mark.parametrize("fn", [_relu_k_inplace, _write_through_mT], ids=lambda f: f.__name__)
+def test_inplace_functions_and_attribute_views_leave_a_site_dense(fn):
+    test_in_place_writes_inside_a_site_leave_it_dense(fn)
+
+
+def test_negative_scale_after_an_additive_mask_stays_dense():
+    def fn(q, k, v):
+        m = torch.zeros(q.shape[-2], k.shape[-2])
+        return ((q @ k.mT + m) * -0.125).softmax(-1) @ v
+    q, k, v = _qkv(64)
+    report = explain(fn, q, k, v, options=EXACT)
+    assert not report[0].rewritten and "positive" in report[0].reason

@@ -1,4 +1,7 @@
-"""PISA kernels: ``reference`` (PyTorch, any device, the oracle) and the Triton kernels.
+"""PISA kernels: ``reference`` (PyTorch, any device, the oracle), the Triton kernels, and the
+rules and helpers they share (``geometry``, ``runtime``, ``triton_util``).
 
-Only ``pisa_compile.ops`` calls into this package, through :mod:`.dispatch`.
+The op layer (``pisa_compile.ops``) runs them through :mod:`.dispatch`; ``metrics`` and
+``profiling`` read ``reference``, ``geometry`` and ``runtime`` directly. Nothing here imports
+from the layers above.
 """

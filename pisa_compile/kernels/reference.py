@@ -54,14 +54,15 @@ def _acc_dtype(x: Tensor) -> torch.dtype:
 def mask_parts(attn_mask: Optional[Tensor]) -> tuple[Optional[Tensor], Optional[Tensor]]:
     """Split an SDPA mask into ``allowed`` (bool, True = attend) and a float ``bias``.
 
-    A float entry of ``-inf`` or at or below ``finfo.min / 2`` counts as masked (HF's way).
-    Shapes are kept as given (4-D, broadcastable to ``[B, Hq, Nq, Nk]``).
+    A float entry of ``-inf`` or at or below ``finfo.min / 2`` counts as masked (HF's way); a
+    NaN entry is a NaN bias (it reaches its row, as in dense attention). Shapes are kept as
+    given (4-D, broadcastable to ``[B, Hq, Nq, Nk]``).
     """
     if attn_mask is None:
         return None, None
     if attn_mask.dtype == torch.bool:
         return attn_mask, None
-    allowed = attn_mask > torch.finfo(attn_mask.dtype).min / 2
+    allowed = ~(attn_mask <= torch.finfo(attn_mask.dtype).min / 2)
     return allowed, attn_mask
 
 
@@ -225,7 +226,8 @@ def build_pyramid(k: Tensor, key_live: Tensor, block_size: int, branching: int,
     L = cdiv(Nk, C)
     w = key_live.expand(B, Hkv, Nk).to(torch.float32)
     pad = L * C - Nk
-    kw = torch.nn.functional.pad(k.float() * w[..., None], (0, 0, 0, pad))
+    # where, not k * w: a NaN in a key no query sees must not reach a summary (0 * NaN).
+    kw = torch.nn.functional.pad(torch.where(w[..., None] > 0, k.float(), 0.0), (0, 0, 0, pad))
     sums = kw.view(B, Hkv, L, C, D).sum(3)
     n = torch.nn.functional.pad(w, (0, pad)).view(B, Hkv, L, C).sum(3)
     mus, counts = [sums / n.clamp(min=1)[..., None]], [n]
@@ -286,9 +288,18 @@ def _bias_levels(p: _Problem, key_live: Tensor, n_levels: int, g: int) -> Option
     if bias.stride(3) == 0:  # broadcast over queries: one row holds them all
         allowed, bias = allowed[:, :, :, :1], bias[:, :, :, :1]
     live = key_live[:, :, None, None, :]  # [B, h, 1, 1, Nk]
-    x = torch.where(allowed & live, bias.float(), float("-inf"))
-    x = torch.nn.functional.pad(x, (0, p.L * p.C - p.Nk), value=float("-inf"))
-    out = [torch.logsumexp(x.view(*x.shape[:-1], p.L, p.C), -1)]
+    n_rows, pad = bias.shape[3], p.L * p.C - p.Nk
+    step = max(1, _CHUNK_ELEMS // max(1, bias.numel() // max(1, n_rows)))
+    level0, finite_bias = [], False
+    for r0 in range(0, n_rows, step):  # query chunks: O(N * L) memory, never O(N^2)
+        a, b = allowed[:, :, :, r0:r0 + step], bias[:, :, :, r0:r0 + step].float()
+        x = torch.where(a & live, b, float("-inf"))
+        finite_bias = finite_bias or bool(((x != 0) & (x != float("-inf"))).any())
+        x = torch.nn.functional.pad(x, (0, pad), value=float("-inf"))
+        level0.append(torch.logsumexp(x.view(*x.shape[:-1], p.L, p.C), -1))
+    if not finite_bias:  # a 0 / masked mask (HF's): the terms are log n
+        return None
+    out = [torch.cat(level0, 3)]
     for _ in range(n_levels - 1):
         m = out[-1].shape[-1]
         y = torch.nn.functional.pad(out[-1], (0, cdiv(m, g) * g - m), value=float("-inf"))
@@ -553,6 +564,10 @@ def _leaf_scores(p, sel, q_rows, k, mu_leaf, cnt_leaf, bias_leaf, pool, st, cand
     vis = _visible_rows(p, k_pos, t0, t1)
     s = s.masked_fill(~vis, float("-inf")).view(B, H, nt, -1, P, p.C)
     exact = torch.logsumexp(s, -1)
+    # An exact-scored leaf is non-finite only through a key some row of this tile sees (its
+    # summary also holds keys only other tiles see).
+    seen_bad = (~torch.isfinite(kk).all(-1) & vis.any(-2)).view(B, H, nt, P, p.C).any(-1)
+    bad = torch.where(exact_leaf, seen_bad, bad)
     return torch.where(exact_leaf[..., None, :], exact, pooled), bad
 
 
@@ -572,7 +587,8 @@ def _bias_rows(p: _Problem, k_pos: Tensor, t0: int, t1: int):
     if b is None:
         return 0.0
     b = _to_rows(b.to(_acc_dtype(b)), p.B, p.Hkv, t1 - t0, p.G, p.Tq)
-    return torch.where(torch.isfinite(b), b, 0.0)  # masked entries are dropped by `visible`
+    # -inf entries are dropped by `visible`; a NaN bias stays and spoils its row (dense does).
+    return torch.where(b == float("-inf"), 0.0, b)
 
 
 # -- block-sparse attention ------------------------------------------------------------------

@@ -132,7 +132,8 @@ def _apply_mask(s, b, head, qi, row_ok, kpos, kvalid, Mask, smb, smh, smq, smk, 
             vis = vis & (mv != 0)
         else:
             mf = mv.to(tl.float32)
-            vis = vis & (mf > mask_thr)  # HF's convention: <= finfo.min / 2 is masked
+            # HF's convention: <= finfo.min / 2 is masked; NaN is a bias (the row turns NaN).
+            vis = vis & ~(mf <= mask_thr)
             s = s + tl.where(vis, mf, 0.0) * LOG2E
     return tl.where(vis, s, float("-inf"))
 

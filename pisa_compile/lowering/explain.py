@@ -21,7 +21,8 @@ def explain(model_or_fn, *args, options=None, **kwargs) -> Report:
         model_or_fn: an ``nn.Module`` or a function.
         *args, **kwargs: example inputs; the model is called once on them.
         options: the ``torch.compile(options=...)`` the backend would get (validated the same
-            way; PisaConfig keys affect nothing here but are checked).
+            way; PisaConfig keys shape the notes, e.g. which sites run plain SDPA below
+            ``min_seq_len``).
 
     Returns:
         A :class:`Report`: ``str(report)`` is a table of sites (form, shapes, mask kind,

@@ -24,6 +24,8 @@ any view). A mask is left as it is unless the proof goes through.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 import operator
 from collections import Counter
@@ -36,7 +38,7 @@ from torch.fx import Node
 from . import patterns as P
 
 __all__ = ["Index", "Causal", "ONES", "mask_value", "is_causal_bool", "is_causal_additive",
-           "spans"]
+           "spans", "written_by", "is_view"]
 
 
 @dataclass(frozen=True)
@@ -79,8 +81,8 @@ _VIEWS = {"getitem", "view", "reshape", "expand", "expand_as", "unsqueeze", "squ
           "transpose", "permute", "t", "T", "mT", "narrow", "select", "as_strided", "flatten",
           "unflatten", "view_as", "diagonal", "movedim", "moveaxis", "swapaxes", "swapdims",
           "split", "split_with_sizes", "chunk", "unbind", "tensor_split", "hsplit", "vsplit",
-          "unfold", "detach", "to", "contiguous", "type_as", "type", "bool", "int", "long",
-          "float", "half", "bfloat16", "real", "imag", "view_as_real", "view_as_complex",
+          "unfold", "detach", "to", "broadcast_to", "broadcast_tensors", "contiguous", "type_as",
+          "type", "bool", "int", "long", "float", "half", "bfloat16", "real", "imag", "view_as_real", "view_as_complex",
           "reshape_as", "alias", "__getitem__"}
 _INPLACE_OPS = {operator.setitem, operator.iadd, operator.isub, operator.imul,
                 operator.itruediv, operator.ifloordiv, operator.imod, operator.ipow,
@@ -92,9 +94,28 @@ def _name(n: Node) -> str:
     return n.target if n.op == "call_method" else getattr(n.target, "__name__", "")
 
 
+@functools.lru_cache(maxsize=None)
+def _inplace_position(fn) -> Optional[int]:
+    """The position of ``fn``'s ``inplace`` parameter (``F.relu``, ``F.dropout``, ...)."""
+    try:
+        names = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return None
+    return names.index("inplace") if "inplace" in names else None
+
+
+def _inplace_flag(u: Node) -> bool:
+    """``inplace=True`` given by keyword or by position."""
+    if u.kwargs.get("inplace") is True:
+        return True
+    pos = _inplace_position(u.target) if u.op == "call_function" and callable(u.target) else None
+    return pos is not None and len(u.args) > pos and u.args[pos] is True
+
+
 def written_by(u: Node) -> list:
-    """The tensors ``u`` may write in place: ``args[0]`` of ``setitem``, ``Tensor.xxx_`` and
-    ``x //= 2``-style ops, an ``out=`` argument, and every argument of an unknown module."""
+    """The tensors ``u`` may write in place: ``args[0]`` of ``setitem``, ``Tensor.xxx_``,
+    ``x //= 2``-style ops and ``inplace=True`` functions (``F.relu``), an ``out=`` argument,
+    and every argument of an unknown module."""
     if u.op == "call_module":
         return [a for a in (*u.args, *u.kwargs.values()) if isinstance(a, Node)]
     out = [u.kwargs["out"]] if isinstance(u.kwargs.get("out"), Node) else []
@@ -105,15 +126,23 @@ def written_by(u: Node) -> list:
                                                                               "operator"):
         inplace = u.target in _INPLACE_OPS  # operator.and_ / or_ are not in place
     else:
-        inplace = isinstance(name, str) and (
+        inplace = _inplace_flag(u) or isinstance(name, str) and (
             (name.endswith("_") and not name.startswith("__")) or name == "__setitem__"
             or (name.startswith("__i") and name.endswith("__")))
     return [u.args[0], *out] if inplace else out
 
 
+_VIEW_ATTRS = ("mT", "T", "H", "mH", "real", "imag")
+
+
 def is_view(u: Node) -> bool:
-    """Whether ``u``'s result may share memory with its first argument."""
-    return _name(u) in _VIEWS and bool(u.args) and isinstance(u.args[0], Node)
+    """Whether ``u``'s result may share memory with its first argument (a view, a
+    ``.mT``-style attribute, ``broadcast_to``)."""
+    if not (u.args and isinstance(u.args[0], Node)):
+        return False
+    if u.op == "call_function" and u.target is getattr:
+        return u.args[1] in _VIEW_ATTRS
+    return _name(u) in _VIEWS
 
 
 def _mutated(node: Node, seen: Optional[set] = None) -> bool:

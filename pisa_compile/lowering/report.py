@@ -60,7 +60,7 @@ class Site:
         return self.reason or self.note
 
     def line(self) -> str:
-        why = f" ({self.reason or self.note})" if self.reason or self.note else ""
+        why = f" ({self.explanation})" if self.explanation else ""
         return (f"pisa site {self.node} [{self.form}] q={self.q_shape} k={self.k_shape} "
                 f"v={self.v_shape} mask={self.mask}: {self.decision}{why}"
                 + (f" at {self.source}" if self.source else ""))

@@ -431,9 +431,22 @@ def _v_layout(pv: Node, w_in: Node, score_letters: Optional[str]):
         [layout.index(ch) for ch in eq2.out]
 
 
+def _positive(f: Any) -> bool:
+    """A number > 0, or a symbolic scalar provably > 0 for every value it can take."""
+    if isinstance(f, bool):
+        return False
+    if isinstance(f, (int, float)):
+        return f > 0
+    v = P.val(f)
+    return isinstance(v, (torch.SymInt, torch.SymFloat)) and bool(statically_known_true(v > 0))
+
+
 def _plan_masks(plan: _Plan, masks: list) -> None:
     """Check each mask of the chain and record it in ``plan.masks``."""
     for mask_op, post, dtype in masks:
+        # -inf * c stays -inf, and a masked entry stays masked, only for c > 0.
+        if not all(_positive(f) for f, _div in post):
+            raise LeaveDense("a scale after the mask is not provably positive")
         if mask_op.kind == "add":
             _check_mask_tensor(mask_op.mask, float_only=True)
             # (s + m) * c == s*c + m*c
@@ -444,9 +457,6 @@ def _plan_masks(plan: _Plan, masks: list) -> None:
             if not P.is_masking_fill(mask_op.fill, sv.dtype):
                 raise LeaveDense(f"mask fill value {P.describe(mask_op.fill)} is not -inf or "
                                  f"<= finfo({sv.dtype}).min/2")
-            for f, _div in post:   # -inf * c stays -inf only for c > 0
-                if not (isinstance(f, (int, float)) and f > 0):
-                    raise LeaveDense("a scale after the mask is not a positive constant")
             plan.masks.append(("bool", mask_op.mask, mask_op.attend_if, dtype))
         _check_mask_grad(mask_op.mask)
 
@@ -642,7 +652,7 @@ def _folded_additive(emit, m: Node, factors: list, sum_dtype, q_dtype) -> Node:
     So masked entries become ``-inf`` first, which every positive scale and cast keeps.
     """
     mv = P.val(m)
-    if not factors and isinstance(mv, torch.Tensor) and mv.dtype == q_dtype:
+    if not factors and isinstance(mv, torch.Tensor) and mv.dtype == q_dtype == sum_dtype:
         return m  # the op applies the same threshold to the same dtype
     if isinstance(sum_dtype, torch.dtype) and sum_dtype.is_floating_point:
         masked = emit("call_function", operator.le, (m, torch.finfo(sum_dtype).min / 2))
@@ -682,8 +692,9 @@ def _is_encoder_layer(node: Node) -> bool:
 
 
 def find_sites(gm: GraphModule) -> list[Node]:
-    """Candidate anchors in graph order: SDPA calls, softmax nodes, and
-    ``F.multi_head_attention_forward`` calls (``nn.MultiheadAttention``)."""
+    """Candidate anchors in graph order: SDPA calls, softmax nodes,
+    ``F.multi_head_attention_forward`` calls (``nn.MultiheadAttention``) and
+    ``torch._transformer_encoder_layer_fwd`` calls (``nn.TransformerEncoderLayer``)."""
     return [n for n in gm.graph.nodes
             if P.sdpa_args(n) is not None or P.is_softmax(n) or _is_mha(n)
             or _is_encoder_layer(n)]
@@ -789,8 +800,11 @@ def rewrite_graph(gm: GraphModule, config: PisaConfig, apply: bool = True) -> li
                                if is_mha else pisa_transformer_encoder_layer_fwd)
                 site.decision, site.reason = REWRITTEN, ""
                 key = bound["key"] if is_mha else bound["src"]
-                site.note = _note(P.val(key).shape[-3 if is_mha else -2], site.mask != "none"
-                                  and site.mask != "causal", config)
+                # MHA drops attn_mask as a hint when is_causal holds without padding.
+                has_mask = (bound["mask"] is not None if is_layer else
+                            bound["key_padding_mask"] is not None
+                            or bound["attn_mask"] is not None and bound["is_causal"] is not True)
+                site.note = _note(P.val(key).shape[-3 if is_mha else -2], has_mask, config)
                 sites.append(site)
                 continue
             if is_sdpa:

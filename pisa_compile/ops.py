@@ -20,7 +20,7 @@ from torch import Tensor
 from .config import PisaConfig
 from .kernels import dispatch
 from .kernels.dispatch import Plan
-from .kernels.geometry import block_width, cdiv
+from .kernels.geometry import block_width, cdiv, dense_mask
 
 __all__ = ["pisa_attention", "select_blocks", "plan", "Plan"]
 
@@ -32,19 +32,21 @@ __all__ = ["pisa_attention", "select_blocks", "plan", "Plan"]
 
 @torch.library.custom_op("pisa::select_blocks", mutates_args=())
 def _select_blocks_op(
-    q: Tensor, k: Tensor, attn_mask: Optional[Tensor], is_causal: bool, scale: float,
-    block_size: int, top_k: int, branching: int, beam: int, sink_blocks: int,
-    local_blocks: int, query_tile: int, leaf_scoring: str, impl: str,
+    q: Tensor, k: Tensor, attn_mask: Optional[Tensor], key_mask: Optional[Tensor],
+    is_causal: bool, causal_offset: int, scale: float, block_size: int, top_k: int,
+    branching: int, beam: int, sink_blocks: int, local_blocks: int, query_tile: int,
+    leaf_scoring: str, impl: str,
 ) -> tuple[Tensor, Tensor]:
     return dispatch.select_blocks(
         q, k, attn_mask, is_causal, scale, impl, block_size=block_size, top_k=top_k,
         branching=branching, beam=beam, sink_blocks=sink_blocks, local_blocks=local_blocks,
-        query_tile=query_tile, leaf_scoring=leaf_scoring)
+        query_tile=query_tile, leaf_scoring=leaf_scoring, key_mask=key_mask,
+        causal_offset=causal_offset)
 
 
 @_select_blocks_op.register_fake
-def _(q, k, attn_mask, is_causal, scale, block_size, top_k, branching, beam, sink_blocks,
-      local_blocks, query_tile, leaf_scoring, impl):
+def _(q, k, attn_mask, key_mask, is_causal, causal_offset, scale, block_size, top_k, branching,
+      beam, sink_blocks, local_blocks, query_tile, leaf_scoring, impl):
     B, Hkv, Nq, Nk = q.shape[0], k.shape[1], q.shape[2], k.shape[2]
     M = block_width(Nk, block_size, top_k, sink_blocks, local_blocks, query_tile)
     T = cdiv(Nq, query_tile)
@@ -54,18 +56,19 @@ def _(q, k, attn_mask, is_causal, scale, block_size, top_k, branching, beam, sin
 
 @torch.library.custom_op("pisa::attention", mutates_args=())
 def _attention_op(
-    q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], block_indices: Tensor,
-    block_counts: Tensor, is_causal: bool, scale: float, block_size: int, query_tile: int,
-    impl: str,
+    q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], key_mask: Optional[Tensor],
+    block_indices: Tensor, block_counts: Tensor, is_causal: bool, causal_offset: int,
+    scale: float, block_size: int, query_tile: int, impl: str,
 ) -> tuple[Tensor, Tensor]:
     return dispatch.attention_forward(q, k, v, attn_mask, is_causal, scale, block_indices,
                                       block_counts, impl, block_size=block_size,
-                                      query_tile=query_tile)
+                                      query_tile=query_tile, key_mask=key_mask,
+                                      causal_offset=causal_offset)
 
 
 @_attention_op.register_fake
-def _(q, k, v, attn_mask, block_indices, block_counts, is_causal, scale, block_size,
-      query_tile, impl):
+def _(q, k, v, attn_mask, key_mask, block_indices, block_counts, is_causal, causal_offset,
+      scale, block_size, query_tile, impl):
     B, Hq, Nq = q.shape[:3]
     out = q.new_empty((B, Hq, Nq, v.shape[-1]))
     lse = q.new_empty((B, Hq, Nq), dtype=torch.promote_types(q.dtype, torch.float32))
@@ -75,12 +78,14 @@ def _(q, k, v, attn_mask, block_indices, block_counts, is_causal, scale, block_s
 @torch.library.custom_op("pisa::attention_backward", mutates_args=())
 def _attention_backward_op(
     grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
-    out: Tensor, lse: Tensor, block_indices: Tensor, block_counts: Tensor, is_causal: bool,
-    scale: float, block_size: int, query_tile: int, impl: str,
+    key_mask: Optional[Tensor], out: Tensor, lse: Tensor, block_indices: Tensor,
+    block_counts: Tensor, is_causal: bool, causal_offset: int, scale: float, block_size: int,
+    query_tile: int, impl: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
     return dispatch.attention_backward(grad_out, q, k, v, attn_mask, out, lse, block_indices,
                                        block_counts, is_causal, scale, impl,
-                                       block_size=block_size, query_tile=query_tile)
+                                       block_size=block_size, query_tile=query_tile,
+                                       key_mask=key_mask, causal_offset=causal_offset)
 
 
 @_attention_backward_op.register_fake
@@ -89,20 +94,21 @@ def _(grad_out, q, k, v, *args):
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, attn_mask, block_indices, block_counts, is_causal, scale, *rest = inputs
-    ctx.save_for_backward(q, k, v, attn_mask, *output, block_indices, block_counts)
-    ctx.is_causal, ctx.scale, ctx.rest = is_causal, scale, rest
+    q, k, v, attn_mask, key_mask, block_indices, block_counts, is_causal, causal_offset, \
+        scale, *rest = inputs
+    ctx.save_for_backward(q, k, v, attn_mask, key_mask, *output, block_indices, block_counts)
+    ctx.is_causal, ctx.causal_offset, ctx.scale, ctx.rest = is_causal, causal_offset, scale, rest
     ctx.mark_non_differentiable(output[1])  # lse
 
 
 @torch.autograd.function.once_differentiable  # double backward raises, never returns zeros
 def _backward(ctx, grad_out, _grad_lse):
-    q, k, v, attn_mask, out, lse, block_indices, block_counts = ctx.saved_tensors
-    dq, dk, dv = _attention_backward_op(grad_out.contiguous(), q, k, v, attn_mask, out, lse,
-                                        block_indices, block_counts, ctx.is_causal, ctx.scale,
-                                        *ctx.rest)
-    # The selection is fixed (DESIGN.md "Attention"): no gradient for it or the mask.
-    return dq, dk, dv, None, None, None, None, None, None, None, None
+    q, k, v, attn_mask, key_mask, out, lse, block_indices, block_counts = ctx.saved_tensors
+    dq, dk, dv = _attention_backward_op(grad_out.contiguous(), q, k, v, attn_mask, key_mask,
+                                        out, lse, block_indices, block_counts, ctx.is_causal,
+                                        ctx.causal_offset, ctx.scale, *ctx.rest)
+    # The selection is fixed (DESIGN.md "Attention"): no gradient for it or the masks.
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
 
 
 torch.library.register_autograd("pisa::attention", _backward, setup_context=_setup_context)
@@ -117,10 +123,10 @@ class _Attention(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(q, k, v, attn_mask, block_indices, block_counts, is_causal, scale, block_size,
-                query_tile, impl):
-        return _attention_op(q, k, v, attn_mask, block_indices, block_counts, is_causal, scale,
-                             block_size, query_tile, impl)
+    def forward(q, k, v, attn_mask, key_mask, block_indices, block_counts, is_causal,
+                causal_offset, scale, block_size, query_tile, impl):
+        return _attention_op(q, k, v, attn_mask, key_mask, block_indices, block_counts,
+                             is_causal, causal_offset, scale, block_size, query_tile, impl)
 
     setup_context = staticmethod(_setup_context)
     backward = staticmethod(_backward)
@@ -178,6 +184,37 @@ def _check_inputs(q: Tensor, k: Tensor, v: Optional[Tensor], attn_mask: Optional
         raise ValueError("is_causal=True needs PisaConfig.local_blocks >= 1")
 
 
+def _check_structure(q: Tensor, k: Tensor, attn_mask: Optional[Tensor],
+                     key_mask: Optional[Tensor], is_causal: bool, causal_offset) -> Optional[Tensor]:
+    """Check the structured mask arguments; returns ``key_mask`` as bool (or None)."""
+    if isinstance(causal_offset, bool) or not isinstance(causal_offset, (int, torch.SymInt)):
+        raise TypeError(f"causal_offset must be an int, got {type(causal_offset).__name__}")
+    if causal_offset < 0:
+        raise ValueError(f"causal_offset must be >= 0 (query i sees keys j <= i + "
+                         f"causal_offset), got {causal_offset}")
+    if causal_offset != 0 and not is_causal:
+        raise ValueError("causal_offset needs is_causal=True")
+    if key_mask is None:
+        return None
+    if not isinstance(key_mask, Tensor):
+        raise TypeError(f"key_mask must be a Tensor or None, got {type(key_mask).__name__}")
+    if attn_mask is not None:
+        raise ValueError("attn_mask and key_mask cannot both be set: fold the key mask into "
+                         "attn_mask, or pass is_causal/causal_offset with key_mask")
+    B, Nk = q.shape[0], k.shape[2]
+    if tuple(key_mask.shape) != (B, Nk):
+        raise ValueError(f"key_mask must be [B={B}, Nk={Nk}] (True = attend), got shape "
+                         f"{tuple(key_mask.shape)}")
+    if key_mask.device != q.device:
+        raise ValueError(f"key_mask must be on q's device ({q.device}), got {key_mask.device}")
+    if key_mask.dtype != torch.bool:
+        if key_mask.is_floating_point() or key_mask.is_complex():
+            raise ValueError(f"key_mask must be bool or integer (nonzero = attend), got dtype "
+                             f"{key_mask.dtype}")
+        key_mask = key_mask != 0
+    return key_mask
+
+
 def _mask4(attn_mask: Optional[Tensor]) -> Optional[Tensor]:
     if attn_mask is None:
         return None
@@ -212,7 +249,8 @@ def plan(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None,
 def pisa_attention(
     q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None, dropout_p: float = 0.0,
     is_causal: bool = False, scale: Optional[float] = None, enable_gqa: bool = False, *,
-    config: Optional[PisaConfig] = None,
+    config: Optional[PisaConfig] = None, key_mask: Optional[Tensor] = None,
+    causal_offset: int = 0,
 ) -> Tensor:
     """Pyramid top-K sparse attention with the semantics of ``F.scaled_dot_product_attention``.
 
@@ -228,10 +266,16 @@ def pisa_attention(
         attn_mask: bool (True = attend) or additive float, broadcastable to
             ``[B, Hq, Nq, Nk]``. A float entry of ``-inf`` or <= ``finfo.min / 2`` is masked.
         dropout_p: must be 0.0 (PISA has no dropout).
-        is_causal: top-left causal mask as in SDPA; exclusive with ``attn_mask``.
+        is_causal: causal mask, top-left as in SDPA (with ``causal_offset``, query ``i`` sees
+            keys ``j <= i + causal_offset``); exclusive with ``attn_mask``.
         scale: softmax scale; default ``1 / sqrt(D)``.
         enable_gqa: allow ``Hq != Hkv`` (``Hq`` a multiple of ``Hkv``).
         config: :class:`PisaConfig`; default ``PisaConfig()``.
+        key_mask: ``[B, Nk]`` bool or integer (nonzero = the key may be attended), e.g. a
+            tokenizer's ``attention_mask``: padding read by the kernels per key, never as an
+            ``Nq x Nk`` mask. Exclusive with ``attn_mask``.
+        causal_offset: int >= 0 (a KV cache's length: bottom-right alignment is
+            ``Nk - Nq``); needs ``is_causal=True``.
 
     Returns:
         ``[B, Hq, Nq, Dv]`` in ``q.dtype``. Rows with no visible key are zero, as in SDPA.
@@ -244,30 +288,40 @@ def pisa_attention(
     if dropout_p != 0.0:
         raise ValueError(f"dropout_p must be 0.0 (PISA kernels have no dropout), got {dropout_p}")
     _check_inputs(q, k, v, attn_mask, is_causal, enable_gqa, config)
+    key_mask = _check_structure(q, k, attn_mask, key_mask, is_causal, causal_offset)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     if attn_mask is not None and attn_mask.requires_grad:
         raise ValueError("attn_mask must not require grad: PISA gives no gradient for the mask")
     how = plan(q, k, v, attn_mask, is_causal, config=config)
     if how.attention == dispatch.SDPA:
+        if key_mask is not None or (is_causal and causal_offset != 0):
+            # Short sequences: the dense mask the structure stands for, on the dense path.
+            attn_mask = dense_mask(q.shape[0], q.shape[2], k.shape[2], is_causal, causal_offset,
+                                   key_mask, q.device)
+            is_causal = False
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
                                               scale=scale, enable_gqa=enable_gqa)
     attn_mask, scale = _mask4(attn_mask), float(scale)
     # The selection has no gradient: detached inputs keep it out of autograd (and torch.func).
-    block_indices, block_counts = _select_blocks_op(q.detach(), k.detach(), attn_mask, is_causal,
-                                                    scale, *config.selection_args(), how.select)
-    out, _lse = _Attention.apply(q, k, v, attn_mask, block_indices, block_counts, is_causal,
-                                 scale, config.block_size, config.query_tile, how.attention)
+    block_indices, block_counts = _select_blocks_op(
+        q.detach(), k.detach(), attn_mask, key_mask, is_causal, causal_offset, scale,
+        *config.selection_args(), how.select)
+    out, _lse = _Attention.apply(q, k, v, attn_mask, key_mask, block_indices, block_counts,
+                                 is_causal, causal_offset, scale, config.block_size,
+                                 config.query_tile, how.attention)
     return out
 
 
 def select_blocks(
     q: Tensor, k: Tensor, attn_mask: Optional[Tensor] = None, is_causal: bool = False,
     scale: Optional[float] = None, enable_gqa: bool = False, *, config: Optional[PisaConfig] = None,
+    key_mask: Optional[Tensor] = None, causal_offset: int = 0,
 ) -> tuple[Tensor, Tensor]:
     """The leaf blocks each query tile attends (forced blocks included); PISA selection.
 
-    Args: as :func:`pisa_attention` (``q`` ``[B, Hq, Nq, D]``, ``k`` ``[B, Hkv, Nk, D]``).
+    Args: as :func:`pisa_attention` (``q`` ``[B, Hq, Nq, D]``, ``k`` ``[B, Hkv, Nk, D]``,
+        ``key_mask`` ``[B, Nk]``, ``causal_offset``).
         ``min_seq_len`` is ignored here: the selection is always computed.
 
     Returns:
@@ -281,6 +335,7 @@ def select_blocks(
     """
     config = _config(config).replace(min_seq_len=0)
     _check_inputs(q, k, None, attn_mask, is_causal, enable_gqa, config)
+    key_mask = _check_structure(q, k, attn_mask, key_mask, is_causal, causal_offset)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     how = plan(q, k, k, attn_mask, is_causal, config=config)
@@ -291,5 +346,5 @@ def select_blocks(
         T = cdiv(Nq, config.query_tile)
         return (q.new_full((B, Hkv, T, M), -1, dtype=torch.int32),
                 q.new_zeros((B, Hkv, T), dtype=torch.int32))
-    return _select_blocks_op(q.detach(), k.detach(), _mask4(attn_mask), is_causal, float(scale),
-                             *config.selection_args(), how.select)
+    return _select_blocks_op(q.detach(), k.detach(), _mask4(attn_mask), key_mask, is_causal,
+                             causal_offset, float(scale), *config.selection_args(), how.select)

@@ -34,9 +34,10 @@ def check_pyramid(k, key_live, config):
         assert torch.equal(a, b)
 
 
-def reference_trace(q, k, is_causal, scale, config):
+def reference_trace(q, k, is_causal, scale, config, key_mask=None, causal_offset=0):
     """Per level (top first): ``(level, pool [B,H,T,P], S [B,H,T,P], kept bool)``."""
-    p = ref._Problem.make(q, k, None, is_causal, config.block_size, config.query_tile)
+    p = ref._Problem.make(q, k, None, is_causal, config.block_size, config.query_tile, key_mask,
+                          causal_offset)
     sel = ref._Select(config.top_k, config.branching, config.effective_beam, config.sink_blocks,
                       config.local_blocks, config.leaf_scoring == "exact")
     g, beam, top_k = config.branching, config.effective_beam, config.top_k
@@ -95,22 +96,26 @@ def _scores(s, cand, row_ok, n, bad):
     return ref.tile_scores(s, cand, row_ok, bad), ref._top(s, cand, row_ok, n, bad)
 
 
-def check_selection(q, k, is_causal, scale, config, tol=1e-4, max_tie_frac=0.05):
+def check_selection(q, k, is_causal, scale, config, tol=1e-4, max_tie_frac=0.05, key_mask=None,
+                    causal_offset=0):
     """Run the kernel with a trace and compare it with the reference; returns the number of
     tiles decided by a near-tie. Raises AssertionError naming the first offending tile."""
+    st = dict(key_mask=key_mask, causal_offset=causal_offset)
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     T = -(-Nq // config.query_tile)
     n_levels = len(level_sizes(Nk, *_pyramid_args(config)))
     TW = ts.trace_width(config.effective_beam)
     trace = torch.full((B, Hkv, T, n_levels, TW), -7, dtype=torch.int32, device=q.device)
-    idx, cnt = ts.select_blocks(q, k, is_causal, scale, **config.selection_options(), trace=trace)
-    ridx, rcnt = ref.select_blocks(q, k, None, is_causal, scale, **config.selection_options())
+    idx, cnt = ts.select_blocks(q, k, is_causal, scale, **config.selection_options(), trace=trace,
+                                **st)
+    ridx, rcnt = ref.select_blocks(q, k, None, is_causal, scale, **config.selection_options(),
+                                   **st)
     M = block_width(Nk, config.block_size, config.top_k, config.sink_blocks, config.local_blocks,
                     config.query_tile)
     assert idx.shape == ridx.shape == (B, Hkv, T, M)
     assert idx.dtype == torch.int32 and cnt.dtype == torch.int32
-    levels = reference_trace(q, k, is_causal, scale, config)
+    levels = reference_trace(q, k, is_causal, scale, config, **st)
     assert len(levels) == n_levels
     alive = torch.ones(B, Hkv, T, dtype=torch.bool, device=q.device)
     ties = torch.zeros_like(alive)

@@ -86,7 +86,8 @@ def test_hand_written_causal_masks(form):
 def test_lookalikes_keep_their_mask(form):
     """Not SDPA's causal mask: a shifted diagonal, ``<``, one broadcast query row, tril with
     diagonal 1, causal AND key padding (written in place into a ones tensor, or ``&=``). The
-    site is still rewritten, with the mask."""
+    site is still rewritten: a shifted diagonal as its exact causal offset, the others with
+    the mask (compiled equals eager either way)."""
     def f(q, k, v):
         n = q.shape[2]
         kv = torch.arange(n)[None, :]
@@ -106,7 +107,11 @@ def test_lookalikes_keep_their_mask(form):
             pad[0, ..., -3:] = False
             m = _arange_mask(q) & pad
         return F.scaled_dot_product_attention(q, k, v, attn_mask=m)
-    assert not _mask_of(f, *_qkv()).endswith("->is_causal")
+    mask = _mask_of(f, *_qkv())
+    if form in ("shifted", "tril_diag1"):
+        assert mask.endswith("->causal(offset=1)"), mask
+    else:
+        assert "->" not in mask, mask
 
 
 def test_causal_conversion_in_the_sparse_regime_matches_is_causal():
@@ -196,7 +201,11 @@ LOOKALIKES = {  # masks that look causal but are not: each must keep its mask
 @pytest.mark.parametrize("name", sorted(LOOKALIKES))
 def test_causal_lookalikes_keep_their_mask(name):
     n = 100 if name == "uint8_wrap" else N
-    assert not _mask_of(_sdpa_with(LOOKALIKES[name]), *_qkv(n)).endswith("->is_causal")
+    mask = _mask_of(_sdpa_with(LOOKALIKES[name]), *_qkv(n))
+    if name == "arange_end_kw":  # kv <= q + 3: exactly causal with offset 3
+        assert mask.endswith("->causal(offset=3)"), mask
+    else:
+        assert "->" not in mask, mask
 
 
 def test_symbolic_offsets_are_signed():

@@ -252,22 +252,26 @@ def test_causal_needs_a_local_block():
 SPARSE = PisaConfig(block_size=8, top_k=2, query_tile=8, min_seq_len=0, kernel="reference")
 
 
-@pytest.mark.parametrize("mask", [None, "bool", "float"])
+@pytest.mark.parametrize("mask", [None, "bool", "float", "structure"])
 def test_opcheck(mask):
     from pisa_compile.ops import _attention_op, _select_blocks_op
     q = torch.randn(1, 4, 40, 16, requires_grad=True)
     k = torch.randn(1, 2, 40, 16, requires_grad=True)
     v = torch.randn(1, 2, 40, 8, requires_grad=True)
-    m, causal = None, mask is None
+    m, causal = None, mask in (None, "structure")
     if mask == "bool":
         m = torch.rand(1, 1, 40, 40) > 0.2
     elif mask == "float":
         m = torch.randn(1, 4, 40, 40).masked_fill(torch.rand(1, 4, 40, 40) > 0.8, float("-inf"))
-    sel_args = (q.detach(), k.detach(), m, causal, 0.25, *SPARSE.selection_args(), "reference")
+    km, off = None, 0
+    if mask == "structure":
+        km, off = torch.arange(40)[None] >= 5, 2
+    sel_args = (q.detach(), k.detach(), m, km, causal, off, 0.25, *SPARSE.selection_args(),
+                "reference")
     torch.library.opcheck(_select_blocks_op, sel_args)
     bi, bc = _select_blocks_op(*sel_args)
-    torch.library.opcheck(_attention_op, (q, k, v, m, bi, bc, causal, 0.25, SPARSE.block_size,
-                                          SPARSE.query_tile, "reference"))
+    torch.library.opcheck(_attention_op, (q, k, v, m, km, bi, bc, causal, off, 0.25,
+                                          SPARSE.block_size, SPARSE.query_tile, "reference"))
 
 
 def _attn(q, k, v):

@@ -62,15 +62,18 @@ def _mask(kind, B, Hq, Nq, Nk, dtype, seed=1):
     raise ValueError(kind)
 
 
-def _compare(q, k, v, mask, causal, cfg, backward=True, selection=None):
+def _compare(q, k, v, mask, causal, cfg, backward=True, selection=None, **structure):
+    """Triton against the reference over one selection; ``structure``: ``key_mask`` and
+    ``causal_offset`` for every stage."""
     scale = q.shape[-1] ** -0.5
     if selection is None:
-        bi, bc = ref.select_blocks(q, k, mask, causal, scale, **cfg.selection_options())
+        bi, bc = ref.select_blocks(q, k, mask, causal, scale, **cfg.selection_options(),
+                                   **structure)
     else:
         bi, bc = selection
-    out, lse = ta.sparse_attention(q, k, v, mask, causal, scale, bi, bc, **cfg.attention_options())
-    r_out, r_lse = ref.sparse_attention(q, k, v, mask, causal, scale, bi, bc,
-                                        **cfg.attention_options())
+    opts = {**cfg.attention_options(), **structure}
+    out, lse = ta.sparse_attention(q, k, v, mask, causal, scale, bi, bc, **opts)
+    r_out, r_lse = ref.sparse_attention(q, k, v, mask, causal, scale, bi, bc, **opts)
     tol = TOL[q.dtype]
     torch.testing.assert_close(out, r_out, **tol)
     assert lse.dtype == torch.float32
@@ -79,9 +82,9 @@ def _compare(q, k, v, mask, causal, cfg, backward=True, selection=None):
         return out, lse
     go = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(out)
     grads = ta.sparse_attention_backward(go, q, k, v, mask, out, lse, bi, bc, causal, scale,
-                                         **cfg.attention_options())
+                                         **opts)
     r_grads = ref.sparse_attention_backward(go, q, k, v, mask, r_out, r_lse, bi, bc, causal,
-                                            scale, **cfg.attention_options())
+                                            scale, **opts)
     for name, a, b in zip(("dq", "dk", "dv"), grads, r_grads):
         assert a.dtype == b.dtype, name
         torch.testing.assert_close(a, b, **GTOL[q.dtype], msg=lambda m: f"{name}: {m}")
@@ -204,6 +207,40 @@ def test_decode_with_mask():
     torch.testing.assert_close(out, r_out, **TOL[torch.float32])
     torch.testing.assert_close(lse, r_lse.float(), atol=1e-3, rtol=1e-3)
     assert torch.all(out[:, :, 1] == 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("Nq,Nk,causal,off,pads", [
+    (90, 90, True, 0, [0, 37]),      # prefill with left padding (one row fully padded early)
+    (20, 90, True, 70, [5, 64]),     # a chunk after a cache, bottom-right
+    (40, 90, True, 20, [0, 0]),      # keys past the last query's position stay unseen
+    (37, 120, False, 0, [3, 120]),   # padding only; batch row 1 has no key at all
+])
+def test_structured_masks_match_reference(dtype, Nq, Nk, causal, off, pads):
+    """Key padding and a causal offset in the forward and both backward kernels."""
+    q, k, v = _make(2, 2, 3, Nq, Nk, 32, 16, dtype, seed=Nq + off)
+    km = (torch.arange(Nk)[None] >= torch.tensor(pads)[:, None]).to(DEV)
+    cfg = PisaConfig(block_size=16, top_k=2, query_tile=16, min_seq_len=0)
+    out, _ = _compare(q, k, v, None, causal, cfg, key_mask=km, causal_offset=off)
+    if pads[-1] >= Nk:
+        assert torch.all(out[1] == 0)  # no visible key: zeros, as SDPA's math backend
+
+
+@pytest.mark.parametrize("Nq,n_splits", [(1, 3), (4, 2)])
+def test_decode_with_structure(Nq, n_splits):
+    """Decode after a left-padded prompt: causal offset = cache length - Nq + 1."""
+    cfg = PisaConfig(block_size=8, top_k=3, query_tile=16, min_seq_len=0)
+    Nk = 120
+    q, k, v = _make(2, 2, 3, Nq, Nk, 16, 16, torch.float32, seed=Nq)
+    km = (torch.arange(Nk)[None] >= torch.tensor([0, 45])[:, None]).to(DEV)
+    st = dict(key_mask=km, causal_offset=Nk - Nq)
+    bi, bc = ref.select_blocks(q, k, None, True, 0.25, **cfg.selection_options(), **st)
+    out, lse = td.decode_attention(q, k, v, None, True, 0.25, bi, bc, **cfg.attention_options(),
+                                   n_splits=n_splits, **st)
+    r_out, r_lse = ref.sparse_attention(q, k, v, None, True, 0.25, bi, bc,
+                                        **cfg.attention_options(), **st)
+    torch.testing.assert_close(out, r_out, **TOL[torch.float32])
+    torch.testing.assert_close(lse, r_lse.float(), atol=1e-3, rtol=1e-3)
 
 
 def test_errors_name_the_problem():

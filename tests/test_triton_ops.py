@@ -98,11 +98,15 @@ def test_triton_ops_under_compile_and_opcheck():
         out.sum().backward()
         assert q.grad is not None and torch.isfinite(q.grad).all()
     q, k, v = (torch.randn(1, h, 40, 16, device=DEV, requires_grad=True) for h in (4, 2, 2))
-    sel = (q.detach(), k.detach(), None, True, 0.25, *cfg.selection_args(), "triton")
-    torch.library.opcheck(_select_blocks_op, sel)
-    bi, bc = _select_blocks_op(*sel)
-    torch.library.opcheck(_attention_op, (q, k, v, None, bi, bc, True, 0.25, cfg.block_size,
-                                          cfg.query_tile, "triton"))
+    key_mask = torch.ones(1, 40, dtype=torch.bool, device=DEV)
+    key_mask[:, :7] = False  # left padding
+    for km, off in ((None, 0), (key_mask, 3)):
+        sel = (q.detach(), k.detach(), None, km, True, off, 0.25, *cfg.selection_args(),
+               "triton")
+        torch.library.opcheck(_select_blocks_op, sel)
+        bi, bc = _select_blocks_op(*sel)
+        torch.library.opcheck(_attention_op, (q, k, v, None, km, bi, bc, True, off, 0.25,
+                                              cfg.block_size, cfg.query_tile, "triton"))
 
 
 def test_launcher_wraps_kernels_only_while_traced(monkeypatch):

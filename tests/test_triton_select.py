@@ -85,6 +85,57 @@ def test_select_matches_reference(case):
     check_selection(q, k, causal, D ** -0.5, cfg, tol=1e-5 if dtype == torch.float32 else 2e-3)
 
 
+def _left_padding(B, Nk, pads, seed=0):
+    """``[B, Nk]`` bool key mask with ``pads[b]`` padding keys on the left of row ``b``."""
+    return torch.arange(Nk)[None, :] >= torch.tensor(pads)[:, None]
+
+
+STRUCTURED = [
+    # (B, G, Nq, Nk, dtype, causal, causal_offset, left pads, config kwargs)
+    (2, 2, 150, 150, torch.float32, True, 0, [0, 37], dict(block_size=4, top_k=2)),
+    (2, 3, 70, 70, torch.float16, True, 0, [9, 64], dict(block_size=8, top_k=2, branching=3)),
+    # a KV cache: Nq queries at the end of Nk keys (bottom-right), with and without padding
+    (1, 2, 24, 150, torch.float32, True, 126, [0], dict(block_size=4, top_k=2)),
+    (2, 2, 3, 157, torch.float32, True, 154, [5, 100], dict(block_size=4, top_k=3,
+                                                          query_tile=16)),
+    # an offset that leaves keys past the last query unseen
+    (1, 2, 40, 150, torch.float32, True, 30, [3], dict(block_size=4, top_k=2)),
+    # padding without causality, and exact leaf scores (padding inside the scored leaves)
+    (2, 2, 60, 90, torch.float32, False, 0, [0, 21], dict(block_size=4, top_k=2)),
+    (2, 2, 90, 90, torch.float32, True, 0, [6, 45], dict(block_size=4, top_k=2,
+                                                       leaf_scoring="exact")),
+]
+
+
+@pytest.mark.parametrize("case", STRUCTURED, ids=lambda c: f"B{c[0]}G{c[1]}q{c[2]}k{c[3]}"
+                         f"{'c' if c[5] else 'n'}o{c[6]}p{c[7][-1]}")
+def test_structured_masks_match_reference(case):
+    """Causal offsets and key padding read analytically by the kernel select what the
+    reference selects from the same structure."""
+    B, G, Nq, Nk, dtype, causal, off, pads, kw = case
+    cfg = PisaConfig(min_seq_len=0, kernel="triton", **{"query_tile": 4, **kw})
+    q, k = _qk(B, 1, G, Nq, Nk, 16, dtype, seed=Nq)
+    km = _left_padding(B, Nk, pads)
+    check_selection(q, k, causal, 0.25, cfg, tol=1e-5 if dtype == torch.float32 else 2e-3,
+                    key_mask=km, causal_offset=off)
+
+
+def test_padding_is_never_selected_over_real_keys():
+    """A padded leaf counts 0 keys: with real leaves left to pick, none is chosen (the leak
+    test of the selection)."""
+    cfg = PisaConfig(block_size=4, top_k=3, query_tile=4, local_blocks=1, min_seq_len=0)
+    q, k = _qk(2, 1, 2, 96, 96, 16, torch.float32, seed=3)
+    k[:, :, :40] *= 50  # loud padding keys: they would win if they were scored
+    km = _left_padding(2, 96, [40, 40])
+    idx, cnt = ts.select_blocks(q, k, True, 0.25, **cfg.selection_options(), key_mask=km)
+    pad_leaves = (idx >= 1) & (idx < 10)  # leaf 0 is the forced sink
+    # Tile t (queries 4t..4t+3) forces leaf t and has leaves 10..t-1 of real keys to pick
+    # from: from t = 13 on, at least top_k of them.
+    enough = torch.arange(24)[None, None, :, None] >= 13
+    assert bool(pad_leaves[:, :, :10].any())  # tiles that see only padding do pick it
+    assert not bool((pad_leaves & enough).any())
+
+
 @pytest.mark.parametrize("case", [CASES[2], CASES[3], CASES[9]],
                          ids=["g3_G6", "fp16_partial_tile", "tile16"])
 def test_unrolled_row_chunks_match(case):

@@ -45,6 +45,18 @@ class Plan(NamedTuple):
 _warned: set[str] = set()
 
 
+def _count_reference(q: Tensor, how: Plan) -> Plan:
+    """Count a plan that runs a reference stage on CUDA in
+    ``torch._dynamo.utils.counters["pisa"]["reference_select" | "reference_attention"]`` (at
+    trace time under torch.compile): tests assert that the calls users make never do."""
+    if q.device.type == "cuda":
+        from torch._dynamo.utils import counters
+        for stage in ("select", "attention"):
+            if getattr(how, stage) == REFERENCE:
+                counters["pisa"][f"reference_{stage}"] += 1
+    return how
+
+
 def _warn_once(reason: str) -> None:
     # Dynamo cannot trace warnings.warn; a plan made while it traces user code is reported by
     # the rewrite's notes (explain) instead.
@@ -110,7 +122,7 @@ def plan(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal
     if why is not None:
         if kernel == "triton" or (kernel == "auto" and q.device.type == "cuda"):
             _warn_once(why)  # not what was asked for: say so
-        return Plan(REFERENCE, REFERENCE, why)
+        return _count_reference(q, Plan(REFERENCE, REFERENCE, why))
     attention = DECODE if q.shape[2] <= DECODE_MAX_QUERIES else TRITON
     if attn_mask is not None:
         why = "explicit attn_mask (the fused selection reads no mask yet)"
@@ -122,14 +134,15 @@ def plan(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal
         return Plan(TRITON, attention)
     if q.device.type == "cuda":
         _warn_once(f"selection: {why}")
-    return Plan(REFERENCE, attention, f"selection: {why}")
+    return _count_reference(q, Plan(REFERENCE, attention, f"selection: {why}"))
 
 
 def select_blocks(q: Tensor, k: Tensor, attn_mask: Optional[Tensor], is_causal: bool,
                   scale: float, impl: str, **options) -> tuple[Tensor, Tensor]:
     """``(block_indices, block_counts)`` by ``impl`` (a :class:`Plan`'s ``select``); the
     pyramid is built inside the selection, so one range covers both. ``options``: the
-    selection options (``block_size`` ... ``leaf_scoring``) as plain values."""
+    selection options (``block_size`` ... ``leaf_scoring``) as plain values, and the
+    structured mask (``key_mask``, ``causal_offset``)."""
     with stage_range("pisa.select", q):
         if impl == TRITON:
             from . import triton_select
@@ -138,10 +151,13 @@ def select_blocks(q: Tensor, k: Tensor, attn_mask: Optional[Tensor], is_causal: 
 
 
 def attention_forward(q, k, v, attn_mask, is_causal, scale, block_indices, block_counts,
-                      impl: str, *, block_size: int, query_tile: int) -> tuple[Tensor, Tensor]:
+                      impl: str, *, block_size: int, query_tile: int,
+                      key_mask: Optional[Tensor] = None,
+                      causal_offset: int = 0) -> tuple[Tensor, Tensor]:
     """``(out, lse)`` of block-sparse attention by ``impl`` (a :class:`Plan`'s ``attention``)."""
     args = (q, k, v, attn_mask, is_causal, scale, block_indices, block_counts)
-    shape = dict(block_size=block_size, query_tile=query_tile)
+    shape = dict(block_size=block_size, query_tile=query_tile, key_mask=key_mask,
+                 causal_offset=causal_offset)
     if impl == DECODE:
         from .triton_decode import decode_attention
         with stage_range("pisa.decode", q):
@@ -154,12 +170,14 @@ def attention_forward(q, k, v, attn_mask, is_causal, scale, block_indices, block
 
 
 def attention_backward(grad_out, q, k, v, attn_mask, out, lse, block_indices, block_counts,
-                       is_causal, scale, impl: str, *, block_size: int, query_tile: int):
+                       is_causal, scale, impl: str, *, block_size: int, query_tile: int,
+                       key_mask: Optional[Tensor] = None, causal_offset: int = 0):
     """``(dq, dk, dv)`` of :func:`attention_forward` with the selection held fixed; both
     Triton forward kernels share one backward."""
     args = (grad_out, q, k, v, attn_mask, out, lse, block_indices, block_counts, is_causal,
             scale)
-    shape = dict(block_size=block_size, query_tile=query_tile)
+    shape = dict(block_size=block_size, query_tile=query_tile, key_mask=key_mask,
+                 causal_offset=causal_offset)
     with stage_range("pisa.attention_bwd", q):
         if impl in (TRITON, DECODE):
             from .triton_attention import sparse_attention_backward

@@ -1,8 +1,9 @@
 """Block and tile geometry: the rules every implementation shares (DESIGN.md "The algorithm").
 
 One definition each of: the width of ``block_indices``, the local leaves a tile can force,
-where queries sit among the keys (the query offset), the forced leaf ranges of a tile, and
-the pyramid's level sizes. The reference, the Triton kernels, ``metrics`` and the tests all
+where queries sit among the keys (the query offset), the forced leaf ranges of a tile, the
+pyramid's level sizes, and the dense mask that structured arguments (causal offset, key
+mask) stand for. The reference, the Triton kernels, ``metrics`` and the tests all
 use these. A leaf module: plain ints (SymInt-safe where noted) and torch only.
 """
 
@@ -14,7 +15,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["cdiv", "local_bound", "block_width", "query_offset", "forced_ranges",
-           "level_sizes"]
+           "level_sizes", "dense_mask"]
 
 
 def cdiv(a, b):
@@ -41,15 +42,18 @@ def block_width(n_keys, block_size, top_k, sink_blocks, local_blocks, query_tile
     return min(cdiv(n_keys, block_size), bound)
 
 
-def query_offset(n_queries: int, n_keys: int, is_causal: bool) -> Optional[int]:
+def query_offset(n_queries: int, n_keys: int, is_causal: bool,
+                 causal_offset: int = 0) -> Optional[int]:
     """Key position of query 0: query ``i`` sits at key position ``i + offset``.
 
-    Causal attention is SDPA's top-left rule (offset 0). Otherwise, with ``Nq <= Nk``, the
-    queries are the last positions (self-attention, or a KV cache: offset ``Nk - Nq``); with
-    more queries than keys it is cross-attention and there are no local leaves (``None``).
+    Causal attention sees keys ``j <= i + causal_offset``: 0 is SDPA's top-left rule, a KV
+    cache of ``past`` keys gives ``past`` (bottom-right when ``Nk = past + Nq``). Otherwise,
+    with ``Nq <= Nk``, the queries are the last positions (self-attention, or a KV cache:
+    offset ``Nk - Nq``); with more queries than keys it is cross-attention and there are no
+    local leaves (``None``).
     """
     if is_causal:
-        return 0
+        return causal_offset
     if n_queries <= n_keys:
         return n_keys - n_queries
     return None
@@ -80,3 +84,20 @@ def level_sizes(n_keys: int, block_size: int, branching: int, beam: int) -> list
     while sizes[-1] > branching * beam:
         sizes.append(cdiv(sizes[-1], branching))
     return sizes
+
+
+def dense_mask(batch: int, n_queries: int, n_keys: int, is_causal: bool, causal_offset=0,
+               key_mask: Optional[Tensor] = None, device=None) -> Tensor:
+    """The bool mask ``[batch, 1, Nq, Nk]`` (True = attend) that the structured arguments
+    stand for: query ``i`` sees key ``j`` iff ``j <= i + causal_offset`` (when causal) and
+    ``key_mask[b, j]``. O(Nq * Nk): for plain-SDPA fallbacks and tests, never the fast path."""
+    if key_mask is not None:
+        device = key_mask.device
+    q = torch.arange(n_queries, device=device)[:, None]
+    j = torch.arange(n_keys, device=device)[None, :]
+    m = (j <= q + causal_offset) if is_causal else torch.ones(
+        n_queries, n_keys, dtype=torch.bool, device=device)
+    m = m[None, None].expand(batch, 1, n_queries, n_keys)
+    if key_mask is not None:
+        m = m & key_mask[:, None, None, :].bool()
+    return m

@@ -17,7 +17,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .geometry import block_width, cdiv, forced_ranges, level_sizes, local_bound, query_offset
+from .geometry import (block_width, cdiv, dense_mask, forced_ranges, level_sizes, local_bound,
+                       query_offset)
 from .runtime import stage_range
 
 # How a tile's rows see one leaf: no live key at all; live keys, none visible to the tile;
@@ -95,10 +96,13 @@ class _Problem:
     allowed: Optional[Tensor]  # [B, h, gm, Nq, Nk] bool view, or None
     bias: Optional[Tensor]  # same layout, float, or None
     offset: Optional[int]  # query i sits at key position i + offset; None: no local blocks
+    key_mask: Optional[Tensor] = None  # [B, Nk] bool, True = the key may be attended
+    causal_offset: int = 0  # causal: query i sees keys j <= i + causal_offset
 
     @staticmethod
     def make(q: Tensor, k: Tensor, attn_mask: Optional[Tensor], is_causal: bool,
-             block_size: int, query_tile: int) -> "_Problem":
+             block_size: int, query_tile: int, key_mask: Optional[Tensor] = None,
+             causal_offset: int = 0) -> "_Problem":
         B, Hq, Nq, D = q.shape
         Hkv, Nk = k.shape[1], k.shape[2]
         G = Hq // Hkv
@@ -108,7 +112,9 @@ class _Problem:
             bias = None if bias is None else _grouped(bias, B, Hkv, G, Nq, Nk)
         C, Tq = block_size, query_tile
         return _Problem(B, Hq, Hkv, G, Nq, Nk, D, C, Tq, cdiv(Nq, Tq), cdiv(Nk, C),
-                        is_causal, allowed, bias, query_offset(Nq, Nk, is_causal))
+                        is_causal, allowed, bias,
+                        query_offset(Nq, Nk, is_causal, causal_offset),
+                        None if key_mask is None else key_mask.bool(), causal_offset)
 
     def visible(self, q_pos: Tensor, k_pos: Tensor, t0: int, t1: int) -> Tensor:
         """Visibility ``[B, h, gm, tiles, Tq, n_keys]`` for tiles ``[t0, t1)``.
@@ -120,8 +126,12 @@ class _Problem:
         qp = q_pos[None, None, :, :, None]
         ok = (kp >= 0) & (kp < self.Nk) & (qp < self.Nq)
         if self.is_causal:
-            ok = ok & (kp <= qp)
+            ok = ok & (kp <= qp + self.causal_offset)
         ok = ok.unsqueeze(2)  # gm axis
+        if self.key_mask is not None:
+            km = self.key_mask[:, None, None, :].expand(self.B, self.Hkv, k_pos.shape[2], self.Nk)
+            km = torch.gather(km, 3, k_pos.clamp(0, self.Nk - 1).long())  # [B, Hkv, tiles, n]
+            ok = ok & km[:, :, None, :, None, :]
         if self.allowed is not None:
             ok = ok & self._gather_mask(self.allowed, k_pos, t0, t1, False)
         return ok
@@ -166,14 +176,20 @@ def leaf_states(p: _Problem) -> tuple[Tensor, Tensor]:
     q_tile = torch.arange(p.T * p.Tq, device=dev).view(p.T, p.Tq)
     leaf = torch.arange(p.L, device=dev)
     if p.allowed is None:
-        # Analytic: no explicit mask, so visibility is the causal rule alone.
+        # Analytic: no explicit mask, so visibility is the causal rule (with its offset) and
+        # the key mask. States follow positions only (a leaf of padding keys is not DEAD, its
+        # count is 0), as in the Triton kernel; the pooled summaries leave padding out.
+        off = p.causal_offset
         key_pos = torch.arange(p.Nk, device=dev)
-        key_live = (key_pos < p.Nq) if p.is_causal else torch.ones_like(key_pos, dtype=torch.bool)
+        key_live = ((key_pos < p.Nq + off) if p.is_causal
+                    else torch.ones_like(key_pos, dtype=torch.bool))[None, None]
+        if p.key_mask is not None:
+            key_live = key_live.to(p.key_mask.device) & p.key_mask[:, None, :]
         first = leaf * p.C
         last_live = torch.clamp(torch.minimum((leaf + 1) * p.C, torch.tensor(p.Nk)) - 1,
-                                max=(p.Nq - 1) if p.is_causal else p.Nk)
-        q0 = q_tile[:, 0].clamp(max=p.Nq - 1)[:, None]
-        q1 = (q_tile[:, -1].clamp(max=p.Nq - 1))[:, None]
+                                max=(p.Nq - 1 + off) if p.is_causal else p.Nk)
+        q0 = q_tile[:, 0].clamp(max=p.Nq - 1)[:, None] + off
+        q1 = (q_tile[:, -1].clamp(max=p.Nq - 1))[:, None] + off
         dead = (first > last_live)[None, :]
         if p.is_causal:
             clean = last_live[None, :] <= q0
@@ -182,7 +198,7 @@ def leaf_states(p: _Problem) -> tuple[Tensor, Tensor]:
             clean = torch.ones(p.T, p.L, dtype=torch.bool)
             none = torch.zeros(p.T, p.L, dtype=torch.bool)
         states = torch.where(dead, DEAD, torch.where(clean, CLEAN, torch.where(none, UNSEEN, PARTIAL)))
-        return states.to(torch.int8)[None, None], key_live[None, None]
+        return states.to(torch.int8)[None, None], key_live
 
     a = p.allowed  # [B, h, gm, Nq, Nk]
     B, h, gm = a.shape[:3]
@@ -335,13 +351,16 @@ def _lse_scores(qr: Tensor, mu: Tensor, term: Tensor, scale: float) -> Tensor:
 
 def select_blocks(q: Tensor, k: Tensor, attn_mask: Optional[Tensor], is_causal: bool, scale: float,
                   *, block_size: int, top_k: int, branching: int, beam: int, sink_blocks: int,
-                  local_blocks: int, query_tile: int,
-                  leaf_scoring: str) -> tuple[Tensor, Tensor]:
+                  local_blocks: int, query_tile: int, leaf_scoring: str,
+                  key_mask: Optional[Tensor] = None,
+                  causal_offset: int = 0) -> tuple[Tensor, Tensor]:
     """Coarse-to-fine top-K leaf selection per query tile (DESIGN.md "Coarse-to-fine selection").
 
     Args:
         q: ``[B, Hq, Nq, D]``; k: ``[B, Hkv, Nk, D]``; attn_mask: 4-D bool/float or None.
         scale: softmax scale (float).
+        key_mask: bool ``[B, Nk]`` (True = the key may be attended) or None.
+        causal_offset: with ``is_causal``, query ``i`` sees keys ``j <= i + causal_offset``.
         block_size, top_k, branching, beam, sink_blocks, local_blocks, query_tile,
         leaf_scoring: the PISA options of those names (``beam`` resolved, never None).
 
@@ -349,7 +368,7 @@ def select_blocks(q: Tensor, k: Tensor, attn_mask: Optional[Tensor], is_causal: 
         ``block_indices`` int32 ``[B, Hkv, T, M]`` (ascending, -1 padded; forced leaves
         included) and ``block_counts`` int32 ``[B, Hkv, T]``.
     """
-    p = _Problem.make(q, k, attn_mask, is_causal, block_size, query_tile)
+    p = _Problem.make(q, k, attn_mask, is_causal, block_size, query_tile, key_mask, causal_offset)
     sel = _Select(top_k, branching, beam, sink_blocks, local_blocks, leaf_scoring == "exact")
     g = branching
     dev = q.device
@@ -630,13 +649,15 @@ def _chunk_logits(p, q, k, block_indices, t0, t1, scale):
 
 def sparse_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal: bool,
                      scale: float, block_indices: Tensor, block_counts: Tensor, *,
-                     block_size: int, query_tile: int) -> tuple[Tensor, Tensor]:
-    """Block-sparse attention over the selected leaves, with the usual masks inside each block.
+                     block_size: int, query_tile: int, key_mask: Optional[Tensor] = None,
+                     causal_offset: int = 0) -> tuple[Tensor, Tensor]:
+    """Block-sparse attention over the selected leaves, with the usual masks inside each block
+    (``key_mask``, ``causal_offset``: as in :func:`select_blocks`).
 
     Returns ``out [B, Hq, Nq, Dv]`` (``q.dtype``; zero for rows with no visible key) and
     ``lse [B, Hq, Nq]`` float32 (float64 for float64 inputs; natural log; ``-inf`` for such rows).
     """
-    p = _Problem.make(q, k, attn_mask, is_causal, block_size, query_tile)
+    p = _Problem.make(q, k, attn_mask, is_causal, block_size, query_tile, key_mask, causal_offset)
     M = block_indices.shape[-1]
     out = q.new_empty(p.B, p.Hq, p.Nq, v.shape[-1])
     lse = torch.empty(p.B, p.Hq, p.Nq, dtype=_acc_dtype(q), device=q.device)
@@ -653,14 +674,15 @@ def sparse_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor
 
 
 def sparse_attention_backward(grad_out, q, k, v, attn_mask, out, lse, block_indices, block_counts,
-                              is_causal, scale, *, block_size, query_tile):
+                              is_causal, scale, *, block_size, query_tile, key_mask=None,
+                              causal_offset=0):
     """Exact ``dq, dk, dv`` of :func:`sparse_attention` with the selection held fixed.
 
     ``dS = P * (dO V^T - rowsum(dO * O))`` (FlashAttention-2's backward), with ``P``
     recomputed from the scores by :func:`softmax_rows` (``lse`` is accepted for the kernels'
     common signature). Gradients are accumulated in float32 (float64 for float64 inputs).
     """
-    p = _Problem.make(q, k, attn_mask, is_causal, block_size, query_tile)
+    p = _Problem.make(q, k, attn_mask, is_causal, block_size, query_tile, key_mask, causal_offset)
     M = block_indices.shape[-1]
     dq = q.new_empty(q.shape)
     acc = _acc_dtype(q)
@@ -691,10 +713,12 @@ def sparse_attention_backward(grad_out, q, k, v, attn_mask, out, lse, block_indi
 # -- naive dense oracle -------------------------------------------------------------------------
 
 def dense_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None,
-                    is_causal: bool = False, scale: Optional[float] = None) -> Tensor:
+                    is_causal: bool = False, scale: Optional[float] = None, *,
+                    key_mask: Optional[Tensor] = None, causal_offset: int = 0) -> Tensor:
     """Naive dense attention in float64 (O(N^2) memory; tests only). Hidden rows give zero.
 
     ``q [B, Hq, Nq, D]``, ``k [B, Hkv, Nk, D]``, ``v [B, Hkv, Nk, Dv]``; returns ``q.dtype``.
+    ``key_mask`` ``[B, Nk]`` bool and ``causal_offset``: as in :func:`select_blocks`.
     """
     G = q.shape[1] // k.shape[1]
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
@@ -703,9 +727,7 @@ def dense_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor]
     s = torch.matmul(q.double(), kk.transpose(-1, -2)) * scale
     Nq, Nk = q.shape[2], k.shape[2]
     allowed, bias = mask_parts(attn_mask)
-    vis = torch.ones(Nq, Nk, dtype=torch.bool, device=q.device)
-    if is_causal:
-        vis = torch.ones(Nq, Nk, dtype=torch.bool, device=q.device).tril()
+    vis = dense_mask(q.shape[0], Nq, Nk, is_causal, causal_offset, key_mask, q.device)
     if allowed is not None:
         vis = vis & allowed
     if bias is not None:

@@ -118,12 +118,24 @@ def _key_extent(kpos, kvalid):
 
 
 @triton.jit
+def _key_live(kpos, kvalid, km_row, skmn, HAS_KEY_MASK: tl.constexpr):
+    """``kvalid`` with the key mask's padding keys (``km_row``: this batch's row) taken out,
+    so they are never loaded and every later step sees them as missing keys."""
+    if HAS_KEY_MASK:
+        km = tl.load(km_row + kpos.to(tl.int64) * skmn, mask=kvalid, other=0)
+        kvalid = kvalid & (km != 0)
+    return kvalid
+
+
+@triton.jit
 def _apply_mask(s, b, head, qi, row_ok, kpos, kvalid, Mask, smb, smh, smq, smk, mask_thr,
-                IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr):
-    """Scores ``s [BLOCK_M, BLOCK_N]`` (log2 units) with hidden keys at -inf, float bias added."""
+                q_offset, IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
+                MASK_BOOL: tl.constexpr):
+    """Scores ``s [BLOCK_M, BLOCK_N]`` (log2 units) with hidden keys at -inf, float bias added;
+    causal: query ``qi`` sees keys ``kpos <= qi + q_offset``."""
     vis = kvalid[None, :] & row_ok[:, None]
     if IS_CAUSAL:
-        vis = vis & (kpos[None, :] <= qi[:, None])
+        vis = vis & (kpos[None, :] <= qi[:, None] + q_offset)
     if HAS_MASK:
         mp = (Mask + b.to(tl.int64) * smb + head[:, None].to(tl.int64) * smh
               + qi[:, None].to(tl.int64) * smq + kpos[None, :].to(tl.int64) * smk)
@@ -140,21 +152,21 @@ def _apply_mask(s, b, head, qi, row_ok, kpos, kvalid, Mask, smb, smh, smq, smk, 
 
 @triton.jit
 def _masked_scores(s, b, head, qi, row_ok, kpos, kvalid, any_pad, k_hi, q_lo, Mask, smb, smh,
-                   smq, smk, mask_thr, IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
-                   MASK_BOOL: tl.constexpr):
+                   smq, smk, mask_thr, q_offset, IS_CAUSAL: tl.constexpr,
+                   HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr):
     """:func:`_apply_mask` where the tile needs it: always with a mask; else only for a key
-    tile with padding (``any_pad``) or, causal, a key (``k_hi``) after the first row's query
-    (``q_lo``)."""
+    tile with missing keys (``any_pad``: past ``Nk`` or key-masked) or, causal, a key
+    (``k_hi``) after the first row's position (``q_lo + q_offset``)."""
     if HAS_MASK:
         s = _apply_mask(s, b, head, qi, row_ok, kpos, kvalid, Mask, smb, smh, smq, smk,
-                        mask_thr, IS_CAUSAL, HAS_MASK, MASK_BOOL)
+                        mask_thr, q_offset, IS_CAUSAL, HAS_MASK, MASK_BOOL)
     else:
         need = any_pad
         if IS_CAUSAL:
-            need = need | (k_hi > q_lo)
+            need = need | (k_hi > q_lo + q_offset)
         if need:
             s = _apply_mask(s, b, head, qi, row_ok, kpos, kvalid, Mask, smb, smh, smq, smk,
-                            mask_thr, IS_CAUSAL, HAS_MASK, MASK_BOOL)
+                            mask_thr, q_offset, IS_CAUSAL, HAS_MASK, MASK_BOOL)
     return s
 
 
@@ -162,16 +174,16 @@ def _masked_scores(s, b, head, qi, row_ok, kpos, kvalid, any_pad, k_hi, q_lo, Ma
 
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, Mask, BI, BC, Out, Lse, OPart, LPart,
+    Q, K, V, Mask, KeyMask, BI, BC, Out, Lse, OPart, LPart,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
-    smb, smh, smq, smk, sob, soh, son, sod, slb, slh, sln,
+    smb, smh, smq, smk, skmb, skmn, sob, soh, son, sod, slb, slh, sln,
     sib, sih, sit, scb, sch, sct,
-    Hkv, Nq, Nk, qk_scale, mask_thr, ENTRIES_PER_SPLIT, part_stride_o, part_stride_l,
+    Hkv, Nq, Nk, q_offset, qk_scale, mask_thr, ENTRIES_PER_SPLIT, part_stride_o, part_stride_l,
     G: tl.constexpr, TQ: tl.constexpr, TQE: tl.constexpr, C: tl.constexpr,
     D: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     N_SUB: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
-    SPLIT: tl.constexpr,
+    HAS_KEY_MASK: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """One program: one row sub-block of one query tile of one (batch, KV head)[, one split].
 
@@ -200,6 +212,7 @@ def _fwd_kernel(
     q_lo = tl.min(tl.where(row_ok, qi, Nq), 0)
     k_base = K + b64 * skb + hkv.to(tl.int64) * skh
     v_base = V + b64 * svb + hkv.to(tl.int64) * svh
+    km_row = KeyMask + b64 * skmb
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -207,12 +220,14 @@ def _fwd_kernel(
     n_it = _n_iters(e0, e1, C, BLOCK_N)
     for it in range(0, n_it):
         kpos, kvalid = _keys(bi_row, e0, e1, it, Nk, C, BLOCK_N)
+        kvalid = _key_live(kpos, kvalid, km_row, skmn, HAS_KEY_MASK)
         kt = tl.load(k_base + kpos[None, :].to(tl.int64) * skn + offs_d[:, None] * skd,
                      mask=kvalid[None, :] & (offs_d[:, None] < D), other=0.0)
         s = tl.dot(q, kt) * qk_scale
         any_pad, k_hi = _key_extent(kpos, kvalid)
         s = _masked_scores(s, b, head, qi, row_ok, kpos, kvalid, any_pad, k_hi, q_lo, Mask,
-                           smb, smh, smq, smk, mask_thr, IS_CAUSAL, HAS_MASK, MASK_BOOL)
+                           smb, smh, smq, smk, mask_thr, q_offset, IS_CAUSAL, HAS_MASK,
+                           MASK_BOOL)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row that has seen no visible key yet keeps m = -inf; subtract 0 instead (no NaN).
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -267,15 +282,16 @@ def _bwd_delta_kernel(O, DO, Delta, Hq, Nq,
 
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, Mask, BI, BC, DO, Lse, Delta, DQ,
+    Q, K, V, Mask, KeyMask, BI, BC, DO, Lse, Delta, DQ,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
-    smb, smh, smq, smk, sdob, sdoh, sdon, sdod, slb, slh, sln,
+    smb, smh, smq, smk, skmb, skmn, sdob, sdoh, sdon, sdod, slb, slh, sln,
     sdqb, sdqh, sdqn, sdqd, sib, sih, sit, scb, sch, sct,
-    Hkv, Nq, Nk, qk_scale, sm_scale, mask_thr,
+    Hkv, Nq, Nk, q_offset, qk_scale, sm_scale, mask_thr,
     G: tl.constexpr, TQ: tl.constexpr, TQE: tl.constexpr, C: tl.constexpr,
     D: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     N_SUB: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
+    HAS_KEY_MASK: tl.constexpr,
 ):
     """``dq`` of one row sub-block of one tile: loop over the tile's blocks (no atomics)."""
     # Inductor may pass Python floats as fp64 scalars; keep the math in fp32.
@@ -303,11 +319,13 @@ def _bwd_dq_kernel(
     q_lo = tl.min(tl.where(row_ok, qi, Nq), 0)
     k_base = K + b64 * skb + hkv.to(tl.int64) * skh
     v_base = V + b64 * svb + hkv.to(tl.int64) * svh
+    km_row = KeyMask + b64 * skmb
 
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     n_it = _n_iters(0, count, C, BLOCK_N)
     for it in range(0, n_it):
         kpos, kvalid = _keys(bi_row, 0, count, it, Nk, C, BLOCK_N)
+        kvalid = _key_live(kpos, kvalid, km_row, skmn, HAS_KEY_MASK)
         k = tl.load(k_base + kpos[:, None].to(tl.int64) * skn + offs_d[None, :] * skd,
                     mask=kvalid[:, None] & (offs_d[None, :] < D), other=0.0)
         v = tl.load(v_base + kpos[:, None].to(tl.int64) * svn + offs_dv[None, :] * svd,
@@ -315,7 +333,8 @@ def _bwd_dq_kernel(
         s = tl.dot(q, tl.trans(k)) * qk_scale
         any_pad, k_hi = _key_extent(kpos, kvalid)
         s = _masked_scores(s, b, head, qi, row_ok, kpos, kvalid, any_pad, k_hi, q_lo, Mask,
-                           smb, smh, smq, smk, mask_thr, IS_CAUSAL, HAS_MASK, MASK_BOOL)
+                           smb, smh, smq, smk, mask_thr, q_offset, IS_CAUSAL, HAS_MASK,
+                           MASK_BOOL)
         p = tl.math.exp2(s - lse2[:, None])
         dp = tl.dot(do, tl.trans(v))
         ds = p * (dp - delta[:, None])
@@ -327,15 +346,16 @@ def _bwd_dq_kernel(
 
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, Mask, Offsets, Tiles, Work, SlotBase, DO, Lse, Delta, dK, dV, PartK, PartV,
+    Q, K, V, Mask, KeyMask, Offsets, Tiles, Work, SlotBase, DO, Lse, Delta, dK, dV, PartK, PartV,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
-    smb, smh, smq, smk, sdob, sdoh, sdon, sdod, slb, slh, sln,
+    smb, smh, smq, smk, skmb, skmn, sdob, sdoh, sdon, sdod, slb, slh, sln,
     sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd,
-    Hkv, Nq, Nk, L, BHL, TM, SEG, qk_scale, sm_scale, mask_thr,
+    Hkv, Nq, Nk, q_offset, L, BHL, TM, SEG, qk_scale, sm_scale, mask_thr,
     G: tl.constexpr, TQ: tl.constexpr, TQE: tl.constexpr, C: tl.constexpr,
     D: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     N_SUB: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
+    HAS_KEY_MASK: tl.constexpr,
 ):
     """``dk, dv`` of one key tile of one leaf, over one segment of the tiles that chose it.
 
@@ -377,10 +397,15 @@ def _bwd_dkdv_kernel(
     kpos = blk * C + offs_n
     kvalid = (offs_n < C) & (kpos < Nk)
     kpos = tl.where(kvalid, kpos, 0)
+    # Key-masked keys get dk = dv = 0 (stored, as every key of the leaf is).
+    kstore = kvalid
+    kvalid = _key_live(kpos, kvalid, KeyMask + b.to(tl.int64) * skmb, skmn, HAS_KEY_MASK)
     # Scalar flags broadcast as int vectors: the interpreter turns bool-vector & bool-scalar
     # into int32, which tl.load then refuses as a mask.
     zero_n = offs_n * 0
-    kload = kvalid & ((zero_n + active.to(tl.int32)) != 0)  # idle programs read nothing
+    act_n = (zero_n + active.to(tl.int32)) != 0
+    kload = kvalid & act_n  # idle programs read nothing
+    kout = kstore & act_n
     multi_n = (zero_n + multi.to(tl.int32)) != 0
 
     offs_d = tl.arange(0, HEAD_DIM)
@@ -415,21 +440,22 @@ def _bwd_dkdv_kernel(
             s = tl.dot(q, tl.trans(k)) * qk_scale
             q_lo = tl.min(tl.where(row_ok, qi, Nq), 0)
             s = _masked_scores(s, b, head, qi, row_ok, kpos, kvalid, any_pad, k_hi, q_lo, Mask,
-                               smb, smh, smq, smk, mask_thr, IS_CAUSAL, HAS_MASK, MASK_BOOL)
+                               smb, smh, smq, smk, mask_thr, q_offset, IS_CAUSAL, HAS_MASK,
+                               MASK_BOOL)
             p = tl.math.exp2(s - lse2[:, None])
             dv += tl.dot(tl.trans(p.to(do.dtype)), do)
             dp = tl.dot(do, tl.trans(v))
             ds = p * (dp - delta[:, None])
             dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
     dk = dk * sm_scale
-    final = kload & (multi_n == 0)
+    final = kout & (multi_n == 0)
     tl.store(dK + b64 * sdkb + hk64 * sdkh + kpos[:, None].to(tl.int64) * sdkn
              + offs_d[None, :] * sdkd, dk.to(dK.dtype.element_ty),
              mask=final[:, None] & (offs_d[None, :] < D))
     tl.store(dV + b64 * sdvb + hk64 * sdvh + kpos[:, None].to(tl.int64) * sdvn
              + offs_dv[None, :] * sdvd, dv.to(dV.dtype.element_ty),
              mask=final[:, None] & (offs_dv[None, :] < DV))
-    part = kload & multi_n
+    part = kout & multi_n
     slot = (tl.load(SlotBase + f) + seg).to(tl.int64)  # garbage unless multi: stores masked
     tl.store(PartK + (slot * C + offs_n[:, None]) * D + offs_d[None, :], dk,
              mask=part[:, None] & (offs_d[None, :] < D))
@@ -601,8 +627,20 @@ def _mask_args(attn_mask: Optional[Tensor], q: Tensor, Nk: int):
     return m, m.stride(), True, False, float(thr)
 
 
+def _key_mask_args(key_mask: Optional[Tensor], q: Tensor, Nk: int):
+    """``(tensor, (stride_b, stride_n), has_key_mask)`` of a ``[B, Nk]`` key mask, read as
+    bytes (``q`` stands in for an absent one: never read)."""
+    if key_mask is None:
+        return q, (0, 0), False
+    if key_mask.dim() != 2 or key_mask.shape[1] != Nk or key_mask.shape[0] not in (1, q.shape[0]):
+        raise ValueError(f"key_mask must be [B={q.shape[0]}, Nk={Nk}], got shape "
+                         f"{tuple(key_mask.shape)}")
+    km = key_mask.to(torch.uint8)  # a value cast (Inductor cannot lower bool->uint8 views)
+    return km, (km.stride(0) if km.shape[0] > 1 else 0, km.stride(1)), True
+
+
 def _common(q, k, v, attn_mask, is_causal, block_indices, block_counts, block_size, query_tile,
-            tuning=None):
+            tuning=None, key_mask=None):
     _check(q, k, v, block_indices, block_counts, query_tile)
     B, Hq, Nq, D = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
@@ -611,23 +649,28 @@ def _common(q, k, v, attn_mask, is_causal, block_indices, block_counts, block_si
     tqe = min(Tq, Nq)
     tp = tile_params(G, tqe, D, Dv, block_size, q.dtype, tuning)
     mask, mstr, has_mask, mask_bool, thr = _mask_args(attn_mask, q, Nk)
+    km, kmstr, has_km = _key_mask_args(key_mask, q, Nk)
     bi = block_indices.contiguous()
     bc = block_counts.contiguous()
     meta = dict(G=G, TQ=Tq, TQE=tqe, C=block_size, D=D, DV=Dv, IS_CAUSAL=bool(is_causal),
-                HAS_MASK=has_mask, MASK_BOOL=mask_bool, **tp)
-    return B, Hq, Hkv, Nq, Nk, D, Dv, bi, bc, mask, mstr, thr, meta
+                HAS_MASK=has_mask, MASK_BOOL=mask_bool, HAS_KEY_MASK=has_km, **tp)
+    # The key mask rides with the explicit mask: (mask, key mask), strides of both.
+    return (B, Hq, Hkv, Nq, Nk, D, Dv, bi, bc, (mask, km), (*mstr, *kmstr), thr, meta)
 
 
 def sparse_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal: bool,
                      scale: float, block_indices: Tensor, block_counts: Tensor, *,
-                     block_size: int, query_tile: int,
+                     block_size: int, query_tile: int, key_mask: Optional[Tensor] = None,
+                     causal_offset: int = 0,
                      tuning: Optional[dict] = None) -> tuple[Tensor, Tensor]:
     """Block-sparse attention forward; same contract as ``reference.sparse_attention``.
 
     Args:
         q: ``[B, Hq, Nq, D]``; k: ``[B, Hkv, Nk, D]``; v: ``[B, Hkv, Nk, Dv]`` (fp16/bf16/fp32,
             one dtype, any strides). attn_mask: None or 4-D bool/float broadcastable to
-            ``[B, Hq, Nq, Nk]``. is_causal: top-left. scale: softmax scale.
+            ``[B, Hq, Nq, Nk]``. is_causal: query ``i`` sees keys ``j <= i + causal_offset``
+            (0: SDPA's top-left rule). scale: softmax scale.
+        key_mask: None or bool ``[B, Nk]``: False keys are never attended (padding).
         block_indices: int32 ``[B, Hkv, T, M]`` ascending, -1 padded. block_counts: int32
             ``[B, Hkv, T]``. block_size, query_tile: the PISA options of those names.
         tuning: overrides of :data:`ATTENTION_TILES` (benchmark sweeps).
@@ -641,16 +684,16 @@ def sparse_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor
     """
     B, Hq, Hkv, Nq, Nk, D, Dv, bi, bc, mask, mstr, thr, meta = _common(
         q, k, v, attn_mask, is_causal, block_indices, block_counts, block_size, query_tile,
-        tuning)
+        tuning, key_mask)
     out = torch.empty(B, Hq, Nq, Dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, Hq, Nq, dtype=torch.float32, device=q.device)
     T = bi.shape[2]
     grid = (T * meta["N_SUB"], B * Hkv, 1)
     launcher(_fwd_kernel, q)[grid](
-        q, k, v, mask, bi, bc, out, lse, out, lse,
+        q, k, v, *mask, bi, bc, out, lse, out, lse,
         *q.stride(), *k.stride(), *v.stride(), *mstr, *out.stride(), *lse.stride(),
         *bi.stride()[:3], *bc.stride(),
-        Hkv, Nq, Nk, float(scale) * LOG2E.value, thr, 0, 0, 0,
+        Hkv, Nq, Nk, causal_offset, float(scale) * LOG2E.value, thr, 0, 0, 0,
         SPLIT=False, **meta)
     return out, lse
 
@@ -659,6 +702,7 @@ def sparse_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor,
                               attn_mask: Optional[Tensor], out: Tensor, lse: Tensor,
                               block_indices: Tensor, block_counts: Tensor, is_causal: bool,
                               scale: float, *, block_size: int, query_tile: int,
+                              key_mask: Optional[Tensor] = None, causal_offset: int = 0,
                               tuning: Optional[dict] = None) -> tuple[Tensor, Tensor, Tensor]:
     """``dq, dk, dv`` of :func:`sparse_attention` with the selection fixed (FlashAttention-2).
 
@@ -671,7 +715,7 @@ def sparse_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor,
     """
     B, Hq, Hkv, Nq, Nk, D, Dv, bi, bc, mask, mstr, thr, meta = _common(
         q, k, v, attn_mask, is_causal, block_indices, block_counts, block_size, query_tile,
-        tuning)
+        tuning, key_mask)
     T = bi.shape[2]
     C = block_size
     L = cdiv(Nk, C)
@@ -686,10 +730,10 @@ def sparse_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor,
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     qk_scale = float(scale) * LOG2E.value
     launcher(_bwd_dq_kernel, q)[(T * meta["N_SUB"], B * Hkv)](
-        q, k, v, mask, bi, bc, grad_out, lse, delta, dq,
+        q, k, v, *mask, bi, bc, grad_out, lse, delta, dq,
         *q.stride(), *k.stride(), *v.stride(), *mstr, *grad_out.stride(), *lse.stride(),
         *dq.stride(), *bi.stride()[:3], *bc.stride(),
-        Hkv, Nq, Nk, qk_scale, float(scale), thr, **meta)
+        Hkv, Nq, Nk, causal_offset, qk_scale, float(scale), thr, **meta)
     offsets, tiles = transposed_index(bi, bc, L)
     nch = cdiv(C, meta["BLOCK_N"])
     seg = SEG_TILES
@@ -703,11 +747,11 @@ def sparse_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor,
     else:
         work = slot_base = part_k = part_v = offsets  # unused: no leaf has two segments
     launcher(_bwd_dkdv_kernel, q)[(BHL + W, nch)](
-        q, k, v, mask, offsets, tiles, work, slot_base, grad_out, lse, delta, dk, dv,
+        q, k, v, *mask, offsets, tiles, work, slot_base, grad_out, lse, delta, dk, dv,
         part_k, part_v,
         *q.stride(), *k.stride(), *v.stride(), *mstr, *grad_out.stride(), *lse.stride(),
         *dk.stride(), *dv.stride(),
-        Hkv, Nq, Nk, L, BHL, tiles.shape[-1], seg, qk_scale, float(scale), thr, **meta)
+        Hkv, Nq, Nk, causal_offset, L, BHL, tiles.shape[-1], seg, qk_scale, float(scale), thr, **meta)
     if W:
         launcher(_bwd_reduce_kernel, q)[(BHL, nch)](
             offsets, slot_base, part_k, part_v, dk, dv, *dk.stride(), *dv.stride(),

@@ -44,8 +44,11 @@ PARTIAL leaves are the tile's own local leaves, ``local_blocks >= 1`` for causal
 ``n_forced = sink + geometry.local_bound`` nodes are expanded per level, and
 ``P = pow2(g * (beam + n_forced))`` is exact: nothing is ever dropped.
 
-Calls with an explicit ``attn_mask``, causal calls with ``local_blocks == 0`` and float64 run
-the reference selection instead (``dispatch.plan`` decides and says why).
+Structured masks are read analytically too: a causal offset (query ``i`` at key position
+``i + offset``: a KV cache) moves the leaf ranges, and a key mask ``[B, Nk]`` (padding) is
+left out of the pyramid's summaries (its keys count 0) and of exact leaf scores. Calls with
+an explicit ``attn_mask``, causal calls with ``local_blocks == 0`` and float64 run the
+reference selection instead (``dispatch.plan`` decides and says why).
 """
 
 from __future__ import annotations
@@ -274,16 +277,17 @@ def _leaf_ranges(t, Nq, Nk, L, offset, local_blocks, TQ: tl.constexpr, C: tl.con
 
     Leaves ``[0, clean_end)`` are seen whole by every row, ``[clean_end, partial_end)`` in
     part, ``[partial_end, live_end)`` by no row, and past ``live_end`` hold no live key; the
-    tile's local leaves are ``[lo, hi]`` (``lo > hi``: none).
+    tile's local leaves are ``[lo, hi]`` (``lo > hi``: none). Causal: query ``i`` sits at key
+    position ``i + offset`` (``offset >= 0``, the causal offset).
     """
     q_first = t * TQ
     q_last = tl.minimum(q_first + TQ, Nq) - 1
     if CAUSAL:
-        q0 = tl.minimum(q_first, Nq - 1)
-        n_live = tl.minimum(Nk, Nq)  # causal keys at or past Nq are seen by no query
+        p0 = tl.minimum(q_first, Nq - 1) + offset
+        n_live = tl.minimum(Nk, Nq + offset)  # keys past the last query's position: unseen
         live_end = (n_live + C - 1) // C
-        clean_end = tl.where(n_live - 1 <= q0, live_end, tl.minimum((q0 + 1) // C, live_end))
-        partial_end = tl.maximum(clean_end, tl.minimum(q_last // C + 1, live_end))
+        clean_end = tl.where(n_live - 1 <= p0, live_end, tl.minimum((p0 + 1) // C, live_end))
+        partial_end = tl.maximum(clean_end, tl.minimum((q_last + offset) // C + 1, live_end))
     else:
         live_end = L
         clean_end = L
@@ -352,10 +356,11 @@ def _internal_level(pool, span, lev, L, mbase, mu_ptr, lcnt_ptr, scr, trace,
 
 
 @triton.jit
-def _exact_leaf_shares(pool, cand, kbase, skn, skd, qbase, rr, d, n_rows, n_chunks, q_first,
-                       sqh, sqn, sqd, Nk, scale, D: tl.constexpr, G: tl.constexpr,
-                       C: tl.constexpr, KC: tl.constexpr, RB: tl.constexpr, P: tl.constexpr,
-                       CAUSAL: tl.constexpr, LOWP: tl.constexpr):
+def _exact_leaf_shares(pool, cand, kbase, skn, skd, km_row, skmn, qbase, rr, d, n_rows,
+                       n_chunks, q_first, sqh, sqn, sqd, Nk, offset, scale, D: tl.constexpr,
+                       G: tl.constexpr, C: tl.constexpr, KC: tl.constexpr, RB: tl.constexpr,
+                       P: tl.constexpr, CAUSAL: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
+                       LOWP: tl.constexpr):
     """Tile scores ``S [P]`` of the leaf pool with exact leaf scores: the LSE over each
     candidate leaf's visible keys (``leaf_scoring="exact"``), natural log. ``cand`` leaves
     out leaves whose summary is not finite (the caller keeps them first)."""
@@ -380,6 +385,9 @@ def _exact_leaf_shares(pool, cand, kbase, skn, skd, qbase, rr, d, n_rows, n_chun
                 for c0 in tl.static_range(0, C, KC):
                     kp = leaf * C + c0 + kc
                     kin = (kp < Nk) & (c0 + kc < C)
+                    if HAS_KEY_MASK:
+                        kin = kin & (tl.load(km_row + kp.to(tl.int64) * skmn, mask=kin,
+                                             other=0) != 0)
                     kk = tl.load(kbase + kp.to(tl.int64)[:, None] * skn + d[None, :] * skd,
                                  mask=kin[:, None] & dm[None, :], other=0.0)
                     if LOWP:
@@ -389,7 +397,7 @@ def _exact_leaf_shares(pool, cand, kbase, skn, skd, qbase, rr, d, n_rows, n_chun
                                     input_precision="ieee")
                     seen = kin[None, :] & row_ok[:, None]
                     if CAUSAL:
-                        seen = seen & (kp[None, :] <= qpos[:, None])
+                        seen = seen & (kp[None, :] <= qpos[:, None] + offset)
                     sk = tl.where(seen, sk * scale, float("-inf"))
                     m_new = tl.maximum(row_max, tl.max(sk, axis=1))
                     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -406,14 +414,14 @@ def _exact_leaf_shares(pool, cand, kbase, skn, skd, qbase, rr, d, n_rows, n_chun
 
 @triton.jit
 def _select_kernel(
-    q_ptr, k_ptr, mu_ptr, lcnt_ptr, idx_ptr, bcnt_ptr, trace_ptr, scr_ptr,
-    sqb, sqh, sqn, sqd, skb, skh, skn, skd,
+    q_ptr, k_ptr, km_ptr, mu_ptr, lcnt_ptr, idx_ptr, bcnt_ptr, trace_ptr, scr_ptr,
+    sqb, sqh, sqn, sqd, skb, skh, skn, skd, skmb, skmn,
     Hkv, Nq, Nk, L, total, T, M, n_sink, local_blocks, offset, scale,
     D: tl.constexpr, G: tl.constexpr, TQ: tl.constexpr, C: tl.constexpr, KC: tl.constexpr,
     BD: tl.constexpr, GB: tl.constexpr, BEAM: tl.constexpr, TOPK: tl.constexpr, P: tl.constexpr,
     RB: tl.constexpr, MP: tl.constexpr, TW: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_LOCAL: tl.constexpr, EXACT: tl.constexpr,
-    LOWP: tl.constexpr, TRACE: tl.constexpr, UNROLL: tl.constexpr,
+    HAS_KEY_MASK: tl.constexpr, LOWP: tl.constexpr, TRACE: tl.constexpr, UNROLL: tl.constexpr,
 ):
     """One program per (query tile, batch * KV head): the pyramid walk, top level to leaves."""
     scale = tl.cast(scale, tl.float32)  # Inductor may pass Python floats as fp64 scalars
@@ -458,9 +466,10 @@ def _select_kernel(
     mul, bl, bad = _load_summaries(mu_ptr, lcnt_ptr, mbase + pool, cand, d, D, BD)
     if EXACT:
         kbase = k_ptr + b.to(tl.int64) * skb + h.to(tl.int64) * skh
-        S = _exact_leaf_shares(pool, cand & ~bad, kbase, skn, skd, qbase, rr, d, n_rows,
-                               n_chunks, q_first, sqh, sqn, sqd, Nk, scale, D, G, C, KC, RB, P,
-                               CAUSAL, LOWP)
+        S = _exact_leaf_shares(pool, cand & ~bad, kbase, skn, skd,
+                               km_ptr + b.to(tl.int64) * skmb, skmn, qbase, rr, d, n_rows,
+                               n_chunks, q_first, sqh, sqn, sqd, Nk, offset, scale, D, G, C, KC,
+                               RB, P, CAUSAL, HAS_KEY_MASK, LOWP)
     else:
         acc = tl.zeros([RB, P], dtype=tl.float32)
         if UNROLL:
@@ -505,14 +514,18 @@ def trace_width(beam: int) -> int:
 
 def select_blocks(q: Tensor, k: Tensor, is_causal: bool, scale: float, *, block_size: int,
                   top_k: int, branching: int, beam: int, sink_blocks: int, local_blocks: int,
-                  query_tile: int, leaf_scoring: str, trace: Optional[Tensor] = None,
+                  query_tile: int, leaf_scoring: str, key_mask: Optional[Tensor] = None,
+                  causal_offset: int = 0, trace: Optional[Tensor] = None,
                   tuning: Optional[Mapping] = None) -> tuple[Tensor, Tensor]:
     """Triton coarse-to-fine selection; same contract as ``reference.select_blocks`` without
-    a mask (``dispatch.plan`` sends masked calls to the reference).
+    an explicit ``attn_mask`` (``dispatch.plan`` sends those calls to the reference).
 
     Args:
         q: ``[B, Hq, Nq, D]`` fp16/bf16/fp32, ``Nq >= 1``; k: ``[B, Hkv, Nk, D]``, ``Nk >= 1``.
-        is_causal: SDPA's top-left rule (needs ``local_blocks >= 1``); scale: softmax scale.
+        is_causal: query ``i`` sees keys ``j <= i + causal_offset`` (``causal_offset >= 0``;
+            needs ``local_blocks >= 1``); scale: softmax scale.
+        key_mask: None or bool ``[B, Nk]``: False keys (padding) are left out of the leaf
+            summaries and of exact leaf scores.
         block_size, top_k, branching, beam, sink_blocks, local_blocks, query_tile,
         leaf_scoring: the PISA options of those names (``beam`` resolved).
         trace: tests only: int32 ``[B, Hkv, T, n_levels, trace_width(beam)]`` receives the
@@ -530,13 +543,17 @@ def select_blocks(q: Tensor, k: Tensor, is_causal: bool, scale: float, *, block_
     G = Hq // Hkv
     C, Tq = block_size, query_tile
     T = cdiv(Nq, Tq)
+    # Read as bytes: a value cast (Inductor cannot lower bool->uint8 views); q: never read.
+    km = q if key_mask is None else key_mask.to(torch.uint8)
     with stage_range("pisa.pyramid", k):
-        mu, _, lcnt, total = pyramid_buffers(k, block_size, branching, beam,
-                                             live_limit=Nq if is_causal else None)
+        mu, _, lcnt, total = pyramid_buffers(
+            k, block_size, branching, beam,
+            live_limit=min(Nk, Nq + causal_offset) if is_causal else None,
+            key_live=None if key_mask is None else km[:, None, :])
     L = cdiv(Nk, C)
     M = block_width(Nk, block_size, top_k, sink_blocks, local_blocks, query_tile)
     n_sink = min(sink_blocks, L)
-    offset = query_offset(Nq, Nk, is_causal)
+    offset = query_offset(Nq, Nk, is_causal, causal_offset)
     P = pool_size(branching, beam, n_sink + local_bound(local_blocks, query_tile, block_size))
     R = G * Tq
     RB = min(tune["row_block"], max(16, triton.next_power_of_2(min(R, G * Nq))))
@@ -558,14 +575,14 @@ def select_blocks(q: Tensor, k: Tensor, is_causal: bool, scale: float, *, block_
     # Per program, two rows of P slots for the pool compaction (see _children).
     scratch = torch.empty(B * Hkv * T * 2 * P, dtype=torch.int32, device=q.device)
     launcher(_select_kernel, q)[(T, B * Hkv)](
-        q, k, mu_dot, lcnt, idx, counts, counts if trace is None else trace, scratch,
-        *q.stride(), *k.stride(),
+        q, k, km, mu_dot, lcnt, idx, counts, counts if trace is None else trace, scratch,
+        *q.stride(), *k.stride(), *((0, 0) if key_mask is None else km.stride()),
         Hkv, Nq, Nk, L, total, T, M, n_sink, local_blocks, 0 if offset is None else offset,
         float(scale),
         D=D, G=G, TQ=Tq, C=C, KC=max(16, min(C, 64)), BD=BD, GB=branching, BEAM=beam,
         TOPK=top_k, P=P, RB=RB, MP=max(16, triton.next_power_of_2(M)), TW=TW,
         CAUSAL=bool(is_causal), HAS_LOCAL=offset is not None and local_blocks > 0,
-        EXACT=leaf_scoring == "exact", LOWP=q.dtype != torch.float32, TRACE=trace is not None,
+        EXACT=leaf_scoring == "exact", HAS_KEY_MASK=key_mask is not None, LOWP=q.dtype != torch.float32, TRACE=trace is not None,
         UNROLL=bool(tune["unroll"]) and cdiv(R, RB) <= 16,
         num_warps=tune["num_warps"] or (8 if RB * P >= 8192 else 4),
         **launch)

@@ -1,25 +1,29 @@
-"""Which mask tensors are SDPA's top-left causal mask, proved from how the graph builds them.
+"""Which mask tensors are structure (causal with an offset, key padding), proved from how the
+graph builds them.
 
-Libraries often hand attention an explicit causal mask instead of ``is_causal=True``:
-transformers builds ``kv_idx <= q_idx`` from two ``arange`` tensors under ``torch.compile``
-(before torch 2.14 it never takes its ``is_causal`` shortcut while tracing); hand-written
-models use ``torch.tril(torch.ones(n, n))``. A mask *tensor* forces the kernels onto the
-masked path (a mask read per block, and the reference selection), while ``is_causal=True``
-takes the fast analytic one. So the pass proves, symbolically and without running anything,
-that a mask equals the causal mask, and then drops it for ``is_causal=True``.
+Libraries hand attention an explicit mask tensor instead of structure: transformers builds
+``(kv_idx <= q_idx) & attention_mask[batch_idx, kv_idx]`` from ``arange`` tensors under
+``torch.compile`` (before torch 2.14 it never takes its ``is_causal`` shortcut while tracing),
+with ``q_idx`` offset by the KV cache in decode; hand-written models use
+``torch.tril(torch.ones(n, n))``. A mask *tensor* forces the kernels onto the masked path (an
+``Nq x Nk`` mask read per block, and the reference selection), while structure takes the fast
+analytic one. So the pass proves, symbolically and without running anything, what a mask
+is, and hands the op the structure instead: ``is_causal`` with a ``causal_offset`` and a
+``key_mask [B, Nk]``. The dense mask is then dead code.
 
 The proof is an abstract evaluation of the mask's producers. Each node gets one of:
 
 * :class:`Index`: ``arange(n) + offset`` (int32/int64), 1-D or laid along one dim (``-1``
-  keys, ``-2`` queries) of a broadcast tensor;
+  keys, ``-2`` queries, ``-4`` batch) of a broadcast tensor;
 * :data:`ONES`: a tensor of ones / ``True``;
-* :class:`Causal`: 0/1 values with ``attend(i, j) = (j <= i)`` (query ``i``, key ``j``), or
-  the negation, proved over an ``n_queries x n_keys`` grid.
+* :class:`Struct`: 0/1 values with ``attend(b, i, j) = lower <= j - i <= upper and
+  key[b, j]`` (query ``i``, key ``j``; each part optional), or the negation.
 
 Offsets are compared exactly: constant parts as ints, symbolic parts (a cache position, a
 sequence length) as signed sums of node names. Anything the evaluator does not know makes the
-answer "not causal", and so does any node of the proof that may be written in place (through
-any view). A mask is left as it is unless the proof goes through.
+answer "not structure", and so does any node of the proof that may be written in place
+(through any view), the key mask's included. A mask is left as it is unless the proof goes
+through.
 """
 
 from __future__ import annotations
@@ -37,8 +41,8 @@ from torch.fx import Node
 
 from . import patterns as P
 
-__all__ = ["Index", "Causal", "ONES", "mask_value", "is_causal_bool", "is_causal_additive",
-           "spans", "written_by", "is_view"]
+__all__ = ["Index", "Struct", "ONES", "mask_value", "bool_structure", "additive_structure",
+           "both", "fits", "spans", "written_by", "is_view", "offset_value", "canonical_bool"]
 
 
 @dataclass(frozen=True)
@@ -53,18 +57,37 @@ class Index:
 
 
 @dataclass(frozen=True)
-class Causal:
-    """0/1 (or bool) values over the last two dims: with ``attend`` True, 1 exactly where
-    ``key <= query`` (SDPA's top-left causal mask); with False, the negation. Proved over
-    ``n_queries x n_keys`` (a broadcast row is not causal: callers compare these with the
-    mask's shape)."""
+class Struct:
+    """0/1 (or bool) values over ``[..., n_queries, n_keys]``: with ``attend`` True, 1 exactly
+    where ``j - i <= upper`` (if set), ``j - i >= lower`` (if set) and ``key[b, j]`` (if set),
+    for query ``i``, key ``j``, batch ``b``; with False, the negation.
+
+    ``upper``/``lower`` are offsets ``(const, terms)`` as in :class:`Index`; ``upper = 0`` is
+    SDPA's top-left causal mask, ``upper = past`` a KV cache's, ``lower`` a sliding window's
+    edge. ``key`` is the node of a ``[B, Nk]`` bool tensor, read at ``[b, j]`` (padding).
+    ``n_queries`` is None while the values do not depend on the query (a key mask alone);
+    callers compare the shapes with the mask's own.
+    """
 
     attend: bool
     n_queries: Any
     n_keys: Any
+    upper: Optional[tuple] = None
+    lower: Optional[tuple] = None
+    key: Optional[Node] = None
+    key_cut: bool = False  # read key[:, :n_keys] (its length is not provably n_keys)
 
-    def negated(self) -> "Causal":
-        return Causal(not self.attend, self.n_queries, self.n_keys)
+    def negated(self) -> "Struct":
+        """The negation; one bound alone flips to the other bound (``j - i > u`` is
+        ``j - i >= u + 1``), so ``~triu(ones, 1)`` is the causal mask again."""
+        if self.key is None and (self.upper is None) != (self.lower is None):
+            if self.upper is not None:
+                c, t = self.upper
+                return Struct(self.attend, self.n_queries, self.n_keys, lower=(c + 1, t))
+            c, t = self.lower
+            return Struct(self.attend, self.n_queries, self.n_keys, upper=(c - 1, t))
+        return Struct(not self.attend, self.n_queries, self.n_keys, self.upper, self.lower,
+                      self.key, self.key_cut)
 
 
 ONES = "ones"
@@ -185,11 +208,37 @@ def _shifted(ix: Index, off: tuple[int, tuple], sign: int = 1) -> Index:
     return Index(ix.axis, ix.const + sign * c, kept, ix.length)
 
 
-def _equal(x: Any, y: Any) -> bool:
-    if isinstance(x, Causal) and isinstance(y, Causal):
-        return (x.attend == y.attend and P.known_equal(x.n_queries, y.n_queries)
-                and P.known_equal(x.n_keys, y.n_keys))
-    return x == ONES and y == ONES
+def _same_size(a: Any, b: Any) -> bool:
+    return a is None or b is None or P.known_equal(a, b)
+
+
+def _both(a: Optional[tuple], b: Optional[tuple], pick) -> tuple:
+    """``(ok, bound)`` of two bounds of one kind: equal ones, or constants (``pick``: min for
+    upper bounds, max for lower ones)."""
+    if a is None or b is None or a == b:
+        return True, a if b is None else b
+    if not a[1] and not b[1]:
+        return True, (pick(a[0], b[0]), ())
+    return False, None
+
+
+def both(x: Any, y: Any) -> Any:
+    """``x & y`` of two abstract bool values (None: unknown)."""
+    if x == ONES:
+        return y if (y == ONES or isinstance(y, Struct)) else None
+    if y == ONES:
+        return x if isinstance(x, Struct) else None
+    if not (isinstance(x, Struct) and isinstance(y, Struct) and x.attend and y.attend):
+        return None
+    if not (_same_size(x.n_queries, y.n_queries) and P.known_equal(x.n_keys, y.n_keys)):
+        return None
+    ok_u, upper = _both(x.upper, y.upper, min)
+    ok_l, lower = _both(x.lower, y.lower, max)
+    if not (ok_u and ok_l) or (x.key is not None and y.key is not None and x.key is not y.key):
+        return None
+    kx = x if x.key is not None else y
+    return Struct(True, x.n_queries if x.n_queries is not None else y.n_queries, x.n_keys,
+                  upper, lower, kx.key, kx.key_cut)
 
 
 def _index_axis(index: Any) -> Optional[int]:
@@ -221,18 +270,25 @@ def _keeps_last_two(index: Any) -> bool:
     return True
 
 
-def _compare(op: str, a: Any, b: Any) -> Optional[Causal]:
-    """``a <op> b`` for two laid-out indices: causal when it is ``key <= query``."""
-    if not (isinstance(a, Index) and isinstance(b, Index)):
+def _compare(op: str, a: Any, b: Any) -> Any:
+    """``a <op> b`` for two laid-out indices (a band :class:`Struct`), or an index against a
+    constant it always passes (:data:`ONES`: transformers' bidirectional ``q_idx >= 0``)."""
+    if isinstance(a, Index) and isinstance(b, (int, float)) and not isinstance(b, bool):
+        low = a.const  # arange(n) + c >= c: holds for every entry when no symbol is added
+        if not a.terms and (op == "ge" and low >= b or op == "gt" and low > b):
+            return ONES
         return None
-    if {a.axis, b.axis} != {-1, -2} or (a.const, a.terms) != (b.const, b.terms):
-        return None  # a shifted diagonal is not SDPA's causal mask
+    if not (isinstance(a, Index) and isinstance(b, Index)) or {a.axis, b.axis} != {-1, -2}:
+        return None
     if a.axis == -2:  # normalise to key <op> query
         a, b = b, a
         op = {"le": "ge", "ge": "le", "lt": "gt", "gt": "lt"}[op]
-    if op in ("le", "gt"):
-        return Causal(op == "le", b.length, a.length)
-    return None  # key < query (strict) or key >= query: other masks
+    # key j + ka <op> query i + qa  <=>  j - i <op> qa - ka
+    d = _shifted(Index(None, b.const, b.terms), (a.const, a.terms), -1)
+    c, t = d.const, d.terms
+    bound = {"le": ("upper", c), "lt": ("upper", c - 1), "ge": ("lower", c),
+             "gt": ("lower", c + 1)}[op]
+    return Struct(True, b.length, a.length, **{bound[0]: (bound[1], t)})
 
 
 def _arange(node: Node) -> Optional[Index]:
@@ -261,16 +317,47 @@ def _is_ones_call(node: Node) -> bool:
     return False
 
 
-def _causal_over(node: Node, attend: bool) -> Optional[Causal]:
-    """A causal value over ``node``'s own last two dims (tril/triu of ones, a top-left cut)."""
-    v = P.val(node)
-    if not isinstance(v, torch.Tensor) or v.dim() < 2:
+def _root(node: Node) -> Node:
+    """The tensor whose memory ``node`` may share, through views and ``.to``-style casts."""
+    while is_view(node):
+        node = node.args[0]
+    return node
+
+
+def _key_gather(node: Node, ev) -> Optional[Struct]:
+    """``mask2d[:, None, None, :]`` of a ``[B, Nk]`` bool tensor is ``key[b, j]``; so is
+    ``mask2d[batch_idx, kv_idx]`` (transformers' padding mask function): with
+    ``batch_idx = arange(B)`` laid along dim -4 and ``kv_idx = arange(Nk)`` along dim -1, over
+    a ``[B, Nk']`` bool tensor no node writes to, it is ``key[b, j]``. When ``Nk' = Nk`` is not
+    provable (decode under dynamic shapes: two symbols), the key mask is ``key[:, :Nk]``,
+    which raises where the gather would (``Nk' < Nk``) and equals it otherwise."""
+    idx = node.args[1] if len(node.args) > 1 else None
+    src = node.args[0]
+    sv = P.val(src)
+    full = slice(None, None, None)
+    if idx == (full, None, None, full):  # hand-written: padding_mask[:, None, None, :]
+        if (isinstance(src, Node) and isinstance(sv, torch.Tensor) and sv.dim() == 2
+                and sv.dtype == torch.bool and not _mutated(_root(src))):
+            return Struct(True, None, sv.shape[1], key=src)
         return None
-    return Causal(attend, v.shape[-2], v.shape[-1])
+    if not (isinstance(idx, tuple) and len(idx) == 2 and all(isinstance(i, Node) for i in idx)):
+        return None
+    bi, ki = ev(idx[0]), ev(idx[1])
+    if not (isinstance(src, Node) and isinstance(sv, torch.Tensor) and sv.dim() == 2
+            and sv.dtype == torch.bool and isinstance(bi, Index) and isinstance(ki, Index)):
+        return None
+    if (bi.axis, bi.const, bi.terms, ki.axis, ki.const, ki.terms) != (-4, 0, (), -1, 0, ()):
+        return None
+    if not P.known_equal(sv.shape[0], bi.length):
+        return None
+    if _mutated(_root(src)):
+        return None
+    return Struct(True, None, ki.length, key=src,
+                  key_cut=not P.known_equal(sv.shape[1], ki.length))
 
 
 def mask_value(node: Any, depth: int = 32, _memo: Optional[dict] = None) -> Any:
-    """The abstract value of ``node`` (an :class:`Index`, :data:`ONES`, :class:`Causal`),
+    """The abstract value of ``node`` (an :class:`Index`, :data:`ONES`, :class:`Struct`),
     or None when unknown."""
     memo = {} if _memo is None else _memo
     if not isinstance(node, Node) or depth <= 0:
@@ -308,9 +395,12 @@ def _evaluate(node: Node, ev) -> Any:
             return None if axis is None else Index(axis, x.const, x.terms, x.length)
         if x == ONES:
             return ONES
-        if isinstance(x, Causal) and _keeps_last_two(node.args[1]):
-            return _causal_over(node, x.attend)
-        return None
+        if isinstance(x, Struct) and x.key is None and _keeps_last_two(node.args[1]):
+            v = P.val(node)  # a top-left cut keeps j - i: same bounds, the cut's shape
+            if isinstance(v, torch.Tensor) and v.dim() >= 2:
+                return Struct(x.attend, v.shape[-2], v.shape[-1], x.upper, x.lower)
+            return None
+        return _key_gather(node, ev)
     if P._fn(node, torch.unsqueeze) or P._meth(node, "unsqueeze"):
         x, dim = ev(x0), P.arg(node, 1, "dim")
         if isinstance(x, Index) and x.axis is None and dim in (0, 1, -1, -2):
@@ -318,39 +408,36 @@ def _evaluate(node: Node, ev) -> Any:
         return None
     if node.op == "call_function" and node.target in _CMP or P._meth(node, *_CMP_METHODS):
         op = _CMP.get(node.target) if node.op == "call_function" else node.target.strip("_")
-        return _compare(op, ev(x0), ev(x1))
+        return _compare(op, ev(x0), ev(x1) if isinstance(x1, Node) else x1)
     if P._fn(node, operator.and_, torch.logical_and, torch.bitwise_and) or \
             P._meth(node, "logical_and", "bitwise_and", "__and__", "__rand__"):
-        x, y = ev(x0), ev(x1)
         if _dtype(node) != torch.bool:
             return None
-        if x == ONES and (y == ONES or isinstance(y, Causal)):
-            return y
-        if y == ONES and isinstance(x, Causal) or _equal(x, y):
-            return x
-        return None
+        return both(ev(x0), ev(x1))
     if P._fn(node, operator.invert, torch.bitwise_not) or \
             P._meth(node, "bitwise_not", "__invert__"):
         x = ev(x0)
-        if _dtype(x0) != torch.bool or not isinstance(x, Causal):  # ~1 == -2 on ints
+        if _dtype(x0) != torch.bool or not isinstance(x, Struct):  # ~1 == -2 on ints
             return None
         return x.negated()
     if P._fn(node, torch.logical_not) or P._meth(node, "logical_not"):
         x = ev(x0)
-        return x.negated() if isinstance(x, Causal) else None
+        return x.negated() if isinstance(x, Struct) else None
     if P._fn(node, operator.eq, operator.ne, torch.eq, torch.ne) or \
             P._meth(node, "eq", "ne", "__eq__", "__ne__"):
         x, c = ev(x0), x1
-        if isinstance(x, Causal) and not isinstance(c, Node) and c in (0, 1, True, False):
+        if isinstance(x, Struct) and not isinstance(c, Node) and c in (0, 1, True, False):
             keep = (c in (1, True)) == (_name(node) in ("eq", "__eq__"))
             return x if keep else x.negated()
         return None
     if P._fn(node, torch.tril, torch.triu) or P._meth(node, "tril", "triu"):
         diag = P.arg(node, 1, "diagonal", 0)
-        lower = _name(node) == "tril"
-        if ev(x0) == ONES and (lower and diag == 0 or not lower and diag == 1):
-            return _causal_over(node, lower)
-        return None
+        v = P.val(node)
+        if (ev(x0) != ONES or isinstance(diag, bool) or not isinstance(diag, int)
+                or not isinstance(v, torch.Tensor) or v.dim() < 2):
+            return None
+        bound = "upper" if _name(node) == "tril" else "lower"  # tril: j - i <= diag
+        return Struct(True, v.shape[-2], v.shape[-1], **{bound: (diag, ())})
     if _is_ones_call(node):
         return ONES
     if node.op == "call_method" and node.target in _PASS_METHODS:
@@ -362,11 +449,56 @@ def _evaluate(node: Node, ev) -> Any:
     return None
 
 
-def is_causal_bool(mask: Any, attend_if: bool = True) -> bool:
-    """Whether a bool mask is SDPA's causal mask, where ``mask == attend_if`` means attend."""
-    v = mask_value(mask)
-    return (isinstance(v, Causal) and v.attend == attend_if and _dtype(mask) == torch.bool
-            and spans(mask, v.n_queries, v.n_keys))
+def _attend_set(v: Any, attend_if: bool) -> Optional[Struct]:
+    """The structure of the attended entries of a mask of value ``v``, where
+    ``mask == attend_if`` means attend (a :class:`Struct` with ``attend`` True), or None."""
+    if isinstance(v, Struct) and not attend_if:
+        v = v.negated()
+    if isinstance(v, Struct) and v.attend:
+        return v
+    return None
+
+
+def bool_structure(mask: Any, attend_if: bool = True) -> Optional[Struct]:
+    """The structure of a bool mask's attended entries, where ``mask == attend_if`` means
+    attend: proved over exactly the mask's last two dims (no broadcast row, unless the
+    values do not depend on the query: a key mask), or None."""
+    if _dtype(mask) != torch.bool:
+        return None
+    s = _attend_set(mask_value(mask), attend_if)
+    if s is None or not fits(mask, s):
+        return None
+    return s
+
+
+def fits(mask: Any, s: Struct, n_queries: Any = None, n_keys: Any = None) -> bool:
+    """``mask``'s last two dims hold ``s`` as proved (and, if given, apply to an
+    ``n_queries x n_keys`` score grid): the key dim is ``s.n_keys``; the query dim is
+    ``s.n_queries``, or anything broadcastable when ``s`` does not depend on the query."""
+    t = P.val(mask)
+    if not (isinstance(t, torch.Tensor) and t.dim() >= 2 and P.known_equal(t.shape[-1], s.n_keys)):
+        return False
+    if n_keys is not None and not P.known_equal(s.n_keys, n_keys):
+        return False
+    if s.n_queries is None:
+        return n_queries is None or P.known_equal(t.shape[-2], 1) or P.known_equal(
+            t.shape[-2], n_queries)
+    return P.known_equal(t.shape[-2], s.n_queries) and (
+        n_queries is None or P.known_equal(s.n_queries, n_queries))
+
+
+def offset_value(off: tuple, graph) -> Any:
+    """The value (int or SymInt) of an offset ``(const, terms)``, its terms read from the
+    nodes of ``graph`` by name (None when a term's node is gone)."""
+    c, terms = off
+    nodes = {n.name: n for n in graph.nodes} if terms else {}
+    total = c
+    for name, count in terms:
+        n = nodes.get(name)
+        if n is None:
+            return None
+        total = total + count * P.val(n)
+    return total
 
 
 def spans(mask: Any, n_queries, n_keys) -> bool:
@@ -408,38 +540,54 @@ def _masks(fill: Any, scale: float, scores_dtype: torch.dtype) -> bool:
     return scores_dtype.is_floating_point and c * scale <= torch.finfo(scores_dtype).min / 2
 
 
-def is_causal_additive(mask: Any, scale: float = 1.0,
-                       scores_dtype: Optional[torch.dtype] = None) -> bool:
-    """Whether a float mask, added to scores of ``scores_dtype`` (default: the mask's) that
-    are then scaled by ``scale``, is 0 where causal and masks everything else:
-    ``where(causal, 0, fill)``, ``where(~causal, fill, 0)``,
-    ``zeros.masked_fill(~causal, fill)``, and float-to-float casts of those."""
+def additive_structure(mask: Any, scale: float = 1.0,
+                       scores_dtype: Optional[torch.dtype] = None) -> Optional[Struct]:
+    """The structure of a float mask that, added to scores of ``scores_dtype`` (default: the
+    mask's) then scaled by ``scale``, is 0 on a structure and masks everything else:
+    ``where(s, 0, fill)``, ``where(~s, fill, 0)``, ``zeros.masked_fill(~s, fill)``, and
+    float-to-float casts of those (transformers' eager masks). None when not proved."""
     if not isinstance(mask, Node) or not (isinstance(scale, (int, float)) and scale > 0):
-        return False
+        return None
     dtype = _dtype(mask)
     if dtype is None or not dtype.is_floating_point:
-        return False
+        return None
     scores_dtype = scores_dtype or dtype
     node = mask
     while node.op == "call_method" and node.target in ("to", "float", "half", "bfloat16",
                                                        "type_as", "contiguous", "expand"):
         src = node.args[0]
         if not (isinstance(src, Node) and (_dtype(src) or torch.bool).is_floating_point):
-            return False  # a bool -> float cast turns the mask into 0/1, not 0/-inf
+            return None  # a bool -> float cast turns the mask into 0/1, not 0/-inf
         node = src
     if _mutated(node):
-        return False
+        return None
     if P._fn(node, torch.where) and len(node.args) == 3:
         cond, a, b = node.args
         if not _same_last_two(cond, node):
-            return False
+            return None
         if _is_zero(a) and _masks(b, scale, scores_dtype):
-            return is_causal_bool(cond, True)
+            return bool_structure(cond, True)
         if _is_zero(b) and _masks(a, scale, scores_dtype):
-            return is_causal_bool(cond, False)
-        return False
+            return bool_structure(cond, False)
+        return None
     if P._fn(node, torch.masked_fill) or P._meth(node, "masked_fill"):
         base, m, fill = node.args[0], P.arg(node, 1, "mask"), P.arg(node, 2, "value")
-        return (_is_zero(base) and _same_last_two(base, node) and _same_last_two(m, node)
-                and _masks(fill, scale, scores_dtype) and is_causal_bool(m, False))
-    return False
+        if (_is_zero(base) and _same_last_two(base, node) and _same_last_two(m, node)
+                and _masks(fill, scale, scores_dtype)):
+            return bool_structure(m, False)
+    return None
+
+
+def canonical_bool(node: Any) -> Optional[Node]:
+    """The bool mask ``m`` (True = masked) behind ``zeros_like(m, dtype=f).masked_fill_(m,
+    -inf)``, PyTorch's ``F._canonical_mask`` of a bool mask (``nn.MultiheadAttention`` turns
+    its ``key_padding_mask`` into it); None for anything else or anything written to."""
+    if not (isinstance(node, Node) and P._meth(node, "masked_fill_", "masked_fill")):
+        return None
+    base, m, fill = node.args[0], P.arg(node, 1, "mask"), P.arg(node, 2, "value")
+    if not (isinstance(base, Node) and P._fn(base, torch.zeros_like) and base.args[0] is m
+            and len(base.users) == 1 and fill == -math.inf and _dtype(m) == torch.bool):
+        return None
+    if _mutated(_root(m)) or _mutated(node):
+        return None
+    return m

@@ -52,6 +52,9 @@ def pisa_multi_head_attention_forward(
     tgt_len, bsz, embed_dim = query.shape
     src_len = key.shape[0]
     head_dim = embed_dim // num_heads
+    # A bool key padding mask alone is structure: the kernels read it per key.
+    key_mask = (~key_padding_mask if key_padding_mask is not None and attn_mask is None
+                and key_padding_mask.dtype == torch.bool else None)
     key_padding_mask = F._canonical_mask(
         mask=key_padding_mask, mask_name="key_padding_mask",
         other_type=F._none_or_dtype(attn_mask), other_name="attn_mask",
@@ -77,10 +80,13 @@ def pisa_multi_head_attention_forward(
     if attn_mask is not None:                      # [L, S] or [B*H, L, S]
         attn_mask = (attn_mask if attn_mask.dim() == 2
                      else attn_mask.view(bsz, num_heads, tgt_len, src_len))
-    if key_padding_mask is not None:               # [B, S], additive float
+    if key_mask is not None:
+        attn_mask = None
+    elif key_padding_mask is not None:             # [B, S], additive float
         kpm = key_padding_mask.view(bsz, 1, 1, src_len)
         attn_mask = kpm if attn_mask is None else attn_mask + kpm
-    out = pisa_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, config=config)
+    out = pisa_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, config=config,
+                         key_mask=key_mask)
     out = out.permute(2, 0, 1, 3).reshape(tgt_len * bsz, embed_dim)
     out = F.linear(out, out_proj_weight, out_proj_bias)
     return out.view(tgt_len, bsz, out.size(1)), None
@@ -115,12 +121,14 @@ def pisa_transformer_encoder_layer_fwd(
     """
     B, L, E = src.shape
     head_dim = embed_dim // num_heads
-    attn_mask = _encoder_mask(mask, mask_type, B, L)
+    # A bool key padding mask (type 1, True = padding) is structure: read per key.
+    key_mask = ~mask if mask is not None and mask_type == 1 and mask.dtype == torch.bool else None
+    attn_mask = None if key_mask is not None else _encoder_mask(mask, mask_type, B, L)
 
     def sa(x: Tensor) -> Tensor:
         qkv = F.linear(x, qkv_weight, qkv_bias).view(B, L, 3, num_heads, head_dim)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
-        out = pisa_attention(q, k, v, attn_mask=attn_mask, config=config)
+        out = pisa_attention(q, k, v, attn_mask=attn_mask, config=config, key_mask=key_mask)
         return F.linear(out.transpose(1, 2).reshape(B, L, E), proj_weight, proj_bias)
 
     def ff(x: Tensor) -> Tensor:

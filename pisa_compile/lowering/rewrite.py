@@ -62,6 +62,9 @@ class _Plan:
     masks: list = field(default_factory=list)     # hand-written: (kind, m, extra, dtype):
     # ("add", m, factors after it, dtype of the sum) | ("bool", m, attend_if, scores dtype)
     is_causal: bool = False
+    causal_offset: Any = None        # (const, terms) offset of the causal diagonal (masks.Struct)
+    key_mask: Optional[Node] = None  # [B, Nk] bool key mask proved from the graph
+    key_cut: bool = False            # pass key_mask[:, :Nk] (masks.Struct.key_cut)
     scale: Any = None                # None: SDPA's default 1/sqrt(D); else list of factors
     enable_gqa: bool = False
     rank3: bool = False              # [B*H, N, D] inputs: run as [1, B*H, N, D]
@@ -92,23 +95,74 @@ def _same_shape(a: Node, b: Node) -> bool:
             and all(P.known_equal(x, y) for x, y in zip(va.shape, vb.shape)))
 
 
-def _causal_only(masks: list, n_queries, n_keys) -> bool:
-    """Every mask is SDPA's causal mask, so the site is ``is_causal=True`` with no mask tensor
-    (:mod:`.masks` has the proof rules). ``masks``: ``(kind, mask, extra, dtype)`` as in
-    ``_Plan.masks``. An additive fill is judged where it is added, before the positive scales
-    that follow it, as the op judges it (see ``_apply``)."""
+def _structure(masks: list, n_queries, n_keys) -> Optional[M.Struct]:
+    """The structure every mask together stands for (their attended entries intersected),
+    or None when one is not proved (:mod:`.masks` has the proof rules). ``masks``:
+    ``(kind, mask, extra, dtype)`` as in ``_Plan.masks``. An additive fill is judged where it
+    is added, before the positive scales that follow it, as the op judges it (see
+    ``_apply``)."""
+    out: Any = M.ONES
     for kind, mask, extra, dtype in masks:
-        if not M.spans(mask, n_queries, n_keys):
-            return False
-        if kind == "bool" and not M.is_causal_bool(mask, extra):
-            return False
-        if kind == "add":
+        if kind == "bool":
+            s = M.bool_structure(mask, extra)
+        else:
             for f, _div in extra:
                 if not (isinstance(f, (int, float)) and not isinstance(f, bool) and f > 0):
-                    return False
-            if not (isinstance(dtype, torch.dtype) and M.is_causal_additive(mask, 1.0, dtype)):
-                return False
-    return bool(masks)
+                    return None
+            s = M.additive_structure(mask, 1.0, dtype) if isinstance(dtype, torch.dtype) else None
+        if s is None or not M.fits(mask, s, n_queries, n_keys):
+            return None
+        out = M.both(out, s)
+        if out is None:
+            return None
+    return out if masks else None
+
+
+def _fmt_offset(off: tuple) -> str:
+    c, terms = off
+    parts = [f"{'-' if k < 0 else '+'}{'' if abs(k) == 1 else abs(k)}{n}" for n, k in terms]
+    text = "".join(parts).lstrip("+")
+    return (text + (f"{c:+d}" if c else "")) if text else str(c)
+
+
+def _take_structure(graph, plan: _Plan, s: M.Struct, qv: Any, kv: Any, site: Site) -> bool:
+    """Hand ``s`` to the op as ``is_causal``/``causal_offset``/``key_mask`` when the kernels
+    take it; records what was found in ``site.mask`` either way. False: keep the mask."""
+    if s.lower is not None and s.n_queries is not None:
+        # A window wider than every row's reach is no window: j - i >= -(Nq - 1) >= lower.
+        low = M.offset_value(s.lower, graph)
+        if low is not None and statically_known_true(low + s.n_queries - 1 <= 0):
+            s = M.Struct(True, s.n_queries, s.n_keys, s.upper, None, s.key, s.key_cut)
+    if s.lower is not None:  # a sliding window
+        width = "?" if s.upper is None else (
+            M.offset_value((s.upper[0] - s.lower[0] + 1, ()), graph)
+            if s.upper[1] == s.lower[1] else "?")
+        site.mask += f"(window={width}: no window in the kernels yet)"
+        return False
+    if s.key is not None:
+        km = P.val(s.key)
+        if not (isinstance(km, torch.Tensor) and isinstance(qv, torch.Tensor) and qv.dim() == 4
+                and P.known_equal(km.shape[0], qv.shape[0])
+                and (s.key_cut or P.known_equal(km.shape[1], kv.shape[-2]))):
+            return False
+    off = None
+    if s.upper is not None:
+        off = M.offset_value(s.upper, graph)
+        if off is None or not statically_known_true(off >= 0):
+            site.mask += f"(causal offset {_fmt_offset(s.upper)} not provably >= 0)"
+            return False
+    plan.mask, plan.masks = None, []
+    plan.is_causal = s.upper is not None
+    plan.causal_offset = s.upper if s.upper is not None and s.upper != (0, ()) else None
+    plan.key_mask, plan.key_cut = s.key, s.key_cut
+    found = []
+    if s.upper is not None:
+        found.append("is_causal" if plan.causal_offset is None
+                     else f"causal(offset={_fmt_offset(s.upper)})")
+    if s.key is not None:
+        found.append("padding")
+    site.mask += "->" + ("+".join(found) or "none")
+    return True
 
 
 def _matmul_distance(node: Any, depth: int = 8) -> int:
@@ -275,10 +329,10 @@ def _analyze_sdpa(node: Node, site: Site) -> _Plan:
                  enable_gqa=b["enable_gqa"], owned=[node])
     if mask is not None and P.is_tensor_node(q) and P.is_tensor_node(k):
         kind = "bool" if P.val(mask).dtype == torch.bool else "add"
-        if _causal_only([(kind, mask, True if kind == "bool" else [], P.val(q).dtype)],
-                        P.val(q).shape[-2], P.val(k).shape[-2]):
-            plan.mask, plan.is_causal = None, True
-            site.mask = f"{site.mask}->is_causal"
+        s = _structure([(kind, mask, True if kind == "bool" else [], P.val(q).dtype)],
+                       P.val(q).shape[-2], P.val(k).shape[-2])
+        if s is not None:
+            _take_structure(node.graph, plan, s, P.val(q), P.val(k), site)
     plan.scale = None if scale is None else [(scale, False)]
     kk, vv, form = _strip_repeat(k, v, plan.owned)
     if form is not None:
@@ -366,8 +420,6 @@ def _score_chain(x: Any, site: Site, owned: list) -> _Scores:
                     if m is not None:
                         break
         if m is not None:
-            if m.kind == "bool" and any(o.kind == "bool" for o, *_ in found.masks):
-                raise LeaveDense("more than one bool mask op on the scores")
             if not _same_shape(s, m.scores):
                 raise LeaveDense("the mask broadcasts the scores to a larger shape")
             found.masks.append((m, list(found.factors), getattr(P.val(s), "dtype", None)))
@@ -502,10 +554,11 @@ def _analyze_softmax(sm: Node, site: Site) -> Optional[_Plan]:
     _plan_masks(plan, chain.masks)
     plan.scale = chain.factors
     sv = P.val(x)
-    if isinstance(sv, torch.Tensor) and sv.dim() >= 2 and _causal_only(
-            plan.masks, sv.shape[-2], sv.shape[-1]):
-        plan.masks, plan.is_causal = [], True
-        site.mask = f"{site.mask}->is_causal"
+    s = _structure(plan.masks, sv.shape[-2], sv.shape[-1]) if (
+        isinstance(sv, torch.Tensor) and sv.dim() >= 2) else None
+    if s is not None:
+        _take_structure(sm.graph, plan, s, _permuted_val(plan.q, plan.q_perm),
+                        _permuted_val(plan.k, plan.k_perm), site)
 
     # Refusals that need the whole site seen first.
     sdim = P.val(x).dim() if P.is_tensor_node(x) else None
@@ -541,7 +594,8 @@ def _check_no_writes(graph, plan: _Plan) -> None:
                 [] if n.op == "call_module" else M.written_by(n)):
             parent[find(n)] = find(src)
     site = [n for n in plan.owned if isinstance(n, Node) and n in order] + [plan.anchor]
-    reads = [plan.q, plan.k, plan.v, plan.mask, *(m for _, m, *_ in plan.masks), *site]
+    reads = [plan.q, plan.k, plan.v, plan.mask, plan.key_mask, *(m for _, m, *_ in plan.masks),
+             *site]
     roots = {find(n) for n in reads if P.is_tensor_node(n)}
     first, last = min(order[n] for n in site), order[plan.anchor]
     owned = set(site)
@@ -612,7 +666,9 @@ def _apply(gm: GraphModule, plan: _Plan, config: PisaConfig) -> Node:
             if not extra:                                # masked_fill: True = masked
                 inner = P.invert_target(m)
                 m = inner if inner is not None else emit("call_function", operator.invert, (m,))
-            bool_term = m
+            # Several masked_fills: a key is hidden if any hides it (-inf stays -inf).
+            bool_term = m if bool_term is None else emit("call_function", operator.and_,
+                                                         (bool_term, m))
     for m in float_terms:
         mask = m if mask is None else emit("call_function", operator.add, (mask, m))
     if bool_term is not None:
@@ -631,15 +687,35 @@ def _apply(gm: GraphModule, plan: _Plan, config: PisaConfig) -> Node:
             scale = emit("call_function", operator.truediv if div else operator.mul, (scale, f))
     if plan.rank3:
         q, k, v = (emit("call_method", "unsqueeze", (t, 0)) for t in (q, k, v))
+    structure = {}
+    if plan.key_mask is not None:
+        km = plan.key_mask
+        if plan.key_cut:  # key[:, :Nk]: raises where the dense gather would
+            km = emit("call_method", "narrow", (km, 1, 0, emit("call_method", "size", (k, 2))))
+        structure["key_mask"] = km
+    if plan.causal_offset is not None:
+        structure["causal_offset"] = _emit_offset(emit, gm.graph, plan.causal_offset)
     out = emit("call_function", pisa_attention, (q, k, v),
                dict(attn_mask=mask, dropout_p=0.0, is_causal=plan.is_causal, scale=scale,
-                    enable_gqa=plan.enable_gqa, config=config))
+                    enable_gqa=plan.enable_gqa, config=config, **structure))
     if plan.rank3:
         out = emit("call_method", "squeeze", (out, 0))
     out = perm(out, plan.out_perm)
     plan.anchor.replace_all_uses_with(out)
     _erase_dead(gm.graph, plan.owned)
     return out
+
+
+def _emit_offset(emit, graph, off: tuple):
+    """An offset ``(const, terms)`` as an int, or as SymInt arithmetic on the symbol nodes."""
+    c, terms = off
+    nodes = {n.name: n for n in graph.nodes}
+    total: Any = c
+    for name, count in terms:
+        term = nodes[name] if count == 1 else emit("call_function", operator.mul,
+                                                   (nodes[name], count))
+        total = term if total == 0 else emit("call_function", operator.add, (total, term))
+    return total
 
 
 def _folded_additive(emit, m: Node, factors: list, sum_dtype, q_dtype) -> Node:
@@ -736,6 +812,11 @@ def _analyze_mha(node: Node, site: Site) -> dict:
         if a[name] is not None:
             _check_mask_tensor(a[name])
             _check_mask_grad(a[name])
+    # The module hands over its bool key padding mask as 0/-inf floats; the bool one is
+    # structure the kernels read per key (lowering.mha).
+    kpm = M.canonical_bool(a["key_padding_mask"])
+    if kpm is not None:
+        a["key_padding_mask"] = kpm
     return a
 
 
@@ -800,10 +881,7 @@ def rewrite_graph(gm: GraphModule, config: PisaConfig, apply: bool = True) -> li
                                if is_mha else pisa_transformer_encoder_layer_fwd)
                 site.decision, site.reason = REWRITTEN, ""
                 key = bound["key"] if is_mha else bound["src"]
-                # MHA drops attn_mask as a hint when is_causal holds without padding.
-                has_mask = (bound["mask"] is not None if is_layer else
-                            bound["key_padding_mask"] is not None
-                            or bound["attn_mask"] is not None and bound["is_causal"] is not True)
+                has_mask = _mha_has_mask(bound, is_layer, site)
                 site.note = _note(P.val(key).shape[-3 if is_mha else -2], has_mask, config)
                 sites.append(site)
                 continue
@@ -829,6 +907,27 @@ def rewrite_graph(gm: GraphModule, config: PisaConfig, apply: bool = True) -> li
         gm.graph.lint()
         gm.recompile()
     return sites
+
+
+def _mha_has_mask(bound: dict, is_layer: bool, site: Site) -> bool:
+    """Whether a rewritten module site hands the op an explicit mask. A bool key padding mask
+    alone goes to the kernels as structure (``key_mask``, see :mod:`.mha`); MHA drops
+    ``attn_mask`` as a hint when ``is_causal`` holds without padding."""
+    def is_bool(m):
+        return m is not None and getattr(P.val(m), "dtype", None) == torch.bool
+
+    if is_layer:
+        m = bound["mask"]
+        padding = m is not None and bound["mask_type"] == 1 and is_bool(m)
+        has = m is not None and not padding
+    else:
+        kpm, am = bound["key_padding_mask"], bound["attn_mask"]
+        padding = is_bool(kpm) and am is None
+        has = not padding and (kpm is not None
+                               or am is not None and bound["is_causal"] is not True)
+    if padding:
+        site.mask += "->padding"
+    return has
 
 
 def _note(n_keys, has_mask: bool, config: PisaConfig) -> str:

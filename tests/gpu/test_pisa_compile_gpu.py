@@ -80,7 +80,7 @@ def test_compiled_training_step_matches_reference_grads():
     # Reference gradients over the kernel's own selection (fp32 autograd through the op).
     bi, bc = select_blocks(q.detach(), k.detach(), is_causal=True, enable_gqa=True, config=CFG)
     q2, k2, v2 = (t.detach().float().requires_grad_() for t in (q, k, v))
-    ref, _ = _attention_op(q2, k2, v2, None, bi, bc, True, q.shape[-1] ** -0.5,
+    ref, _ = _attention_op(q2, k2, v2, None, None, bi, bc, True, 0, q.shape[-1] ** -0.5,
                            CFG.block_size, CFG.query_tile, "reference")
     want = torch.autograd.grad(ref, (q2, k2, v2), go.float())
     for a, b in zip(got, want):

@@ -1,0 +1,263 @@
+"""Structured masks on the op: a key mask ``[B, Nk]`` (padding) and a causal offset (a KV
+cache), read by the kernels per key instead of as an ``Nq x Nk`` mask (issue #14).
+
+Properties, on the reference path (the Triton kernels are diffed against it in
+``test_triton_select.py`` / ``test_triton_attention.py``): the exact regime equals dense
+attention under the mask the structure stands for; sparse output equals dense under the
+selection; padded keys and keys past a row's causal position never reach that row
+(bit-identical outputs when they change); bad arguments name themselves.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import pisa_compile
+from pisa_compile import PisaConfig, pisa_attention, select_blocks
+from pisa_compile.kernels.geometry import dense_mask
+from pisa_compile.kernels.reference import dense_attention
+from tests.strategies import selection_mask, sparse_configs
+
+EXACT = PisaConfig(block_size=16, top_k=64, min_seq_len=0, kernel="reference")
+
+
+@st.composite
+def structured(draw, max_n: int = 200):
+    """``(q, k, v, key_mask, is_causal, causal_offset)``: left or right padding per batch row,
+    and a causal offset up to ``Nk - 1`` (queries at the end of a cache, or in its middle)."""
+    B = draw(st.integers(1, 3))
+    Hkv = draw(st.integers(1, 2))
+    G = draw(st.sampled_from([1, 2, 3, 7]))
+    Nk = draw(st.integers(1, max_n))
+    causal = draw(st.booleans())
+    Nq = draw(st.integers(1, Nk)) if causal else draw(st.integers(1, max_n))
+    off = draw(st.integers(0, Nk - 1)) if causal else 0
+    D = draw(st.sampled_from([16, 32]))
+    pads = [draw(st.integers(0, Nk)) for _ in range(B)]
+    left = draw(st.booleans())
+    pos = torch.arange(Nk)[None, :]
+    pad = torch.tensor(pads)[:, None]
+    key_mask = pos >= pad if left else pos < Nk - pad
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    q = torch.randn(B, Hkv * G, Nq, D, generator=gen)
+    k = torch.randn(B, Hkv, Nk, D, generator=gen)
+    v = torch.randn(B, Hkv, Nk, D, generator=gen)
+    return q, k, v, key_mask, causal, off
+
+
+def _run(case, cfg):
+    q, k, v, km, causal, off = case
+    return pisa_attention(q, k, v, is_causal=causal, enable_gqa=True, config=cfg, key_mask=km,
+                          causal_offset=off)
+
+
+def _dense(case, extra=None):
+    q, k, v, km, causal, off = case
+    vis = dense_mask(q.shape[0], q.shape[2], k.shape[2], causal, off, km)
+    if extra is not None:
+        vis = vis & extra
+    return dense_attention(q.double(), k.double(), v.double(), attn_mask=vis).float()
+
+
+@settings(max_examples=40, deadline=None)
+@given(case=structured())
+def test_exact_regime_equals_dense(case):
+    torch.testing.assert_close(_run(case, EXACT), _dense(case), atol=2e-5, rtol=2e-5)
+
+
+@settings(max_examples=40, deadline=None)
+@given(case=structured(), cfg=sparse_configs())
+def test_sparse_equals_dense_under_the_selection(case, cfg):
+    q, k, v, km, causal, off = case
+    bi, _ = select_blocks(q, k, is_causal=causal, enable_gqa=True, config=cfg, key_mask=km,
+                          causal_offset=off)
+    sel = selection_mask(bi, q.shape[2], k.shape[2], cfg, q.shape[1] // k.shape[1])
+    torch.testing.assert_close(_run(case, cfg), _dense(case, sel), atol=2e-5, rtol=2e-5)
+
+
+@settings(max_examples=40, deadline=None)
+@given(case=structured(), cfg=sparse_configs(), data=st.data())
+def test_padded_and_future_keys_do_not_leak(case, cfg, data):
+    """Noise in padded keys changes nothing; noise in keys past position ``i + offset``
+    changes no output at or before query ``i``."""
+    q, k, v, km, causal, off = case
+    out = _run(case, cfg)
+    pad = ~km[:, None, :, None]
+    k2 = torch.where(pad, torch.randn_like(k) * 10, k)
+    v2 = torch.where(pad, torch.randn_like(v) * 10, v)
+    assert torch.equal(_run((q, k2, v2, km, causal, off), cfg), out)
+    if causal:
+        i = data.draw(st.integers(0, q.shape[2] - 1))
+        k3, v3 = k.clone(), v.clone()
+        k3[:, :, i + off + 1:] = torch.randn_like(k3[:, :, i + off + 1:]) * 10
+        v3[:, :, i + off + 1:] = torch.randn_like(v3[:, :, i + off + 1:]) * 10
+        out3 = _run((q, k3, v3, km, causal, off), cfg)
+        assert torch.equal(out3[:, :, : i + 1], out[:, :, : i + 1])
+
+
+def test_short_sequences_run_dense_with_the_same_mask():
+    q, k, v = torch.randn(2, 4, 5, 16), torch.randn(2, 2, 9, 16), torch.randn(2, 2, 9, 16)
+    km = torch.tensor([[1] * 9, [0, 0, 0] + [1] * 6])  # integer, as a tokenizer returns it
+    case = (q, k, v, km.bool(), True, 4)
+    out = pisa_attention(q, k, v, is_causal=True, enable_gqa=True, key_mask=km,
+                         causal_offset=4, config=PisaConfig(min_seq_len=1000))
+    torch.testing.assert_close(out, _dense(case), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("kwargs,err,match", [
+    (dict(key_mask=torch.ones(2, 9, dtype=torch.bool)), ValueError, r"key_mask must be \[B=1"),
+    (dict(key_mask=torch.ones(1, 9)), ValueError, "bool or integer"),
+    (dict(key_mask=[[1] * 9]), TypeError, "key_mask must be a Tensor"),
+    (dict(key_mask=torch.ones(1, 9, dtype=torch.bool), attn_mask=torch.ones(9, 9).bool()),
+     ValueError, "cannot both be set"),
+    (dict(causal_offset=-1, is_causal=True), ValueError, "causal_offset must be >= 0"),
+    (dict(causal_offset=2), ValueError, "needs is_causal=True"),
+    (dict(causal_offset=1.5, is_causal=True), TypeError, "causal_offset must be an int"),
+])
+def test_bad_structure_names_the_argument(kwargs, err, match):
+    q = k = v = torch.randn(1, 2, 9, 16)
+    with pytest.raises(err, match=match):
+        pisa_attention(q, k, v, config=EXACT, **kwargs)
+
+
+# -- the pass proves the masks models build ----------------------------------------------------
+
+transformers = pytest.importorskip("transformers")
+
+FAMILIES = {  # tiny configs of each attention family (GQA everywhere, Mistral's window)
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=4096)),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(head_dim=16)),
+}
+OPTS_EXACT = dict(min_seq_len=0, block_size=16, top_k=64)
+OPTS_SPARSE = dict(min_seq_len=0, block_size=8, top_k=1, query_tile=8)
+
+
+def _tiny(family: str, impl: str, layers: int = 2):
+    cfg_name, model_name, extra = FAMILIES[family]
+    cfg = getattr(transformers, cfg_name)(
+        vocab_size=97, hidden_size=64, intermediate_size=64, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, **extra)
+    cfg._attn_implementation = impl
+    torch.manual_seed(0)
+    return getattr(transformers, model_name)(cfg).eval()
+
+
+def _left_padded(B=3, N=70, pads=(0, 9, 33), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 97, (B, N), generator=g)
+    am = (torch.arange(N)[None] >= torch.tensor(pads)[:, None]).long()
+    return ids, am
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_transformers_masks_become_structure(family, impl):
+    """transformers' causal-and-padding mask (bool for SDPA, finfo.min for eager) is proved
+    from the graph and passed as ``is_causal`` + ``key_mask``: no explicit mask reaches the
+    op. Compiled equals eager on every real token (exact regime)."""
+    model = _tiny(family, impl)
+    ids, am = _left_padded()
+    report = pisa_compile.explain(model, ids, attention_mask=am, options=OPTS_EXACT)
+    assert report.sites and all(s.rewritten for s in report.sites), str(report)
+    assert all(s.mask.endswith("->is_causal+padding") for s in report.sites), str(report)
+    assert all("explicit mask" not in s.note for s in report.sites), str(report)
+    with torch.no_grad():
+        want = model(ids, attention_mask=am).logits
+        got = torch.compile(model, backend="pisa", options=OPTS_EXACT)(
+            ids, attention_mask=am).logits
+    real = am.bool()
+    torch.testing.assert_close(got[real], want[real], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_padding_tokens_do_not_leak_through_the_model():
+    """Sparse regime: changing the padding tokens leaves every real token's logits
+    bit-identical (they reach no real query, neither in attention nor in the selection)."""
+    model = _tiny("qwen2", "sdpa")
+    ids, am = _left_padded()
+    ids2 = torch.where(am.bool(), ids, (ids * 7 + 3) % 97)
+    f = torch.compile(model, backend="pisa", options=OPTS_SPARSE)
+    with torch.no_grad():
+        a, b = f(ids, attention_mask=am).logits, f(ids2, attention_mask=am).logits
+    real = am.bool()
+    assert torch.equal(a[real], b[real])
+    assert not torch.equal(a[~real], b[~real])  # the padding rows did change
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_generate_with_left_padding_runs_structure_in_every_step(caplog):
+    """generate() after a left-padded prompt: the same tokens as eager dense, and every
+    decode step's mask is proved as a causal offset (the cache length) plus padding."""
+    import logging
+    model = _tiny("qwen2", "sdpa", layers=1)
+    ids, am = _left_padded(B=2, N=40, pads=(0, 11))
+    with torch.no_grad():
+        want = model.generate(ids, attention_mask=am, max_new_tokens=5, do_sample=False)
+        model.forward = torch.compile(model.forward, backend="pisa", options=OPTS_EXACT)
+        with caplog.at_level(logging.INFO, logger="pisa_compile"):
+            got = model.generate(ids, attention_mask=am, max_new_tokens=5, do_sample=False)
+    assert torch.equal(got, want)
+    lines = [r.getMessage() for r in caplog.records if "pisa site" in r.getMessage()]
+    assert any("->is_causal+padding" in m for m in lines), lines
+    assert any("->causal(offset=" in m and "+padding" in m for m in lines), lines
+    assert all("mask=bool:" not in m and "explicit mask" not in m for m in lines), lines
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("form", ["view", "eq0_fill", "two_data_masks"])
+def test_hand_written_padding_masks(form):
+    """``causal & pad[:, None, None, :]`` and ``masked_fill(pad[:, None, None, :] == 0, -inf)``
+    on causal scores: structure, equal to eager. Two masked_fills of data masks (not
+    structure) are intersected: also equal to eager."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 4, 50, 16, generator=g) for _ in range(3))
+    pad = torch.arange(50)[None] >= torch.tensor([0, 13])[:, None]
+
+    def f(q, k, v, pad):
+        n = q.shape[2]
+        causal = torch.ones(n, n, dtype=torch.bool).tril()
+        if form == "view":
+            m = causal & pad[:, None, None, :]
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=m)
+        s = (q @ k.transpose(-1, -2)) * 0.25
+        if form == "two_data_masks":  # pad stands for a random [B, 1, N, N] mask here
+            s = s.masked_fill(~causal, float("-inf")).masked_fill(~pad, float("-inf"))
+            return s.softmax(-1) @ v
+        s = s.masked_fill(~causal, float("-inf")).masked_fill(pad[:, None, None, :] == 0,
+                                                                 float("-inf"))
+        return s.softmax(-1) @ v
+
+    if form == "two_data_masks":
+        pad = torch.rand(2, 1, 50, 50, generator=g) > 0.3
+        pad[..., 0] = True
+    report = pisa_compile.explain(f, q, k, v, pad, options=OPTS_EXACT)
+    want_mask = "bool" if form == "two_data_masks" else "is_causal+padding"
+    assert [s.mask.split("->")[-1] for s in report.sites] == [want_mask], str(report)
+    assert all(s.rewritten for s in report.sites)
+    got = torch.compile(f, backend="pisa", options=OPTS_EXACT)(q, k, v, pad)
+    rows = torch.arange(50)[None, None, :, None] >= torch.tensor([0, 13])[:, None, None, None]
+    if form == "two_data_masks":
+        rows = torch.ones_like(rows)
+    want = f(q, k, v, pad)
+    torch.testing.assert_close(got.masked_fill(~rows, 0), want.masked_fill(~rows, 0),
+                               atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_multihead_attention_key_padding_is_structure():
+    mha = torch.nn.MultiheadAttention(32, 4, batch_first=True).eval()
+    x = torch.randn(2, 40, 32)
+    kpm = torch.arange(40)[None] >= torch.tensor([40, 31])[:, None]  # True = padding
+    report = pisa_compile.explain(mha, x, x, x, key_padding_mask=kpm, need_weights=False,
+                                  options=OPTS_EXACT)
+    assert [s.mask for s in report.sites] == ["key_padding_mask->padding"], str(report)
+    with torch.no_grad():
+        want = mha(x, x, x, key_padding_mask=kpm, need_weights=False)[0]
+        got = torch.compile(mha, backend="pisa", options=OPTS_EXACT)(
+            x, x, x, key_padding_mask=kpm, need_weights=False)[0]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)

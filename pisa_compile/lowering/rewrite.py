@@ -115,6 +115,8 @@ def _structure(masks: list, n_queries, n_keys) -> Optional[M.Struct]:
         out = M.both(out, s)
         if out is None:
             return None
+    if out == M.ONES:  # every entry attends (transformers' bidirectional q_idx >= 0)
+        out = M.Struct(True, None, n_keys)
     return out if masks else None
 
 

@@ -11,6 +11,7 @@ Entry point: :func:`rewrite_graph`.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import operator
 from dataclasses import dataclass, field
@@ -134,11 +135,10 @@ def _take_structure(graph, plan: _Plan, s: M.Struct, qv: Any, kv: Any, site: Sit
         # A window wider than every row's reach is no window: j - i >= -(Nq - 1) >= lower.
         low = M.offset_value(s.lower, graph)
         if low is not None and statically_known_true(low + s.n_queries - 1 <= 0):
-            s = M.Struct(True, s.n_queries, s.n_keys, s.upper, None, s.key, s.key_cut)
+            s = dataclasses.replace(s, lower=None)
     if s.lower is not None:  # a sliding window
-        width = "?" if s.upper is None else (
-            M.offset_value((s.upper[0] - s.lower[0] + 1, ()), graph)
-            if s.upper[1] == s.lower[1] else "?")
+        width = (s.upper[0] - s.lower[0] + 1
+                 if s.upper is not None and s.upper[1] == s.lower[1] else "?")
         site.mask += f"(window={width}: no window in the kernels yet)"
         return False
     if s.key is not None:

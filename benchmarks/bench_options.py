@@ -1,5 +1,5 @@
 """What PISA's quality options cost: forward and forward+backward time of the public op under
-each option set of the selection study, against dense SDPA, side by side in one process.
+each option set of ``eval_llm.CANDIDATES``, against dense SDPA, side by side in one process.
 
     python -m benchmarks.bench_options [--sizes 16384 32768 65536]
         [--json profiles/bench_options.json]
@@ -15,18 +15,12 @@ import json
 import torch
 import torch.nn.functional as F
 from benchmarks.bench_pisa import B, D, HKV, HQ, inputs
+from benchmarks.eval_llm import CANDIDATES
 
 from pisa_compile import PisaConfig, pisa_attention
 
-K = PisaConfig().top_k
-OPTIONS = {
-    "default (pooled, beam=k, query_tile=64)": {},
-    "exact leaves": {"leaf_scoring": "exact"},
-    "exact leaves, beam=2k": {"leaf_scoring": "exact", "beam": 2 * K},
-    "exact leaves, beam=4k": {"leaf_scoring": "exact", "beam": 4 * K},
-    "code model's (exact, local_blocks=8, query_tile=16)": {"leaf_scoring": "exact",
-                                                            "local_blocks": 8, "query_tile": 16},
-}
+# The option sets of the real-model evaluation, so that quality and cost line up by name.
+OPTIONS = CANDIDATES
 
 
 def main(argv=None) -> int:

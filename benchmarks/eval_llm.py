@@ -1,0 +1,505 @@
+"""Does PISA keep what dense attention finds, on a pretrained LLM? Needle retrieval and
+long-context loss of one model under dense SDPA and under PISA option sets, side by side in
+one process, with each set's prefill time.
+
+    python -m benchmarks.eval_llm --gguf DIR/qwen2.5-coder-0.5b-instruct.gguf \
+        [--lengths 4096 8192 16384 30000] [--repeats 3] [--configs defaults exact ...] \
+        [--json profiles/eval_llm.json] [--png profiles/eval_llm.png]
+
+The model (``../shared/models/README.md``): Qwen2.5-Coder-0.5B-Instruct, 24 layers, 14 query and
+2 KV heads of 64 (G = 7), de-quantized from GGUF by transformers, bf16 on CUDA.
+
+Tasks, all built from the Python standard library at exactly ``N`` tokens, the answer
+teacher-forced at the end; a case counts as retrieved when every answer token is the model's
+argmax (5 digits, so chance is nil):
+
+* ``code``: ``NAME = "12345"`` planted in real source, asked for by ``assert NAME == "``;
+* ``multikey``: four such lines with different names, one of them asked for;
+* ``prose``: "The access code of the red door is 12345." planted in the library's reference
+  prose (``pydoc_data.topics``), asked for as a question.
+
+Each task plants its needle at depths of 10, 30, 50, 70 and 90% and repeats ``--repeats``
+times with other haystacks and values: ``3 * 5 * repeats`` cases per length (45 by default).
+Loss: the mean next-token NLL over the last quarter of ``--loss-windows`` held-out windows of
+source (files the needle tasks do not use), per length.
+
+PISA runs through transformers' attention interface, which calls :func:`pisa_attention` with
+``is_causal=True`` at every layer: the op ``torch.compile(backend="pisa")`` puts in the graph
+for these calls, without a compile per option set (``tests/test_eval_llm.py`` checks that the
+two agree).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from pisa_compile import PisaConfig, pisa_attention
+from pisa_compile.samples import stdlib_files
+
+__all__ = ["CANDIDATES", "Case", "needle_cases", "loss_windows", "evaluate", "main"]
+
+# Option sets compared against dense (PisaConfig keys; "defaults" is PisaConfig()).
+CANDIDATES: dict[str, dict] = {
+    "defaults": {},
+    "exact": {"leaf_scoring": "exact"},
+    "exact_tq16_k32": {"leaf_scoring": "exact", "query_tile": 16, "top_k": 32},
+    "exact_tq16_k32_beam128": {"leaf_scoring": "exact", "query_tile": 16, "top_k": 32,
+                               "beam": 128},
+    "exact_tq4_k32": {"leaf_scoring": "exact", "query_tile": 4, "top_k": 32},
+    "pooled_tq16_k32_beam128": {"query_tile": 16, "top_k": 32, "beam": 128},
+    "exact_tq1": {"leaf_scoring": "exact", "query_tile": 1},
+}
+# Block-level ceilings: a flat exact scan (every visible leaf scored by the LSE of its keys,
+# no pyramid) with the defaults' budget of blocks, per query tile of 64 and per query.
+CEILINGS: dict[str, dict] = {
+    "flat_exact_tile64": {"query_tile": 64},
+    "flat_exact_query": {"query_tile": 1},
+}
+
+DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
+TASKS = ("code", "multikey", "prose")
+_WORDS = ("alpha", "bravo", "cedar", "delta", "ember", "fable", "grove", "harbor", "ivory",
+          "juniper", "kettle", "lunar", "maple", "nectar", "onyx", "pepper", "quartz", "raven",
+          "saffron", "timber", "umber", "velvet", "willow", "zephyr")
+_COLORS = ("red", "blue", "green", "amber", "violet", "silver", "copper", "golden")
+_THINGS = ("door", "vault", "locker", "gate", "cabinet", "drawer", "hatch", "safe")
+
+
+@dataclass
+class Case:
+    """One retrieval case: ``input_ids`` int64 ``[N]``; the answer is ``input_ids[-n_answer:]``."""
+    task: str
+    depth: float
+    input_ids: torch.Tensor
+    n_answer: int
+
+
+class Tokens:
+    """``encode(text) -> list[int]`` and the ids whose text ends a line, over any tokenizer
+    with ``encode(text, add_special_tokens=False)`` (transformers) or ``encode(text)``."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        try:
+            return list(self.tok.encode(text, add_special_tokens=False))
+        except TypeError:
+            return list(self.tok.encode(text))
+
+    def line_ends(self, ids: Sequence[int]) -> list[int]:
+        """Positions ``i`` such that a line ends with ``ids[i]``."""
+        cache: dict = {}
+        out = []
+        for i, t in enumerate(ids):
+            if t not in cache:
+                cache[t] = self.tok.decode([t]).endswith("\n")
+            if cache[t]:
+                out.append(i)
+        return out
+
+
+def _code_text(reverse: bool, min_chars: int) -> str:
+    """Standard-library source, files in name order (needles) or reverse order (loss), so the
+    two never share a file until ``min_chars`` runs past half the library."""
+    files = stdlib_files()
+    parts, n = [], 0
+    for path in reversed(files) if reverse else files:
+        text = path.read_text(encoding="utf-8", errors="replace")
+        parts.append(text)
+        n += len(text)
+        if n >= min_chars:
+            break
+    return "\n".join(parts)
+
+
+def _prose_text(min_chars: int) -> str:
+    """The interpreter's reference prose (``help()`` topics), in topic order."""
+    from pydoc_data.topics import topics
+
+    parts, n = [], 0
+    for key in sorted(topics):
+        parts.append(topics[key])
+        n += len(topics[key])
+        if n >= min_chars:
+            break
+    return "\n".join(parts)
+
+
+def _haystack(tokens: Tokens, ids: list[int], ends: list[int], n: int, rng: random.Random
+              ) -> list[int]:
+    """``n`` tokens of ``ids`` starting after a random line end."""
+    starts = [e + 1 for e in ends if e + 1 + n <= len(ids)] or [0]
+    s = rng.choice(starts)
+    if s + n > len(ids):
+        raise ValueError(f"the haystack text has {len(ids)} tokens, fewer than {n}: pass a "
+                         f"shorter length")
+    return ids[s:s + n]
+
+
+def _plant(hay: list[int], needles: list[tuple[float, list[int]]], tokens: Tokens
+           ) -> list[int]:
+    """Insert each needle's tokens after the first line end at or past its depth."""
+    ends = tokens.line_ends(hay)
+    cuts = []
+    for depth, ids in needles:
+        at = int(depth * len(hay))
+        cut = next((e + 1 for e in ends if e >= at), at)
+        cuts.append((cut, ids))
+    out, prev = [], 0
+    for cut, ids in sorted(cuts, key=lambda c: c[0]):
+        out += hay[prev:cut] + ids
+        prev = cut
+    return out + hay[prev:]
+
+
+def needle_cases(tokenizer, n_tokens: int, repeats: int = 3, seed: int = 0,
+                 tasks: Sequence[str] = TASKS, depths: Sequence[float] = DEPTHS,
+                 bos: Optional[int] = None) -> list[Case]:
+    """Retrieval cases of exactly ``n_tokens`` tokens: ``len(tasks) * len(depths) * repeats``.
+
+    Args:
+        tokenizer: transformers tokenizer (or any object with ``encode``/``decode``).
+        n_tokens: total length N of each case (haystack + needles + question + answer).
+        repeats: cases per (task, depth), each with another haystack window, name and value.
+        seed: the cases are a function of ``seed`` and the tokenizer only.
+        bos: a token id to put first, or None.
+
+    Raises:
+        ValueError: an unknown task, or a length the question does not fit in or the
+            standard library cannot fill.
+    """
+    for t in tasks:
+        if t not in TASKS:
+            raise ValueError(f"tasks: expected some of {TASKS}, got {t!r}")
+    tokens = Tokens(tokenizer)
+    rng = random.Random(seed)
+    chars = 6 * n_tokens + 200_000  # code is ~3-4 characters per token
+    text = {"code": _code_text(False, chars), "prose": _prose_text(chars)}
+    ids = {k: tokens.encode(v) for k, v in text.items()}
+    ends = {k: tokens.line_ends(v) for k, v in ids.items()}
+    cases = []
+    for task in tasks:
+        for depth in depths:
+            for _ in range(repeats):
+                digits = "".join(rng.choice("0123456789") for _ in range(5))
+                answer = tokens.encode(digits)
+                if task == "prose":
+                    what = f"{rng.choice(_COLORS)} {rng.choice(_THINGS)}"
+                    needles = [(depth, tokens.encode(
+                        f"The access code of the {what} is {digits}.\n"))]
+                    question = tokens.encode(f"\n\nQuestion: what is the access code of the "
+                                             f"{what}?\nAnswer: The access code of the {what} "
+                                             f"is ")
+                    src = "prose"
+                else:
+                    names = rng.sample(_WORDS, 8)
+                    name = f"{names[0]}_{names[1]}".upper()
+                    needles = [(depth, tokens.encode(f'{name} = "{digits}"\n'))]
+                    if task == "multikey":
+                        for j in range(3):
+                            other = f"{names[2 + 2 * j]}_{names[3 + 2 * j]}".upper()
+                            value = "".join(rng.choice("0123456789") for _ in range(5))
+                            needles.append((rng.uniform(0.05, 0.95),
+                                            tokens.encode(f'{other} = "{value}"\n')))
+                    question = tokens.encode(f"\n\n# What is the value of {name}?\nassert "
+                                             f"{name} == \"")
+                    src = "code"
+                extra = sum(len(n[1]) for n in needles) + len(question) + len(answer)
+                extra += bos is not None
+                if n_tokens - extra < 64:
+                    raise ValueError(f"n_tokens={n_tokens} leaves no room for a haystack")
+                hay = _haystack(tokens, ids[src], ends[src], n_tokens - extra, rng)
+                seq = ([bos] if bos is not None else []) + _plant(hay, needles, tokens)
+                seq += question + answer
+                cases.append(Case(task, depth, torch.tensor(seq, dtype=torch.long),
+                                  len(answer)))
+    return cases
+
+
+def loss_windows(tokenizer, n_tokens: int, n_windows: int, bos: Optional[int] = None
+                 ) -> list[torch.Tensor]:
+    """``n_windows`` disjoint windows of ``n_tokens`` ids of held-out source (the library's
+    files in reverse name order), int64 ``[n_tokens]`` each."""
+    tokens = Tokens(tokenizer)
+    need = n_windows * n_tokens
+    ids = tokens.encode(_code_text(True, 5 * need + 100_000))
+    if len(ids) < need:
+        raise ValueError(f"the held-out source has {len(ids)} tokens, fewer than "
+                         f"{n_windows} x {n_tokens}")
+    head = [bos] if bos is not None else []
+    m = n_tokens - len(head)
+    return [torch.tensor(head + ids[i * m:(i + 1) * m], dtype=torch.long)
+            for i in range(n_windows)]
+
+
+def attention_function(config: PisaConfig) -> Callable:
+    """A transformers attention function (``AttentionInterface``) that runs
+    :func:`pisa_attention` with ``config``: causal, no padding (the evaluation's prompts)."""
+
+    def pisa(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        if attention_mask is not None:
+            raise ValueError("eval_llm's PISA attention takes unpadded causal prompts only "
+                             "(attention_mask must be None)")
+        out = pisa_attention(query, key, value, is_causal=True, scale=scaling,
+                             enable_gqa=True, config=config)
+        return out.transpose(1, 2).contiguous(), None
+
+    return pisa
+
+
+@torch.no_grad()
+def flat_exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                         config: PisaConfig, chunk: int = 512) -> torch.Tensor:
+    """The block-level ceiling: causal attention over the forced leaves plus the ``top_k``
+    leaves of best tile score, each leaf scored exactly (the LSE of its visible keys) against
+    every visible leaf, no pyramid. Quadratic; an oracle for the evaluation, not a kernel.
+
+    Args:
+        q: ``[B, Hq, N, D]``; k, v: ``[B, Hkv, N, D]`` (self-attention, ``Hq % Hkv == 0``).
+        config: ``block_size``, ``top_k``, ``query_tile``, ``sink_blocks`` and
+            ``local_blocks`` are read (the tile vote is :func:`reference.tile_scores`'s: the
+            sum over the tile's rows of each row's softmax over candidate leaves).
+
+    Returns:
+        ``[B, Hq, N, D]`` in q's dtype.
+    """
+    B, Hq, N, D = q.shape
+    Hkv = k.shape[1]
+    G = Hq // Hkv
+    C, Tq = config.block_size, config.query_tile
+    L = -(-N // C)
+    chunk = max(Tq, chunk // Tq * Tq)
+    kf, vf = k.float(), v.float()
+    leaf = torch.arange(L, device=q.device)
+    out = torch.empty_like(q)
+    for q0 in range(0, N, chunk):
+        q1 = min(q0 + chunk, N)
+        n = q1 - q0
+        nt = -(-n // Tq)
+        qc = q[:, :, q0:q1].float().view(B, Hkv, G, n, D)
+        s = torch.einsum("bhgnd,bhkd->bhgnk", qc, kf) * scale
+        qi = torch.arange(q0, q1, device=q.device)
+        s = s.masked_fill(torch.arange(N, device=q.device)[None, :] > qi[:, None], float("-inf"))
+        lse = torch.nn.functional.pad(s, (0, L * C - N), value=float("-inf"))
+        lse = torch.logsumexp(lse.view(B, Hkv, G, n, L, C), -1)  # [B, Hkv, G, n, L]
+        tiles = torch.arange(nt, device=q.device)
+        first = q0 + tiles * Tq
+        last = torch.clamp(first + Tq, max=q1) - 1
+        local = (leaf[None] >= (first[:, None] // C - (config.local_blocks - 1))) & (
+            leaf[None] <= last[:, None] // C) if config.local_blocks > 0 else (
+            torch.zeros(nt, L, dtype=torch.bool, device=q.device))
+        forced = local | (leaf[None] < config.sink_blocks)
+        cand = (leaf[None] * C <= last[:, None]) & ~forced  # [nt, L]
+        tile_of = (qi - q0) // Tq
+        x = lse.masked_fill(~cand[tile_of], float("-inf"))
+        z = torch.logsumexp(x, -1, keepdim=True)
+        share = torch.where(torch.isfinite(z), torch.exp(x - z), 0.0)
+        votes = torch.zeros(B, Hkv, nt, L, device=q.device).index_add_(
+            2, tile_of, share.sum(2))
+        votes = votes.masked_fill(~cand, -1.0)
+        top = torch.topk(votes, min(config.top_k, L), -1).indices
+        picked = torch.zeros_like(votes, dtype=torch.bool).scatter_(-1, top, True) & cand
+        keep = (picked | forced)[:, :, tile_of]  # [B, Hkv, n, L]
+        keys = keep.repeat_interleave(C, -1)[..., :N]
+        s = s.masked_fill(~keys[:, :, None], float("-inf"))
+        o = torch.softmax(s, -1) @ vf[:, :, None]
+        out[:, :, q0:q1] = o.view(B, Hq, n, D).to(q.dtype)
+    return out
+
+
+def use_attention(model, name: str, config: Optional[PisaConfig], ceiling: bool = False
+                  ) -> None:
+    """Switch ``model`` to dense SDPA (``config`` None), to PISA with ``config``, or, with
+    ``ceiling``, to :func:`flat_exact_attention` with ``config``'s budget."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    if config is None:
+        model.set_attn_implementation("sdpa")
+        return
+    key = f"pisa_eval_{name}"
+    if ceiling:
+        def fn(module, query, key_, value, attention_mask, scaling=None, **kwargs):
+            if attention_mask is not None:
+                raise ValueError("the ceiling takes unpadded causal prompts only")
+            scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+            return flat_exact_attention(query, key_, value, scale, config).transpose(
+                1, 2).contiguous(), None
+        AttentionInterface.register(key, fn)
+    else:
+        AttentionInterface.register(key, attention_function(config))
+    AttentionMaskInterface.register(key, sdpa_mask)
+    model.set_attn_implementation(key)
+    if model.config._attn_implementation != key:
+        raise RuntimeError(f"transformers did not switch the model to {key!r}")
+
+
+@torch.no_grad()
+def _retrieved(model, case: Case, device) -> tuple[bool, float]:
+    """Whether every answer token is the argmax, and the forward's wall time (ms)."""
+    ids = case.input_ids.to(device)[None]
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    logits = model(ids, logits_to_keep=case.n_answer + 1).logits[0, :-1]
+    pred = logits.argmax(-1)
+    ok = bool((pred == ids[0, -case.n_answer:]).all())
+    return ok, (time.perf_counter() - t0) * 1e3
+
+
+@torch.no_grad()
+def _tail_loss(model, ids: torch.Tensor, device) -> float:
+    """Mean next-token NLL (nats) over the last quarter of ``ids``."""
+    ids = ids.to(device)[None]
+    n = ids.shape[1]
+    keep = n // 4
+    logits = model(ids, logits_to_keep=keep + 1).logits[0, :-1].float()
+    return float(torch.nn.functional.cross_entropy(logits, ids[0, n - keep:]))
+
+
+def evaluate(model, tokenizer, lengths: Sequence[int], configs: dict, *, repeats: int = 3,
+             loss_windows_per_length: int = 4, bos: Optional[int] = None,
+             ceilings: Optional[dict] = None, ceiling_lengths: Optional[Sequence[int]] = None,
+             progress: Callable[[str], None] = lambda s: None,
+             checkpoint: Callable[[dict], None] = lambda r: None) -> dict:
+    """Retrieval and loss of ``model`` under dense SDPA and each PISA option set.
+
+    Args:
+        model: a transformers causal LM (it is switched between attention implementations).
+        tokenizer: its tokenizer.
+        lengths: sequence lengths N (tokens).
+        configs: name -> :class:`PisaConfig`; dense SDPA is always run, as ``"dense"``.
+        ceilings: name -> :class:`PisaConfig` run by :func:`flat_exact_attention`, at
+            ``ceiling_lengths`` only (default: every length; the oracle is quadratic).
+        progress: called with a line per (length, option set).
+        checkpoint: called with the partial report after each (length, option set).
+        repeats: cases per (task, depth); see :func:`needle_cases`.
+        loss_windows_per_length: held-out windows per length for the loss.
+
+    Returns:
+        ``{"lengths": [...], "results": {config: {str(N): {"retrieval", "cases", "by_task",
+        "loss", "loss_vs_dense", "prefill_ms"}}}}``; ``prefill_ms`` is the median forward
+        time over the cases (ms), ``loss_vs_dense`` a relative change.
+    """
+    device = next(model.parameters()).device
+    ceilings = ceilings or {}
+    runs = {"dense": None, **configs, **ceilings}
+    results: dict = {name: {} for name in runs}
+    report = {"lengths": list(lengths), "results": results}
+    for n in lengths:
+        cases = needle_cases(tokenizer, n, repeats=repeats, bos=bos)
+        windows = loss_windows(tokenizer, n, loss_windows_per_length, bos=bos)
+        for name, cfg in runs.items():
+            if name in ceilings and ceiling_lengths is not None and n not in ceiling_lengths:
+                continue
+            use_attention(model, name, cfg, ceiling=name in ceilings)
+            _retrieved(model, cases[0], device)  # warm-up: kernels compile once
+            oks, times, by_task = [], [], {}
+            for case in cases:
+                ok, ms = _retrieved(model, case, device)
+                oks.append(ok)
+                times.append(ms)
+                by_task.setdefault(case.task, []).append(ok)
+            losses = [_tail_loss(model, w, device) for w in windows]
+            row = {"retrieval": sum(oks) / len(oks), "cases": len(oks),
+                   "by_task": {t: sum(v) / len(v) for t, v in by_task.items()},
+                   "loss": sum(losses) / len(losses), "loss_windows": len(losses),
+                   "prefill_ms": sorted(times)[len(times) // 2]}
+            results[name][str(n)] = row
+            row["loss_vs_dense"] = row["loss"] / results["dense"][str(n)]["loss"] - 1.0
+            progress(f"N={n} {name}: retrieval {row['retrieval']:.3f} ({len(oks)} cases), "
+                     f"loss {row['loss']:.4f} ({row['loss_vs_dense']:+.2%}), "
+                     f"prefill {row['prefill_ms']:.1f} ms")
+            checkpoint(report)
+    return report
+
+
+def load_gguf(path: str, device: str = "cuda", dtype=torch.bfloat16):
+    """The model and tokenizer of a GGUF file (transformers de-quantizes it; needs ``gguf``)."""
+    import os
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = os.path.split(os.path.abspath(path))
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype)
+    return model.to(device).eval(), tok
+
+
+def plot(report: dict, path: str) -> None:
+    """Retrieval against length, one line per option set (needs matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, rows in report["results"].items():
+        xs = [int(n) for n in rows]
+        ax.plot(xs, [rows[n]["retrieval"] for n in rows], marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("prompt length (tokens)")
+    ax.set_ylabel("needle retrieval")
+    ax.set_ylim(-0.02, 1.02)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gguf", required=True, help="path of the model's .gguf file")
+    ap.add_argument("--lengths", type=int, nargs="*", default=[4096, 8192, 16384, 30000])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--loss-windows", type=int, default=4)
+    ap.add_argument("--configs", nargs="*", default=list(CANDIDATES),
+                    help=f"option sets among {list(CANDIDATES)}")
+    ap.add_argument("--ceilings", nargs="*", default=list(CEILINGS),
+                    help=f"block-level ceilings among {list(CEILINGS)}")
+    ap.add_argument("--ceiling-lengths", type=int, nargs="*",
+                    help="lengths the ceilings run at (default: all)")
+    ap.add_argument("--json", help="written after every row, so a cut-off run keeps its rows")
+    ap.add_argument("--png")
+    args = ap.parse_args(argv)
+    unknown = [c for c in args.configs if c not in CANDIDATES]
+    if unknown:
+        ap.error(f"--configs: unknown {unknown}; expected some of {list(CANDIDATES)}")
+    unknown = [c for c in args.ceilings if c not in CEILINGS]
+    if unknown:
+        ap.error(f"--ceilings: unknown {unknown}; expected some of {list(CEILINGS)}")
+    model, tok = load_gguf(args.gguf)
+    configs = {c: PisaConfig(**CANDIDATES[c]) for c in args.configs}
+    ceilings = {c: PisaConfig(**CEILINGS[c]) for c in args.ceilings}
+    meta = {"model": args.gguf.rsplit("/", 1)[-1], "repeats": args.repeats,
+            "options": {c: CANDIDATES[c] for c in args.configs},
+            "ceilings": {c: CEILINGS[c] for c in args.ceilings},
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "torch": torch.__version__}
+
+    def save(report):
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({**meta, **report}, f, indent=1)
+
+    report = evaluate(model, tok, args.lengths, configs, ceilings=ceilings, repeats=args.repeats,
+                      loss_windows_per_length=args.loss_windows,
+                      ceiling_lengths=args.ceiling_lengths,
+                      progress=lambda s: print(s, flush=True), checkpoint=save)
+    save(report)
+    if args.png:
+        plot(report, args.png)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""The real-model evaluation (``benchmarks/eval_llm.py``) on a tiny model, on the CPU: its cases
+are what they claim, dense and PISA in the exact regime score the same, a sparse option set
+changes the result (so PISA really runs), and the attention-interface path it uses gives the
+logits of ``torch.compile(backend="pisa")``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks import eval_llm
+from pisa_compile import PisaConfig
+from pisa_compile.samples import tiny_llama
+
+pytest.importorskip("transformers")
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids (the tiny model's vocabulary of 256)."""
+
+    def encode(self, text):
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_cases_have_the_length_the_depth_and_the_answer():
+    tok = ByteTokenizer()
+    cases = eval_llm.needle_cases(tok, 1024, repeats=2, seed=3)
+    assert len(cases) == len(eval_llm.TASKS) * len(eval_llm.DEPTHS) * 2
+    for c in cases:
+        assert c.input_ids.shape == (1024,)
+        text = tok.decode(c.input_ids.tolist())
+        answer = tok.decode(c.input_ids[-c.n_answer:].tolist())
+        assert answer.isdigit() and len(answer) == 5
+        # The answer is planted once before the question, near its depth.
+        at = text.index(answer)
+        assert at < len(text) - 60
+        if c.task != "multikey":
+            assert abs(at / len(text) - c.depth) < 0.15, (c.task, c.depth, at / len(text))
+    assert len({tuple(c.input_ids.tolist()) for c in cases}) == len(cases)
+
+
+def test_bad_task_and_short_length_are_refused():
+    with pytest.raises(ValueError, match="tasks"):
+        eval_llm.needle_cases(ByteTokenizer(), 1024, tasks=("poetry",))
+    with pytest.raises(ValueError, match="n_tokens"):
+        eval_llm.needle_cases(ByteTokenizer(), 64)
+
+
+def test_exact_regime_scores_as_dense_and_sparse_differs():
+    model = tiny_llama(1024)
+    exact = PisaConfig(min_seq_len=0, block_size=16, top_k=64, query_tile=16, kernel="reference")
+    sparse = PisaConfig(min_seq_len=0, block_size=16, top_k=1, query_tile=16, local_blocks=1,
+                        sink_blocks=0, kernel="reference")
+    report = eval_llm.evaluate(model, ByteTokenizer(), [512], {"exact": exact, "sparse": sparse},
+                               repeats=1, loss_windows_per_length=2)
+    res = report["results"]
+    assert set(res) == {"dense", "exact", "sparse"}
+    dense, ex, sp = res["dense"]["512"], res["exact"]["512"], res["sparse"]["512"]
+    assert dense["cases"] == ex["cases"] == len(eval_llm.TASKS) * len(eval_llm.DEPTHS)
+    assert ex["retrieval"] == dense["retrieval"]
+    assert abs(ex["loss_vs_dense"]) < 1e-4
+    assert abs(sp["loss_vs_dense"]) > 1e-4
+
+
+def test_attention_interface_gives_the_compiled_logits():
+    model = tiny_llama(1024)
+    ids = torch.randint(0, 256, (1, 256), generator=torch.Generator().manual_seed(0))
+    opts = dict(min_seq_len=0, block_size=16, top_k=2, query_tile=16, local_blocks=1)
+    with torch.no_grad():
+        compiled = torch.compile(model, backend="pisa", options=opts)(ids).logits
+        eval_llm.use_attention(model, "t", PisaConfig(**opts))
+        swapped = model(ids).logits
+        eval_llm.use_attention(model, "dense", None)
+        dense = model(ids).logits
+    torch.testing.assert_close(swapped, compiled, atol=2e-4, rtol=2e-4)
+    assert (swapped - dense).abs().max() > 1e-3  # top_k=2 is sparse: PISA really ran
+
+
+@pytest.mark.parametrize("query_tile", [1, 16])
+def test_ceiling_is_the_flat_exact_selection(query_tile):
+    """The ceiling equals dense when its budget covers every leaf, and equals PISA's reference
+    with exact leaves when the pyramid is one level (the flat scan) and the budget is tight."""
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 4, 200, 16, generator=g)
+    k = torch.randn(1, 2, 200, 16, generator=g)
+    v = torch.randn(1, 2, 200, 16, generator=g)
+    scale = 0.25
+    full = PisaConfig(block_size=16, top_k=16, query_tile=query_tile)
+    dense = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                             scale=scale, enable_gqa=True)
+    torch.testing.assert_close(eval_llm.flat_exact_attention(q, k, v, scale, full, chunk=64),
+                               dense)
+    tight = PisaConfig(block_size=16, top_k=2, beam=16, query_tile=query_tile,
+                       leaf_scoring="exact", min_seq_len=0, kernel="reference")
+    from pisa_compile import pisa_attention
+    ref = pisa_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True, config=tight)
+    flat = eval_llm.flat_exact_attention(q, k, v, scale, tight, chunk=64)
+    torch.testing.assert_close(flat, ref)
+    assert (flat - dense).abs().max() > 1e-3

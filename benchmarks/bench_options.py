@@ -28,15 +28,21 @@ def main(argv=None) -> int:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", type=int, nargs="*", default=[16384, 32768, 65536])
+    ap.add_argument("--options", nargs="*", default=list(OPTIONS),
+                    help=f"option sets among {list(OPTIONS)}")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    unknown = [o for o in args.options if o not in OPTIONS]
+    if unknown:
+        ap.error(f"--options: unknown {unknown}; expected some of {list(OPTIONS)}")
     ms: dict = {}
     for n in args.sizes:
         q, k, v = inputs(n, grad=True)
         do = torch.randn_like(q)
         fns = {"dense SDPA (default backend)": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                                                     enable_gqa=True)}
-        for name, opts in OPTIONS.items():
+        for name in args.options:
+            opts = OPTIONS[name]
             cfg = PisaConfig(min_seq_len=0, **opts)
             fns[name] = lambda cfg=cfg: pisa_attention(q, k, v, is_causal=True, enable_gqa=True,
                                                        config=cfg)
@@ -58,7 +64,7 @@ def main(argv=None) -> int:
         with open(args.json, "w") as fh:
             json.dump({"shape": dict(B=B, Hq=HQ, Hkv=HKV, D=D, dtype="bfloat16", causal=True),
                        "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                       "options": OPTIONS, "ms": ms,
+                       "options": {o: OPTIONS[o] for o in args.options}, "ms": ms,
                        "sdpa_backend_note": "SDPA picks its backend; with enable_gqa=True on "
                                             "bf16 CUDA that may not be FlashAttention"}, fh, indent=1)
     return 0

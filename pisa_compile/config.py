@@ -50,6 +50,9 @@ class PisaConfig:
             A tile has ``Tq * G`` rows (``G`` query heads per KV head).
         leaf_scoring: ``"pooled"`` (``scale*q.mu + log n``) or ``"exact"`` (LSE over the
             leaf's visible keys).
+        shortlist: with ``leaf_scoring="exact"``: ``None`` scores every candidate leaf of the
+            pool exactly; an int ``M >= top_k`` scores all of them pooled first and only the
+            ``M`` best exactly (a wide ``beam`` at the cost of ``M`` exact leaves).
         min_seq_len: below this many keys the op is plain SDPA (>= 0).
         kernel: ``"auto"`` (Triton on CUDA, reference elsewhere), ``"triton"`` (also the
             Triton interpreter on CPU, for tests) or ``"reference"`` (PyTorch only).
@@ -66,6 +69,7 @@ class PisaConfig:
     local_blocks: int = 2
     query_tile: int = 64
     leaf_scoring: str = "pooled"
+    shortlist: Optional[int] = None
     min_seq_len: int = 2048
     kernel: str = "auto"
 
@@ -89,6 +93,12 @@ class PisaConfig:
         _check_int("local_blocks", self.local_blocks, 0)
         _check_int("query_tile", self.query_tile, 1, 1024, pow2=True)
         _check_int("min_seq_len", self.min_seq_len, 0)
+        if self.shortlist is not None:
+            _check_int("shortlist", self.shortlist, self.top_k)
+            if self.leaf_scoring != "exact":
+                raise ValueError("PisaConfig.shortlist needs leaf_scoring='exact' (it picks "
+                                 f"the leaves scored exactly), got leaf_scoring="
+                                 f"{self.leaf_scoring!r}")
         if self.leaf_scoring not in LEAF_SCORINGS:
             raise ValueError(
                 f"PisaConfig.leaf_scoring must be one of {LEAF_SCORINGS}, got {self.leaf_scoring!r}"
@@ -118,9 +128,10 @@ class PisaConfig:
     def selection_args(self) -> tuple:
         """The selection options in the order of the ``pisa::select_blocks`` schema:
         ``block_size, top_k, branching, beam (resolved), sink_blocks, local_blocks,
-        query_tile, leaf_scoring``."""
+        query_tile, leaf_scoring, shortlist`` (``None`` as 0)."""
         return (self.block_size, self.top_k, self.branching, self.effective_beam,
-                self.sink_blocks, self.local_blocks, self.query_tile, self.leaf_scoring)
+                self.sink_blocks, self.local_blocks, self.query_tile, self.leaf_scoring,
+                self.shortlist or 0)
 
     def attention_options(self) -> dict:
         """``block_size`` and ``query_tile``: what the attention kernels need to read a
@@ -130,7 +141,7 @@ class PisaConfig:
     def selection_options(self) -> dict:
         """:meth:`selection_args` by name (the keyword arguments of the selection kernels)."""
         names = ("block_size", "top_k", "branching", "beam", "sink_blocks", "local_blocks",
-                 "query_tile", "leaf_scoring")
+                 "query_tile", "leaf_scoring", "shortlist")
         return dict(zip(names, self.selection_args()))
 
 

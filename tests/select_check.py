@@ -39,7 +39,8 @@ def reference_trace(q, k, is_causal, scale, config, key_mask=None, causal_offset
     p = ref._Problem.make(q, k, None, is_causal, config.block_size, config.query_tile, key_mask,
                           causal_offset)
     sel = ref._Select(config.top_k, config.branching, config.effective_beam, config.sink_blocks,
-                      config.local_blocks, config.leaf_scoring == "exact")
+                      config.local_blocks, config.leaf_scoring == "exact",
+                      config.shortlist or 0)
     g, beam, top_k = config.branching, config.effective_beam, config.top_k
     dev = q.device
     states, key_live = ref.leaf_states(p)
@@ -76,6 +77,9 @@ def reference_trace(q, k, is_causal, scale, config, key_mask=None, causal_offset
             st = ref._gather_tile_flags(states, pool)
             forced = valid & ((pool < n_sink) | ((pool >= lo_b) & (pool <= hi_b)))
             cand = valid & ~forced & ((st == ref.CLEAN) | (st == ref.PARTIAL))
+            if sel.exact and sel.shortlist:
+                cand = cand & ref._shortlist(p, sel, q_rows, mus[0], counts[0], None, pool, st,
+                                             cand, row_ok, t0, t1, scale)
             s, bad = ref._leaf_scores(p, sel, q_rows, k.float(), mus[0], counts[0], None, pool,
                                       st, cand, t0, t1, scale)
             S, kept = _scores(s, cand, row_ok, top_k, bad)

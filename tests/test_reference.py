@@ -241,6 +241,14 @@ def test_config_errors_name_the_field(field, value, match):
         PisaConfig(**{field: value})
 
 
+def test_shortlist_needs_exact_leaves_and_top_k_entries():
+    with pytest.raises(ValueError, match="shortlist must be >= 16"):
+        PisaConfig(leaf_scoring="exact", top_k=16, shortlist=8)
+    with pytest.raises(ValueError, match="shortlist needs leaf_scoring='exact'"):
+        PisaConfig(leaf_scoring="pooled", shortlist=32)
+    assert PisaConfig(leaf_scoring="exact", top_k=16, shortlist=16).selection_args()[-1] == 16
+
+
 def test_causal_needs_a_local_block():
     q = torch.randn(1, 1, 64, 16)
     with pytest.raises(ValueError, match="local_blocks >= 1"):

@@ -73,6 +73,12 @@ CASES = [
     (1, 1, 2, 90, 90, 16, torch.float32, True, dict(block_size=4, top_k=2, leaf_scoring="exact")),
     (1, 1, 3, 70, 70, 16, torch.float16, False, dict(block_size=8, top_k=2, branching=3,
                                                      leaf_scoring="exact")),
+    # a wide pool, scored pooled, of which only a shortlist is scored exactly
+    (1, 1, 2, 203, 203, 16, torch.float32, True, dict(block_size=4, top_k=2, beam=8,
+                                                     leaf_scoring="exact", shortlist=3)),
+    (1, 2, 3, 130, 130, 16, torch.float16, False, dict(block_size=4, top_k=2, beam=6,
+                                                      branching=3, leaf_scoring="exact",
+                                                      shortlist=4)),
 ]
 
 
@@ -104,6 +110,8 @@ STRUCTURED = [
     (2, 2, 60, 90, torch.float32, False, 0, [0, 21], dict(block_size=4, top_k=2)),
     (2, 2, 90, 90, torch.float32, True, 0, [6, 45], dict(block_size=4, top_k=2,
                                                        leaf_scoring="exact")),
+    (2, 2, 120, 120, torch.float32, True, 0, [0, 33], dict(block_size=4, top_k=2, beam=6,
+                                                         leaf_scoring="exact", shortlist=3)),
 ]
 
 

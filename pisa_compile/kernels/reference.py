@@ -270,6 +270,7 @@ class _Select:
     sink_blocks: int
     local_blocks: int
     exact: bool  # leaf_scoring == "exact"
+    shortlist: int = 0  # exact: score only the best `shortlist` by pooled score (0: all)
 
 
 def _node_flags(states: Tensor, g: int, levels: int) -> list[tuple[Tensor, Tensor]]:
@@ -351,7 +352,7 @@ def _lse_scores(qr: Tensor, mu: Tensor, term: Tensor, scale: float) -> Tensor:
 
 def select_blocks(q: Tensor, k: Tensor, attn_mask: Optional[Tensor], is_causal: bool, scale: float,
                   *, block_size: int, top_k: int, branching: int, beam: int, sink_blocks: int,
-                  local_blocks: int, query_tile: int, leaf_scoring: str,
+                  local_blocks: int, query_tile: int, leaf_scoring: str, shortlist: int = 0,
                   key_mask: Optional[Tensor] = None,
                   causal_offset: int = 0) -> tuple[Tensor, Tensor]:
     """Coarse-to-fine top-K leaf selection per query tile (DESIGN.md "Coarse-to-fine selection").
@@ -362,14 +363,16 @@ def select_blocks(q: Tensor, k: Tensor, attn_mask: Optional[Tensor], is_causal: 
         key_mask: bool ``[B, Nk]`` (True = the key may be attended) or None.
         causal_offset: with ``is_causal``, query ``i`` sees keys ``j <= i + causal_offset``.
         block_size, top_k, branching, beam, sink_blocks, local_blocks, query_tile,
-        leaf_scoring: the PISA options of those names (``beam`` resolved, never None).
+        leaf_scoring, shortlist: the PISA options of those names (``beam`` resolved, never
+        None; ``shortlist`` 0 for None).
 
     Returns:
         ``block_indices`` int32 ``[B, Hkv, T, M]`` (ascending, -1 padded; forced leaves
         included) and ``block_counts`` int32 ``[B, Hkv, T]``.
     """
     p = _Problem.make(q, k, attn_mask, is_causal, block_size, query_tile, key_mask, causal_offset)
-    sel = _Select(top_k, branching, beam, sink_blocks, local_blocks, leaf_scoring == "exact")
+    sel = _Select(top_k, branching, beam, sink_blocks, local_blocks, leaf_scoring == "exact",
+                  shortlist)
     g = branching
     dev = q.device
     states, key_live = leaf_states(p)
@@ -455,6 +458,9 @@ def _select_chunk(p, sel, q_rows, k, mus, counts, biases, flags, states, t0, t1,
             st = _gather_tile_flags(fl, pool)
             forced = valid & ((pool < n_sink) | ((pool >= lo_b) & (pool <= hi_b)))
             cand = valid & ~forced & ((st == CLEAN) | (st == PARTIAL))
+            if sel.exact and sel.shortlist:
+                cand = cand & _shortlist(p, sel, q_rows, mus[0], counts[0], _level(biases, 0),
+                                         pool, st, cand, row_ok, t0, t1, scale)
             s, bad = _leaf_scores(p, sel, q_rows, k, mus[0], counts[0], _level(biases, 0), pool,
                                   st, cand, t0, t1, scale)
             picked = _top(s, cand, row_ok, top_k, bad)
@@ -588,6 +594,19 @@ def _leaf_scores(p, sel, q_rows, k, mu_leaf, cnt_leaf, bias_leaf, pool, st, cand
     seen_bad = (~torch.isfinite(kk).all(-1) & vis.any(-2)).view(B, H, nt, P, p.C).any(-1)
     bad = torch.where(exact_leaf, seen_bad, bad)
     return torch.where(exact_leaf[..., None, :], exact, pooled), bad
+
+
+def _shortlist(p, sel, q_rows, mu_leaf, cnt_leaf, bias_leaf, pool, st, cand, row_ok, t0, t1,
+               scale) -> Tensor:
+    """Which candidate leaves are scored exactly with a ``shortlist``: the ``shortlist`` best
+    CLEAN candidates by pooled tile score, and every PARTIAL one (its pooled summary holds keys
+    hidden from some row): a bool ``[B, Hkv, t, P]``."""
+    mu, bad = _finite_nodes(_gather_nodes(mu_leaf, pool), pool >= 0)
+    term = _node_term(p, bias_leaf, cnt_leaf, pool, t0, t1).masked_fill(bad[..., None, :],
+                                                                        float("-inf"))
+    clean = cand & (st == CLEAN)
+    best = _top(_lse_scores(q_rows, mu, term, scale), clean, row_ok, sel.shortlist, bad)
+    return best | (cand & (st == PARTIAL))
 
 
 def _to_rows(x: Tensor, B: int, H: int, nt: int, G: int, Tq: int) -> Tensor:

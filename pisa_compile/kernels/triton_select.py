@@ -420,7 +420,7 @@ def _select_kernel(
     D: tl.constexpr, G: tl.constexpr, TQ: tl.constexpr, C: tl.constexpr, KC: tl.constexpr,
     BD: tl.constexpr, GB: tl.constexpr, BEAM: tl.constexpr, TOPK: tl.constexpr, P: tl.constexpr,
     RB: tl.constexpr, MP: tl.constexpr, TW: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_LOCAL: tl.constexpr, EXACT: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_LOCAL: tl.constexpr, EXACT: tl.constexpr, SHORT: tl.constexpr,
     HAS_KEY_MASK: tl.constexpr, LOWP: tl.constexpr, TRACE: tl.constexpr, UNROLL: tl.constexpr,
 ):
     """One program per (query tile, batch * KV head): the pyramid walk, top level to leaves."""
@@ -464,13 +464,7 @@ def _select_kernel(
     forced = valid & ((pool < n_sink) | ((pool >= lo) & (pool <= hi)))
     cand = valid & (~forced) & (pool < partial_end)
     mul, bl, bad = _load_summaries(mu_ptr, lcnt_ptr, mbase + pool, cand, d, D, BD)
-    if EXACT:
-        kbase = k_ptr + b.to(tl.int64) * skb + h.to(tl.int64) * skh
-        S = _exact_leaf_shares(pool, cand & ~bad, kbase, skn, skd,
-                               km_ptr + b.to(tl.int64) * skmb, skmn, qbase, rr, d, n_rows,
-                               n_chunks, q_first, sqh, sqn, sqd, Nk, offset, scale, D, G, C, KC,
-                               RB, P, CAUSAL, HAS_KEY_MASK, LOWP)
-    else:
+    if (not EXACT) or SHORT > 0:  # pooled tile scores: the pick, or the shortlist
         acc = tl.zeros([RB, P], dtype=tl.float32)
         if UNROLL:
             for c in tl.static_range((G * TQ + RB - 1) // RB):
@@ -481,6 +475,14 @@ def _select_kernel(
                 acc += _leaf_chunk(qbase, qoff0, c, rr, n_rows, q_first, sqh, sqn, sqd, d, mul,
                                    bl, qk_scale, D, BD, G, RB, LOWP)
         S = tl.sum(acc, axis=0)
+    if EXACT:
+        if SHORT > 0:  # only the shortlist is scored exactly, and picked from
+            cand = cand & _top_mask(_prioritise(S, bad, cand), cand, SHORT, P)
+        kbase = k_ptr + b.to(tl.int64) * skb + h.to(tl.int64) * skh
+        S = _exact_leaf_shares(pool, cand & ~bad, kbase, skn, skd,
+                               km_ptr + b.to(tl.int64) * skmb, skmn, qbase, rr, d, n_rows,
+                               n_chunks, q_first, sqh, sqn, sqd, Nk, offset, scale, D, G, C, KC,
+                               RB, P, CAUSAL, HAS_KEY_MASK, LOWP)
     picked = _top_mask(_prioritise(S, bad, cand), cand, TOPK, P)
     if TRACE:
         _store_compact(trace, pool, picked, TOPK, TW)
@@ -514,8 +516,8 @@ def trace_width(beam: int) -> int:
 
 def select_blocks(q: Tensor, k: Tensor, is_causal: bool, scale: float, *, block_size: int,
                   top_k: int, branching: int, beam: int, sink_blocks: int, local_blocks: int,
-                  query_tile: int, leaf_scoring: str, key_mask: Optional[Tensor] = None,
-                  causal_offset: int = 0, trace: Optional[Tensor] = None,
+                  query_tile: int, leaf_scoring: str, shortlist: int = 0,
+                  key_mask: Optional[Tensor] = None, causal_offset: int = 0, trace: Optional[Tensor] = None,
                   tuning: Optional[Mapping] = None) -> tuple[Tensor, Tensor]:
     """Triton coarse-to-fine selection; same contract as ``reference.select_blocks`` without
     an explicit ``attn_mask`` (``dispatch.plan`` sends those calls to the reference).
@@ -527,7 +529,8 @@ def select_blocks(q: Tensor, k: Tensor, is_causal: bool, scale: float, *, block_
         key_mask: None or bool ``[B, Nk]``: False keys (padding) are left out of the leaf
             summaries and of exact leaf scores.
         block_size, top_k, branching, beam, sink_blocks, local_blocks, query_tile,
-        leaf_scoring: the PISA options of those names (``beam`` resolved).
+        leaf_scoring, shortlist: the PISA options of those names (``beam`` resolved,
+        ``shortlist`` 0 for None).
         trace: tests only: int32 ``[B, Hkv, T, n_levels, trace_width(beam)]`` receives the
             kept nodes per level (level 0: the picked leaves), ascending, -1 padded, so a
             test can diff every level against the reference.
@@ -582,7 +585,8 @@ def select_blocks(q: Tensor, k: Tensor, is_causal: bool, scale: float, *, block_
         D=D, G=G, TQ=Tq, C=C, KC=max(16, min(C, 64)), BD=BD, GB=branching, BEAM=beam,
         TOPK=top_k, P=P, RB=RB, MP=max(16, triton.next_power_of_2(M)), TW=TW,
         CAUSAL=bool(is_causal), HAS_LOCAL=offset is not None and local_blocks > 0,
-        EXACT=leaf_scoring == "exact", HAS_KEY_MASK=key_mask is not None, LOWP=q.dtype != torch.float32, TRACE=trace is not None,
+        EXACT=leaf_scoring == "exact", SHORT=int(shortlist) if leaf_scoring == "exact" else 0,
+        HAS_KEY_MASK=key_mask is not None, LOWP=q.dtype != torch.float32, TRACE=trace is not None,
         UNROLL=bool(tune["unroll"]) and cdiv(R, RB) <= 16,
         num_warps=tune["num_warps"] or (8 if RB * P >= 8192 else 4),
         **launch)

@@ -6,7 +6,14 @@ SDPA), for ``model(ids)`` and ``model(ids, attention_mask=...)``; forward ms (me
 ``--reps`` after a warm-up), peak memory, and how many reference stages the PISA graphs
 planned (``counters["pisa"]["reference_*"]``, must be 0).
 
+With ``--left-padding``: a batch of 4 at 16K whose rows are left-padded by 0/1K/3K/7K tokens
+(the tokenizer's ``attention_mask`` and positions counted from each row's first token, as
+``generate()`` passes them), and each padded row against the same tokens run alone, unpadded:
+the largest difference of the last hidden states over the real tokens, for PISA and for
+dense (whose own difference is the bf16 tolerance).
+
     python -m benchmarks.bench_masks --json profiles/bench_masks.json
+    python -m benchmarks.bench_masks --left-padding --json profiles/bench_masks_padding.json
 """
 
 from __future__ import annotations
@@ -41,15 +48,64 @@ def _time(f, reps):
     return sorted(ts)[len(ts) // 2]
 
 
+def _reference_stages(counters) -> int:
+    return int(sum(v for k, v in counters["pisa"].items() if k.startswith("reference_")))
+
+
+def left_padding(body, n: int, pads: list[int], reps: int) -> list[dict]:
+    """Rows of the left-padding bench (see the module docstring)."""
+    from torch._dynamo.utils import counters
+
+    from pisa_compile.backend import pisa_backend
+    B = len(pads)
+    ids = torch.randint(0, 32000, (B, n), device="cuda")
+    mask = (torch.arange(n, device="cuda")[None, :] >= torch.tensor(pads, device="cuda")[:, None])
+    pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    mask = mask.long()
+    rows = []
+    for backend in ("pisa", "inductor"):
+        torch._dynamo.reset()
+        counters.clear()
+        f = torch.compile(body, backend=pisa_backend if backend == "pisa" else "inductor")
+        with torch.no_grad():
+            torch.cuda.reset_peak_memory_stats()
+            ms = _time(lambda: f(ids, attention_mask=mask, position_ids=pos), reps)
+            peak = torch.cuda.max_memory_allocated() / 2**30
+            batch = f(ids, attention_mask=mask, position_ids=pos).last_hidden_state
+            diffs = {}
+            for b, pad in enumerate(pads):
+                alone = f(ids[b:b + 1, pad:]).last_hidden_state[0].float()
+                got = batch[b, pad:].float()
+                diffs[str(pad)] = dict(
+                    max_abs=round(float((got - alone).abs().max()), 4),
+                    rel_fro=round(float((got - alone).norm() / alone.norm()), 5))
+        rows.append(dict(n=n, batch=B, pads=pads, backend=backend,
+                         call="model(ids, attention_mask=left padding, position_ids)",
+                         ms=round(ms, 2), peak_gib=round(peak, 2),
+                         reference_stages=_reference_stages(counters),
+                         padded_vs_alone=diffs))
+        print(rows[-1], flush=True)
+    return rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--reps", type=int, default=3, help="timed repeats per call")
     ap.add_argument("--lengths", default="32768", help="comma-separated sequence lengths")
+    ap.add_argument("--left-padding", action="store_true",
+                    help="the batch-of-4 left-padding bench at 16K instead")
     args = ap.parse_args(argv)
     from torch._dynamo.utils import counters
     model = _model()
     body = model.model  # hidden states: the LM head's logits would dominate memory
+    if args.left_padding:
+        rows = left_padding(body, 16384, [0, 1024, 3072, 7168], args.reps)
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                               rows=rows), fh, indent=1)
+        return
     rows = []
     for n in (int(x) for x in args.lengths.split(",")):
         ids = torch.randint(0, 32000, (1, n), device="cuda")
@@ -67,8 +123,7 @@ def main(argv=None):
                     peak = torch.cuda.max_memory_allocated() / 2**30
                 rows.append(dict(n=n, backend=backend, call=call, ms=round(ms, 2),
                                  peak_gib=round(peak, 2),
-                                 reference_stages=int(sum(v for k, v in counters["pisa"].items()
-                                                          if k.startswith("reference_")))))
+                                 reference_stages=_reference_stages(counters)))
                 print(rows[-1], flush=True)
     if args.json:
         with open(args.json, "w") as fh:

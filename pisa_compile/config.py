@@ -43,7 +43,8 @@ class PisaConfig:
         top_k: scored leaf blocks each query tile attends, on top of the forced blocks (>= 1).
         branching: children per pyramid node ``g`` (2..16).
         beam: nodes kept per pyramid level; ``None`` means ``top_k``. Must be >= ``top_k``.
-        sink_blocks: leading leaf blocks every tile attends (>= 0).
+        sink_blocks: leading leaf blocks every tile attends (>= 0), counted from the leaf of
+            the row's first key that ``key_mask`` lets through (left padding is skipped).
         local_blocks: leaf blocks holding the tile's own positions, plus ``local_blocks - 1``
             before them, always attended in self-attention (>= 0; causal needs >= 1).
         query_tile: consecutive queries ``Tq`` that share one selection (power of two, 1..1024).

@@ -15,7 +15,7 @@ import torch
 from pisa_compile.kernels import reference as ref
 from pisa_compile.kernels import triton_select as ts
 from pisa_compile.kernels.geometry import (block_width, forced_ranges, level_sizes,
-                                           local_bound)
+                                           local_bound, sink_start)
 
 
 def _pyramid_args(config):
@@ -60,6 +60,9 @@ def reference_trace(q, k, is_causal, scale, config, key_mask=None, causal_offset
     n_sink, lo, hi = forced_ranges(t, p.Nq, p.Nk, p.offset, p.C, p.Tq, config.sink_blocks,
                                    config.local_blocks)
     row_ok = ref._row_valid(p, t0, t1, dev)
+    s0 = sink_start(key_mask, config.block_size)
+    s0 = 0 if s0 is None else s0.view(-1, 1, 1, 1)
+    s1 = s0 + n_sink
     level = len(mus) - 1
     n_top = mus[level].shape[2]
     pool = torch.arange(n_top, device=dev).expand(p.B, p.Hkv, p.T, n_top)
@@ -70,12 +73,12 @@ def reference_trace(q, k, is_causal, scale, config, key_mask=None, causal_offset
         valid = pool >= 0
         span = g ** level
         first, last = pool * span, pool * span + span - 1
-        forced_anc = valid & ((first < n_sink) | ((last >= lo_b) & (first <= hi_b)))
+        forced_anc = valid & (((last >= s0) & (first < s1)) | ((last >= lo_b) & (first <= hi_b)))
         vis = ref._gather_tile_flags(flags[level][0], pool)
         bad = ref._gather_tile_flags(flags[level][1], pool)
         if level == 0:
             st = ref._gather_tile_flags(states, pool)
-            forced = valid & ((pool < n_sink) | ((pool >= lo_b) & (pool <= hi_b)))
+            forced = valid & (((pool >= s0) & (pool < s1)) | ((pool >= lo_b) & (pool <= hi_b)))
             cand = valid & ~forced & ((st == ref.CLEAN) | (st == ref.PARTIAL))
             if sel.exact and sel.shortlist:
                 cand = cand & ref._shortlist(p, sel, q_rows, mus[0], counts[0], None, pool, st,

@@ -136,12 +136,14 @@ def test_padding_is_never_selected_over_real_keys():
     k[:, :, :40] *= 50  # loud padding keys: they would win if they were scored
     km = _left_padding(2, 96, [40, 40])
     idx, cnt = ts.select_blocks(q, k, True, 0.25, **cfg.selection_options(), key_mask=km)
-    pad_leaves = (idx >= 1) & (idx < 10)  # leaf 0 is the forced sink
-    # Tile t (queries 4t..4t+3) forces leaf t and has leaves 10..t-1 of real keys to pick
-    # from: from t = 13 on, at least top_k of them.
-    enough = torch.arange(24)[None, None, :, None] >= 13
+    pad_leaves = (idx >= 0) & (idx < 10)
+    # Tile t (queries 4t..4t+3) forces leaf t and the sink, leaf 10 (the first real keys, not
+    # leaf 0: padding), and has leaves 11..t-1 of real keys to pick from: from t = 14 on, at
+    # least top_k of them.
+    enough = torch.arange(24)[None, None, :, None] >= 14
     assert bool(pad_leaves[:, :, :10].any())  # tiles that see only padding do pick it
     assert not bool((pad_leaves & enough).any())
+    assert bool((idx[:, :, 10:] == 10).any(-1).all())  # the sink of every real tile
 
 
 @pytest.mark.parametrize("case", [CASES[2], CASES[3], CASES[9]],

@@ -77,6 +77,15 @@ def forced_ranges(tiles: Tensor, n_queries: int, n_keys: int, offset: Optional[i
     return n_sink, lo, hi
 
 
+def sink_start(key_mask: Optional[Tensor], block_size: int) -> Optional[Tensor]:
+    """The leaf of each batch row's first attendable key: int32 ``[B]`` (0 for a row with
+    none), or None without a key mask. The sink leaves of a row start there, so a left-padded
+    row keeps the start of its text, where attention sinks form, instead of its padding."""
+    if key_mask is None:
+        return None
+    return (key_mask.to(torch.int32).argmax(-1) // block_size).to(torch.int32)
+
+
 def level_sizes(n_keys: int, block_size: int, branching: int, beam: int) -> list[int]:
     """Node counts per pyramid level, leaves first. Levels coarsen by ``branching`` until one
     has at most ``branching * beam`` nodes: the selection's first pool."""

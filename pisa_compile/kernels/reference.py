@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from .geometry import (block_width, cdiv, dense_mask, forced_ranges, level_sizes, local_bound,
-                       query_offset)
+                       query_offset, sink_start)
 from .runtime import stage_range
 
 # How a tile's rows see one leaf: no live key at all; live keys, none visible to the tile;
@@ -440,6 +440,9 @@ def _select_chunk(p, sel, q_rows, k, mus, counts, biases, flags, states, t0, t1,
     t = torch.arange(t0, t1, device=dev)
     n_sink, lo, hi = forced_ranges(t, p.Nq, p.Nk, p.offset, p.C, p.Tq, sel.sink_blocks,
                                    sel.local_blocks)
+    s0 = sink_start(p.key_mask, p.C)  # sinks: the first n_sink leaves from there
+    s0 = 0 if s0 is None else s0.to(dev).view(p.B, 1, 1, 1)
+    s1 = s0 + n_sink
     row_ok = _row_valid(p, t0, t1, dev)  # [B, Hkv, nt, R]
     level = len(mus) - 1
     n_top = mus[level].shape[2]
@@ -450,13 +453,13 @@ def _select_chunk(p, sel, q_rows, k, mus, counts, biases, flags, states, t0, t1,
         valid = pool >= 0
         span = g ** level  # leaves under one node of this level
         first, last = pool * span, pool * span + span - 1
-        forced_anc = valid & ((first < n_sink) | ((last >= lo_b) & (first <= hi_b)))
+        forced_anc = valid & (((last >= s0) & (first < s1)) | ((last >= lo_b) & (first <= hi_b)))
         fl = states[..., t0:t1, :] if level == 0 else None
         vis, mixed = (_gather_tile_flags(flags[level][0][..., t0:t1, :], pool),
                       _gather_tile_flags(flags[level][1][..., t0:t1, :], pool))
         if level == 0:
             st = _gather_tile_flags(fl, pool)
-            forced = valid & ((pool < n_sink) | ((pool >= lo_b) & (pool <= hi_b)))
+            forced = valid & (((pool >= s0) & (pool < s1)) | ((pool >= lo_b) & (pool <= hi_b)))
             cand = valid & ~forced & ((st == CLEAN) | (st == PARTIAL))
             if sel.exact and sel.shortlist:
                 cand = cand & _shortlist(p, sel, q_rows, mus[0], counts[0], _level(biases, 0),

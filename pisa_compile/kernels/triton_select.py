@@ -60,7 +60,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .geometry import block_width, cdiv, level_sizes, local_bound, query_offset
+from .geometry import block_width, cdiv, level_sizes, local_bound, query_offset, sink_start
 from .runtime import launcher, stage_range
 from .triton_pyramid import n_levels, pyramid_buffers
 from .triton_util import LOG2E
@@ -304,7 +304,7 @@ def _leaf_ranges(t, Nq, Nk, L, offset, local_blocks, TQ: tl.constexpr, C: tl.con
 @triton.jit
 def _internal_level(pool, span, lev, L, mbase, mu_ptr, lcnt_ptr, scr, trace,
                     qbase, qoff0, rr, d, n_rows, n_chunks, q_first, sqh, sqn, sqd, qk_scale,
-                    n_sink, lo, hi, clean_end, partial_end, live_end,
+                    s0, s1, lo, hi, clean_end, partial_end, live_end,
                     D: tl.constexpr, BD: tl.constexpr, G: tl.constexpr, TQ: tl.constexpr,
                     RB: tl.constexpr, GB: tl.constexpr, BEAM: tl.constexpr, P: tl.constexpr,
                     TW: tl.constexpr, LOWP: tl.constexpr, TRACE: tl.constexpr,
@@ -321,7 +321,7 @@ def _internal_level(pool, span, lev, L, mbase, mu_ptr, lcnt_ptr, scr, trace,
     valid = pool >= 0
     first = pool * span
     last = first + span - 1
-    forced = valid & ((first < n_sink) | ((last >= lo) & (first <= hi)))
+    forced = valid & (((last >= s0) & (first < s1)) | ((last >= lo) & (first <= hi)))
     visible = first < partial_end
     mixed = tl.maximum(first, clean_end) <= tl.minimum(last, live_end - 1)
     expand = valid & (forced | (visible & mixed))
@@ -414,7 +414,7 @@ def _exact_leaf_shares(pool, cand, kbase, skn, skd, km_row, skmn, qbase, rr, d, 
 
 @triton.jit
 def _select_kernel(
-    q_ptr, k_ptr, km_ptr, mu_ptr, lcnt_ptr, idx_ptr, bcnt_ptr, trace_ptr, scr_ptr,
+    q_ptr, k_ptr, km_ptr, sink_ptr, mu_ptr, lcnt_ptr, idx_ptr, bcnt_ptr, trace_ptr, scr_ptr,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, skmb, skmn,
     Hkv, Nq, Nk, L, total, T, M, n_sink, local_blocks, offset, scale,
     D: tl.constexpr, G: tl.constexpr, TQ: tl.constexpr, C: tl.constexpr, KC: tl.constexpr,
@@ -442,6 +442,10 @@ def _select_kernel(
     mbase = bh.to(tl.int64) * total
     qk_scale = scale * LOG2E  # scores are kept in base 2 for exp2
     tile = bh.to(tl.int64) * T + t
+    # Sinks: the first n_sink leaves from the row's first live key (left padding skipped).
+    s0 = 0
+    if HAS_KEY_MASK:
+        s0 = tl.load(sink_ptr + b)
 
     top = n_levels(L, GB, GB * BEAM) - 1
     span = 1
@@ -455,13 +459,14 @@ def _select_kernel(
         pool = _internal_level(pool, span, top - it, L, mbase, mu_ptr, lcnt_ptr,
                                scr_ptr + tile * (2 * P) + (it % 2) * P, trace,
                                qbase, qoff0, rr, d, n_rows, n_chunks, q_first, sqh, sqn, sqd,
-                               qk_scale, n_sink, lo, hi, clean_end, partial_end, live_end,
+                               qk_scale, s0, s0 + n_sink, lo, hi, clean_end, partial_end,
+                               live_end,
                                D, BD, G, TQ, RB, GB, BEAM, P, TW, LOWP, TRACE, UNROLL)
         span = span // GB
 
     # Leaves: candidates are visible leaves that are not forced.
     valid = pool >= 0
-    forced = valid & ((pool < n_sink) | ((pool >= lo) & (pool <= hi)))
+    forced = valid & (((pool >= s0) & (pool < s0 + n_sink)) | ((pool >= lo) & (pool <= hi)))
     cand = valid & (~forced) & (pool < partial_end)
     mul, bl, bad = _load_summaries(mu_ptr, lcnt_ptr, mbase + pool, cand, d, D, BD)
     if (not EXACT) or SHORT > 0:  # pooled tile scores: the pick, or the shortlist
@@ -577,8 +582,9 @@ def select_blocks(q: Tensor, k: Tensor, is_causal: bool, scale: float, *, block_
     mu_dot = mu.to(q.dtype)
     # Per program, two rows of P slots for the pool compaction (see _children).
     scratch = torch.empty(B * Hkv * T * 2 * P, dtype=torch.int32, device=q.device)
+    sinks = sink_start(key_mask, block_size)
     launcher(_select_kernel, q)[(T, B * Hkv)](
-        q, k, km, mu_dot, lcnt, idx, counts, counts if trace is None else trace, scratch,
+        q, k, km, counts if sinks is None else sinks, mu_dot, lcnt, idx, counts, counts if trace is None else trace, scratch,
         *q.stride(), *k.stride(), *((0, 0) if key_mask is None else km.stride()),
         Hkv, Nq, Nk, L, total, T, M, n_sink, local_blocks, 0 if offset is None else offset,
         float(scale),

@@ -49,6 +49,9 @@ CASES = [
     (1, 2, 4, 2048, 2048, torch.float16, True, dict(block_size=32, top_k=8, leaf_scoring="exact")),
     (1, 2, 4, 32768, 32768, torch.bfloat16, True, {}),
     (1, 1, 4, 32768, 32768, torch.float16, False, dict(top_k=8, query_tile=32)),
+    # a wide pooled pool of which only a shortlist is scored exactly
+    (1, 2, 7, 8192, 8192, torch.float16, True, dict(leaf_scoring="exact", beam=64,
+                                                    shortlist=32)),
 ]
 
 
@@ -60,6 +63,18 @@ def test_select_matches_reference(case):
     q, k = _qk(B, Hkv, G, Nq, Nk, 128, dtype, cfg.block_size)
     tol = 2e-2 if dtype == torch.bfloat16 else 5e-3
     ties = check_selection(q, k, causal, 128 ** -0.5, cfg, tol=tol, max_tie_frac=0.1)
+    print(f"near-tie tiles: {ties}")
+
+
+def test_left_padded_rows_select_like_the_reference():
+    """A key mask with left padding: sinks at each row's first real leaf, padding never
+    summarised, on the GPU as in the reference."""
+    cfg = PisaConfig(min_seq_len=0, kernel="triton")
+    q, k = _qk(3, 2, 4, 4096, 4096, 128, torch.bfloat16, cfg.block_size, seed=5)
+    km = torch.arange(4096, device="cuda")[None, :] >= torch.tensor([0, 1024, 1500],
+                                                                     device="cuda")[:, None]
+    ties = check_selection(q, k, True, 128 ** -0.5, cfg, tol=2e-2, max_tie_frac=0.1,
+                           key_mask=km)
     print(f"near-tie tiles: {ties}")
 
 

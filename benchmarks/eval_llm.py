@@ -68,10 +68,14 @@ CANDIDATES: dict[str, dict] = {
     "exact_tq1": {"leaf_scoring": "exact", "query_tile": 1},
 }
 # Block-level ceilings: a flat exact scan (every visible leaf scored by the LSE of its keys,
-# no pyramid) with the defaults' budget of blocks, per query tile of 64 and per query.
+# no pyramid) with the defaults' budget of blocks, per query tile of 64 and per query; and
+# the same scan over a shortlist ranked by the tile's mean query (the ranking a fast kernel
+# could afford), to learn whether that ranking keeps the needle before building it.
 CEILINGS: dict[str, dict] = {
     "flat_exact_tile64": {"query_tile": 64},
     "flat_exact_query": {"query_tile": 1},
+    "flat_meanq32_tile64": {"query_tile": 64, "mean_query_shortlist": 32},
+    "flat_meanq64_tile64": {"query_tile": 64, "mean_query_shortlist": 64},
 }
 
 DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
@@ -268,7 +272,8 @@ def attention_function(config: PisaConfig) -> Callable:
 
 @torch.no_grad()
 def flat_exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                         config: PisaConfig, chunk: int = 512) -> torch.Tensor:
+                         config: PisaConfig, chunk: int = 512,
+                         mean_query_shortlist: Optional[int] = None) -> torch.Tensor:
     """The block-level ceiling: causal attention over the forced leaves plus the ``top_k``
     leaves of best tile score, each leaf scored exactly (the LSE of its visible keys) against
     every visible leaf, no pyramid. Quadratic; an oracle for the evaluation, not a kernel.
@@ -278,6 +283,9 @@ def flat_exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scal
         config: ``block_size``, ``top_k``, ``query_tile``, ``sink_blocks`` and
             ``local_blocks`` are read (the tile vote is :func:`reference.tile_scores`'s: the
             sum over the tile's rows of each row's softmax over candidate leaves).
+        mean_query_shortlist: None, or ``M >= top_k``: first rank the candidates by the same
+            vote cast by each head's mean query over the tile (``G`` rows, exact leaf LSE),
+            keep the ``M`` best, and let the tile's rows pick ``top_k`` among them.
 
     Returns:
         ``[B, Hq, N, D]`` in q's dtype.
@@ -310,7 +318,11 @@ def flat_exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scal
         forced = local | (leaf[None] < config.sink_blocks)
         cand = (leaf[None] * C <= last[:, None]) & ~forced  # [nt, L]
         tile_of = (qi - q0) // Tq
-        x = lse.masked_fill(~cand[tile_of], float("-inf"))
+        if mean_query_shortlist is not None:
+            cand = _mean_query_shortlist(qc, kf, scale, cand, last, Tq, C,
+                                                mean_query_shortlist)
+        cand = cand.expand(B, Hkv, nt, L)
+        x = lse.masked_fill(~cand[:, :, tile_of].unsqueeze(2), float("-inf"))
         z = torch.logsumexp(x, -1, keepdim=True)
         share = torch.where(torch.isfinite(z), torch.exp(x - z), 0.0)
         votes = torch.zeros(B, Hkv, nt, L, device=q.device).index_add_(
@@ -326,10 +338,31 @@ def flat_exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scal
     return out
 
 
-def use_attention(model, name: str, config: Optional[PisaConfig], ceiling: bool = False
-                  ) -> None:
+def _mean_query_shortlist(qc, kf, scale, cand, last, Tq, C, M):
+    """``[B, Hkv, nt, L]``: the ``M`` candidates of best vote by each head's tile-mean query
+    (``qc [B, Hkv, G, n, D]`` fp32, the chunk's queries; ``cand [nt, L]``)."""
+    B, Hkv, G, n, D = qc.shape
+    nt, L = cand.shape
+    qp = torch.nn.functional.pad(qc, (0, 0, 0, nt * Tq - n))
+    count = torch.clamp(n - torch.arange(nt, device=qc.device) * Tq, max=Tq)
+    qm = qp.view(B, Hkv, G, nt, Tq, D).sum(4) / count[:, None]  # [B, Hkv, G, nt, D]
+    s = torch.einsum("bhgtd,bhkd->bhgtk", qm, kf) * scale
+    N = kf.shape[2]
+    s = s.masked_fill(torch.arange(N, device=qc.device)[None, :] > last[:, None], float("-inf"))
+    s = torch.nn.functional.pad(s, (0, L * C - N), value=float("-inf"))
+    lse = torch.logsumexp(s.view(B, Hkv, G, nt, L, C), -1).masked_fill(~cand, float("-inf"))
+    z = torch.logsumexp(lse, -1, keepdim=True)
+    votes = torch.where(torch.isfinite(z), torch.exp(lse - z), 0.0).sum(2)  # [B, Hkv, nt, L]
+    votes = votes.masked_fill(~cand, -1.0)
+    top = torch.topk(votes, min(M, L), -1).indices
+    return torch.zeros_like(votes, dtype=torch.bool).scatter_(-1, top, True) & cand
+
+
+def use_attention(model, name: str, config: Optional[PisaConfig],
+                  ceiling: Optional[dict] = None) -> None:
     """Switch ``model`` to dense SDPA (``config`` None), to PISA with ``config``, or, with
-    ``ceiling``, to :func:`flat_exact_attention` with ``config``'s budget."""
+    ``ceiling`` (the keyword arguments of :func:`flat_exact_attention`, ``{}`` for none), to
+    that oracle with ``config``'s budget."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -337,12 +370,12 @@ def use_attention(model, name: str, config: Optional[PisaConfig], ceiling: bool 
         model.set_attn_implementation("sdpa")
         return
     key = f"pisa_eval_{name}"
-    if ceiling:
+    if ceiling is not None:
         def fn(module, query, key_, value, attention_mask, scaling=None, **kwargs):
             if attention_mask is not None:
                 raise ValueError("the ceiling takes unpadded causal prompts only")
             scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-            return flat_exact_attention(query, key_, value, scale, config).transpose(
+            return flat_exact_attention(query, key_, value, scale, config, **ceiling).transpose(
                 1, 2).contiguous(), None
         AttentionInterface.register(key, fn)
     else:
@@ -388,8 +421,9 @@ def evaluate(model, tokenizer, lengths: Sequence[int], configs: dict, *, repeats
         tokenizer: its tokenizer.
         lengths: sequence lengths N (tokens).
         configs: name -> :class:`PisaConfig`; dense SDPA is always run, as ``"dense"``.
-        ceilings: name -> :class:`PisaConfig` run by :func:`flat_exact_attention`, at
-            ``ceiling_lengths`` only (default: every length; the oracle is quadratic).
+        ceilings: name -> ``(PisaConfig, oracle keyword arguments)`` run by
+            :func:`flat_exact_attention`, at ``ceiling_lengths`` only (default: every length;
+            the oracle is quadratic).
         progress: called with a line per (length, option set).
         checkpoint: called with the partial report after each (length, option set).
         repeats: cases per (task, depth); see :func:`needle_cases`.
@@ -402,7 +436,7 @@ def evaluate(model, tokenizer, lengths: Sequence[int], configs: dict, *, repeats
     """
     device = next(model.parameters()).device
     ceilings = ceilings or {}
-    runs = {"dense": None, **configs, **ceilings}
+    runs = {"dense": None, **configs, **{c: cfg for c, (cfg, _) in ceilings.items()}}
     results: dict = {name: {} for name in runs}
     report = {"lengths": list(lengths), "results": results}
     for n in lengths:
@@ -411,7 +445,8 @@ def evaluate(model, tokenizer, lengths: Sequence[int], configs: dict, *, repeats
         for name, cfg in runs.items():
             if name in ceilings and ceiling_lengths is not None and n not in ceiling_lengths:
                 continue
-            use_attention(model, name, cfg, ceiling=name in ceilings)
+            use_attention(model, name, cfg,
+                          ceiling=ceilings[name][1] if name in ceilings else None)
             _retrieved(model, cases[0], device)  # warm-up: kernels compile once
             oks, times, by_task = [], [], {}
             for case in cases:
@@ -489,7 +524,11 @@ def main(argv=None) -> int:
         ap.error(f"--ceilings: unknown {unknown}; expected some of {list(CEILINGS)}")
     model, tok = load_gguf(args.gguf)
     configs = {c: PisaConfig(**CANDIDATES[c]) for c in args.configs}
-    ceilings = {c: PisaConfig(**CEILINGS[c]) for c in args.ceilings}
+    ceilings = {}
+    for c in args.ceilings:
+        opts = dict(CEILINGS[c])
+        oracle = {"mean_query_shortlist": opts.pop("mean_query_shortlist", None)}
+        ceilings[c] = (PisaConfig(**opts), oracle)
     meta = {"model": args.gguf.rsplit("/", 1)[-1], "repeats": args.repeats,
             "options": {c: CANDIDATES[c] for c in args.configs},
             "ceilings": {c: CEILINGS[c] for c in args.ceilings},

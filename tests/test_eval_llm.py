@@ -100,3 +100,38 @@ def test_ceiling_is_the_flat_exact_selection(query_tile):
     flat = eval_llm.flat_exact_attention(q, k, v, scale, tight, chunk=64)
     torch.testing.assert_close(flat, ref)
     assert (flat - dense).abs().max() > 1e-3
+
+
+def test_mean_query_shortlist_keeps_the_ceiling_when_it_holds_every_leaf():
+    """A shortlist as long as the leaf count changes nothing; a short one changes the output
+    and still picks only among its own leaves (so it can lose what the full scan finds)."""
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 4, 256, 16, generator=g)
+    k = torch.randn(2, 2, 256, 16, generator=g)
+    v = torch.randn(2, 2, 256, 16, generator=g)
+    cfg = PisaConfig(block_size=8, top_k=3, query_tile=16)
+    flat = eval_llm.flat_exact_attention(q, k, v, 0.25, cfg, chunk=64)
+    full = eval_llm.flat_exact_attention(q, k, v, 0.25, cfg, chunk=64, mean_query_shortlist=32)
+    torch.testing.assert_close(full, flat)
+    short = eval_llm.flat_exact_attention(q, k, v, 0.25, cfg, chunk=64, mean_query_shortlist=3)
+    assert (short - flat).abs().max() > 1e-4
+
+
+def test_mean_query_shortlist_ranks_by_the_tile_mean_query():
+    """Keys planted along the last tile's mean query put their leaf first in that tile's
+    shortlist; a leaf the tile cannot see is never shortlisted."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 2, 128, 16, generator=g)  # G = 2 heads on one KV head
+    k = torch.randn(1, 1, 128, 16, generator=g)
+    C, Tq = 8, 16
+    mean = q[0, :, 112:128].mean(1).mean(0)  # the last tile's mean query, over both heads
+    k[0, 0, 40:48] = 4 * mean / mean.norm()
+    nt, L = 128 // Tq, 128 // C
+    last = torch.arange(nt) * Tq + Tq - 1
+    leaf = torch.arange(L)
+    cand = (leaf[None] * C <= last[:, None]) & (leaf[None] < last[:, None] // C - 1)
+    short = eval_llm._mean_query_shortlist(q.view(1, 1, 2, 128, 16), k, 0.25, cand, last, Tq,
+                                           C, 1)
+    assert short.shape == (1, 1, nt, L)
+    assert bool(short[0, 0, -1, 5])
+    assert not bool((short[0, 0] & ~cand).any())

@@ -166,3 +166,16 @@ def check_selection(q, k, is_causal, scale, config, tol=1e-4, max_tie_frac=0.05,
     n_ties = int(ties.sum())
     assert n_ties <= max(1, max_tie_frac * B * Hkv * T), f"{n_ties} near-tie tiles"
     return n_ties
+
+
+def opcheck_stages(q, k, v, attn_mask, key_mask, is_causal, causal_offset, config, impl):
+    """``torch.library.opcheck`` of ``pisa::select_blocks`` and of ``pisa::attention`` on its
+    selection (``impl``: ``"reference"`` or ``"triton"``); scale 0.25."""
+    from pisa_compile.ops import _attention_op, _select_blocks_op
+    sel = (q.detach(), k.detach(), attn_mask, key_mask, is_causal, causal_offset, 0.25,
+           *config.selection_args(), impl)
+    torch.library.opcheck(_select_blocks_op, sel)
+    bi, bc = _select_blocks_op(*sel)
+    torch.library.opcheck(_attention_op, (q, k, v, attn_mask, key_mask, bi, bc, is_causal,
+                                          causal_offset, 0.25, config.block_size,
+                                          config.query_tile, impl))

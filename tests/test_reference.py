@@ -12,6 +12,7 @@ from hypothesis import given, settings, strategies as st
 from pisa_compile import PisaConfig, pisa_attention, select_blocks
 from pisa_compile.kernels import reference
 from pisa_compile.kernels.geometry import block_width, forced_ranges, query_offset
+from tests.select_check import opcheck_stages
 from tests.strategies import (Problem, oracle, problems, selection_mask, sparse_configs,
                               tolerance)
 
@@ -262,7 +263,6 @@ SPARSE = PisaConfig(block_size=8, top_k=2, query_tile=8, min_seq_len=0, kernel="
 
 @pytest.mark.parametrize("mask", [None, "bool", "float", "structure"])
 def test_opcheck(mask):
-    from pisa_compile.ops import _attention_op, _select_blocks_op
     q = torch.randn(1, 4, 40, 16, requires_grad=True)
     k = torch.randn(1, 2, 40, 16, requires_grad=True)
     v = torch.randn(1, 2, 40, 8, requires_grad=True)
@@ -274,12 +274,7 @@ def test_opcheck(mask):
     km, off = None, 0
     if mask == "structure":
         km, off = torch.arange(40)[None] >= 5, 2
-    sel_args = (q.detach(), k.detach(), m, km, causal, off, 0.25, *SPARSE.selection_args(),
-                "reference")
-    torch.library.opcheck(_select_blocks_op, sel_args)
-    bi, bc = _select_blocks_op(*sel_args)
-    torch.library.opcheck(_attention_op, (q, k, v, m, km, bi, bc, causal, off, 0.25,
-                                          SPARSE.block_size, SPARSE.query_tile, "reference"))
+    opcheck_stages(q, k, v, m, km, causal, off, SPARSE, "reference")
 
 
 def _attn(q, k, v):

@@ -12,6 +12,7 @@ import torch
 
 from pisa_compile import PisaConfig, pisa_attention, select_blocks
 from pisa_compile.ops import plan
+from tests.select_check import opcheck_stages
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
@@ -83,7 +84,6 @@ def test_unsupported_inputs_fall_back_with_one_warning():
 def test_triton_ops_under_compile_and_opcheck():
     """The ops on the Triton kernels under torch.compile (fullgraph, dynamic, backward) and
     opcheck."""
-    from pisa_compile.ops import _attention_op, _select_blocks_op
     cfg = _cfg("triton")
     torch._dynamo.reset()
 
@@ -101,12 +101,7 @@ def test_triton_ops_under_compile_and_opcheck():
     key_mask = torch.ones(1, 40, dtype=torch.bool, device=DEV)
     key_mask[:, :7] = False  # left padding
     for km, off in ((None, 0), (key_mask, 3)):
-        sel = (q.detach(), k.detach(), None, km, True, off, 0.25, *cfg.selection_args(),
-               "triton")
-        torch.library.opcheck(_select_blocks_op, sel)
-        bi, bc = _select_blocks_op(*sel)
-        torch.library.opcheck(_attention_op, (q, k, v, None, km, bi, bc, True, off, 0.25,
-                                              cfg.block_size, cfg.query_tile, "triton"))
+        opcheck_stages(q, k, v, None, km, True, off, cfg, "triton")
 
 
 def test_launcher_wraps_kernels_only_while_traced(monkeypatch):

@@ -9,9 +9,10 @@ one process, with each set's prefill time.
 The model (``../shared/models/README.md``): Qwen2.5-Coder-0.5B-Instruct, 24 layers, 14 query and
 2 KV heads of 64 (G = 7), de-quantized from GGUF by transformers, bf16 on CUDA.
 
-Tasks, all built from the Python standard library at exactly ``N`` tokens, the answer
-teacher-forced at the end; a case counts as retrieved when every answer token is the model's
-argmax (5 digits, so chance is nil):
+Tasks, all built from the Python standard library at exactly ``N`` tokens (prompt and answer);
+the prompt is prefilled and the answer decoded token by token through the KV cache, as
+``generate()`` does; a case counts as retrieved when every answer token is the model's argmax
+(greedy decoding would write the answer; 5 digits, so chance is nil):
 
 * ``code``: ``NAME = "12345"`` planted in real source, asked for by ``assert NAME == "``;
 * ``multikey``: four such lines with different names, one of them asked for;
@@ -255,16 +256,33 @@ def loss_windows(tokenizer, n_tokens: int, n_windows: int, bos: Optional[int] = 
             for i in range(n_windows)]
 
 
+def _refuse_extras(kwargs: dict) -> None:
+    """The evaluation's attention functions implement plain causal attention: a model that
+    asks for a sliding window or a logit soft-cap gets an error, not a silent change."""
+    for name in ("sliding_window", "softcap", "s_aux"):
+        if kwargs.get(name) is not None:
+            raise ValueError(f"eval_llm's attention does not implement {name}="
+                             f"{kwargs[name]!r}; evaluate this model with another harness")
+
+
 def attention_function(config: PisaConfig) -> Callable:
     """A transformers attention function (``AttentionInterface``) that runs
     :func:`pisa_attention` with ``config``: causal, no padding (the evaluation's prompts)."""
 
     def pisa(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-        if attention_mask is not None:
-            raise ValueError("eval_llm's PISA attention takes unpadded causal prompts only "
-                             "(attention_mask must be None)")
+        _refuse_extras(kwargs)
+        nq, nk = query.shape[2], key.shape[2]
+        if attention_mask is not None:  # decode steps get one; it must be plain causal
+            dev = query.device
+            causal = (torch.arange(nk, device=dev)[None, :]
+                      <= torch.arange(nq, device=dev)[:, None] + (nk - nq))
+            if attention_mask.dtype != torch.bool or not bool((attention_mask == causal).all()):
+                raise ValueError("eval_llm's PISA attention takes unpadded causal prompts only "
+                                 "(attention_mask must be None or plain causal)")
+        # Bottom-right causal: with a KV cache (decode) the queries are the last positions.
         out = pisa_attention(query, key, value, is_causal=True, scale=scaling,
-                             enable_gqa=True, config=config)
+                             enable_gqa=True, config=config,
+                             causal_offset=nk - nq)
         return out.transpose(1, 2).contiguous(), None
 
     return pisa
@@ -279,7 +297,10 @@ def flat_exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scal
     every visible leaf, no pyramid. Quadratic; an oracle for the evaluation, not a kernel.
 
     Args:
-        q: ``[B, Hq, N, D]``; k, v: ``[B, Hkv, N, D]`` (self-attention, ``Hq % Hkv == 0``).
+        q: ``[B, Hq, N, D]``; k: ``[B, Hkv, N, D]``; v: ``[B, Hkv, N, Dv]``; float dtypes
+            (computed in fp32); self-attention, ``Hq % Hkv == 0``, causal.
+        scale: softmax scale.
+        chunk: queries per step (memory ``B * Hq * chunk * N`` floats).
         config: ``block_size``, ``top_k``, ``query_tile``, ``sink_blocks`` and
             ``local_blocks`` are read (the tile vote is :func:`reference.tile_scores`'s: the
             sum over the tile's rows of each row's softmax over candidate leaves).
@@ -288,7 +309,7 @@ def flat_exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scal
             keep the ``M`` best, and let the tile's rows pick ``top_k`` among them.
 
     Returns:
-        ``[B, Hq, N, D]`` in q's dtype.
+        ``[B, Hq, N, Dv]`` in q's dtype.
     """
     B, Hq, N, D = q.shape
     Hkv = k.shape[1]
@@ -298,7 +319,7 @@ def flat_exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scal
     chunk = max(Tq, chunk // Tq * Tq)
     kf, vf = k.float(), v.float()
     leaf = torch.arange(L, device=q.device)
-    out = torch.empty_like(q)
+    out = q.new_empty(B, Hq, N, v.shape[-1])
     for q0 in range(0, N, chunk):
         q1 = min(q0 + chunk, N)
         n = q1 - q0
@@ -334,13 +355,18 @@ def flat_exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scal
         keys = keep.repeat_interleave(C, -1)[..., :N]
         s = s.masked_fill(~keys[:, :, None], float("-inf"))
         o = torch.softmax(s, -1) @ vf[:, :, None]
-        out[:, :, q0:q1] = o.view(B, Hq, n, D).to(q.dtype)
+        out[:, :, q0:q1] = o.view(B, Hq, n, v.shape[-1]).to(q.dtype)
     return out
 
 
 def _mean_query_shortlist(qc, kf, scale, cand, last, Tq, C, M):
-    """``[B, Hkv, nt, L]``: the ``M`` candidates of best vote by each head's tile-mean query
-    (``qc [B, Hkv, G, n, D]`` fp32, the chunk's queries; ``cand [nt, L]``)."""
+    """The ``M`` candidates of best vote by each head's tile-mean query: bool
+    ``[B, Hkv, nt, L]`` (a subset of ``cand``).
+
+    ``qc``: fp32 ``[B, Hkv, G, n, D]``, the chunk's queries (tiles of ``Tq`` from its start);
+    ``kf``: fp32 ``[B, Hkv, N, D]``; ``cand``: bool ``[nt, L]`` candidate leaves per tile;
+    ``last``: int ``[nt]``, each tile's last query position (keys past it are unseen);
+    ``C``: keys per leaf."""
     B, Hkv, G, n, D = qc.shape
     nt, L = cand.shape
     qp = torch.nn.functional.pad(qc, (0, 0, 0, nt * Tq - n))
@@ -372,6 +398,7 @@ def use_attention(model, name: str, config: Optional[PisaConfig],
     key = f"pisa_eval_{name}"
     if ceiling is not None:
         def fn(module, query, key_, value, attention_mask, scaling=None, **kwargs):
+            _refuse_extras(kwargs)
             if attention_mask is not None:
                 raise ValueError("the ceiling takes unpadded causal prompts only")
             scale = scaling if scaling is not None else query.shape[-1] ** -0.5
@@ -388,15 +415,25 @@ def use_attention(model, name: str, config: Optional[PisaConfig],
 
 @torch.no_grad()
 def _retrieved(model, case: Case, device) -> tuple[bool, float]:
-    """Whether every answer token is the argmax, and the forward's wall time (ms)."""
+    """Whether greedy decoding after the prompt gives every answer token, as ``generate()``
+    would: the prompt (the case without its answer) is prefilled, then each answer token is
+    fed back through the KV cache (one query per step). Teacher forcing the answer inside the
+    prefill would let the answer's own queries vote in the last query tile's selection.
+    Also returns the prefill's wall time (ms)."""
     ids = case.input_ids.to(device)[None]
+    prompt, answer = ids[:, :-case.n_answer], ids[0, -case.n_answer:]
     if device.type == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
-    logits = model(ids, logits_to_keep=case.n_answer + 1).logits[0, :-1]
-    pred = logits.argmax(-1)
-    ok = bool((pred == ids[0, -case.n_answer:]).all())
-    return ok, (time.perf_counter() - t0) * 1e3
+    out = model(prompt, logits_to_keep=1, use_cache=True)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    ms = (time.perf_counter() - t0) * 1e3
+    preds = [out.logits[0, -1].argmax()]
+    for tok in answer[:-1]:
+        out = model(tok.view(1, 1), past_key_values=out.past_key_values, use_cache=True)
+        preds.append(out.logits[0, -1].argmax())
+    return bool((torch.stack(preds) == answer).all()), ms
 
 
 @torch.no_grad()
@@ -431,8 +468,10 @@ def evaluate(model, tokenizer, lengths: Sequence[int], configs: dict, *, repeats
 
     Returns:
         ``{"lengths": [...], "results": {config: {str(N): {"retrieval", "cases", "by_task",
-        "loss", "loss_vs_dense", "prefill_ms"}}}}``; ``prefill_ms`` is the median forward
-        time over the cases (ms), ``loss_vs_dense`` a relative change.
+        "loss", "loss_windows", "loss_vs_dense", "prefill_ms", "hits"}}}}``; ``prefill_ms``
+        is the median prefill time over the cases (ms), ``loss_vs_dense`` a relative change,
+        ``hits`` the per-case outcomes (1/0, in case order), so runs can be paired case by
+        case.
     """
     device = next(model.parameters()).device
     ceilings = ceilings or {}
@@ -458,7 +497,8 @@ def evaluate(model, tokenizer, lengths: Sequence[int], configs: dict, *, repeats
             row = {"retrieval": sum(oks) / len(oks), "cases": len(oks),
                    "by_task": {t: sum(v) / len(v) for t, v in by_task.items()},
                    "loss": sum(losses) / len(losses), "loss_windows": len(losses),
-                   "prefill_ms": sorted(times)[len(times) // 2]}
+                   "prefill_ms": sorted(times)[len(times) // 2],
+                   "hits": [int(o) for o in oks]}
             results[name][str(n)] = row
             row["loss_vs_dense"] = row["loss"] / results["dense"][str(n)]["loss"] - 1.0
             progress(f"N={n} {name}: retrieval {row['retrieval']:.3f} ({len(oks)} cases), "
@@ -530,6 +570,8 @@ def main(argv=None) -> int:
         oracle = {"mean_query_shortlist": opts.pop("mean_query_shortlist", None)}
         ceilings[c] = (PisaConfig(**opts), oracle)
     meta = {"model": args.gguf.rsplit("/", 1)[-1], "repeats": args.repeats,
+            "retrieval_method": "prefill the prompt, then the answer token by token through "
+                                "the KV cache (greedy generate()'s outcome)",
             "options": {c: CANDIDATES[c] for c in args.configs},
             "ceilings": {c: CEILINGS[c] for c in args.ceilings},
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",

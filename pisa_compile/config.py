@@ -53,7 +53,8 @@ class PisaConfig:
             leaf's visible keys).
         shortlist: with ``leaf_scoring="exact"``: ``None`` scores every candidate leaf of the
             pool exactly; an int ``M >= top_k`` scores all of them pooled first and only the
-            ``M`` best exactly (a wide ``beam`` at the cost of ``M`` exact leaves).
+            ``M`` best exactly (a wide ``beam`` at the cost of ``M`` exact leaves). With an
+            explicit mask, partly visible leaves are scored exactly on top of the ``M``.
         min_seq_len: below this many keys the op is plain SDPA (>= 0).
         kernel: ``"auto"`` (Triton on CUDA, reference elsewhere), ``"triton"`` (also the
             Triton interpreter on CPU, for tests) or ``"reference"`` (PyTorch only).
@@ -94,16 +95,16 @@ class PisaConfig:
         _check_int("local_blocks", self.local_blocks, 0)
         _check_int("query_tile", self.query_tile, 1, 1024, pow2=True)
         _check_int("min_seq_len", self.min_seq_len, 0)
+        if self.leaf_scoring not in LEAF_SCORINGS:
+            raise ValueError(
+                f"PisaConfig.leaf_scoring must be one of {LEAF_SCORINGS}, got {self.leaf_scoring!r}"
+            )
         if self.shortlist is not None:
             _check_int("shortlist", self.shortlist, self.top_k)
             if self.leaf_scoring != "exact":
                 raise ValueError("PisaConfig.shortlist needs leaf_scoring='exact' (it picks "
                                  f"the leaves scored exactly), got leaf_scoring="
                                  f"{self.leaf_scoring!r}")
-        if self.leaf_scoring not in LEAF_SCORINGS:
-            raise ValueError(
-                f"PisaConfig.leaf_scoring must be one of {LEAF_SCORINGS}, got {self.leaf_scoring!r}"
-            )
         if self.kernel not in KERNELS:
             raise ValueError(f"PisaConfig.kernel must be one of {KERNELS}, got {self.kernel!r}")
 

@@ -42,6 +42,39 @@ def test_cases_have_the_length_the_depth_and_the_answer():
     assert len({tuple(c.input_ids.tolist()) for c in cases}) == len(cases)
 
 
+class OracleLM(torch.nn.Module):
+    """Knows a fixed sequence: its logits point at the token ``shift`` places after the true
+    next one (0: always right). The "cache" is the number of tokens seen."""
+
+    def __init__(self, seq, shift=0):
+        super().__init__()
+        self.seq, self.shift = seq.tolist(), shift
+
+    def forward(self, input_ids, logits_to_keep=0, past_key_values=None, use_cache=True):
+        from types import SimpleNamespace
+        start = past_key_values or 0
+        n = input_ids.shape[1]
+        logits = torch.zeros(1, n, 256)
+        for j in range(n):
+            pos = start + j + 1 + self.shift
+            if pos < len(self.seq):
+                logits[0, j, self.seq[pos]] = 40.0
+        return SimpleNamespace(logits=logits[:, -(logits_to_keep or n):],
+                               past_key_values=start + n)
+
+
+def test_retrieval_and_loss_read_the_right_positions():
+    """A model that always predicts the next token retrieves every case at loss ~0; one that
+    predicts the token after it retrieves none."""
+    case = eval_llm.needle_cases(ByteTokenizer(), 512, repeats=1, tasks=("code",))[0]
+    right, wrong = OracleLM(case.input_ids), OracleLM(case.input_ids, shift=1)
+    cpu = torch.device("cpu")
+    assert eval_llm._retrieved(right, case, cpu)[0]
+    assert not eval_llm._retrieved(wrong, case, cpu)[0]
+    assert eval_llm._tail_loss(right, case.input_ids, cpu) < 1e-6
+    assert eval_llm._tail_loss(wrong, case.input_ids, cpu) > 1.0
+
+
 def test_bad_task_and_short_length_are_refused():
     with pytest.raises(ValueError, match="tasks"):
         eval_llm.needle_cases(ByteTokenizer(), 1024, tasks=("poetry",))
@@ -135,3 +168,18 @@ def test_mean_query_shortlist_ranks_by_the_tile_mean_query():
     assert short.shape == (1, 1, nt, L)
     assert bool(short[0, 0, -1, 5])
     assert not bool((short[0, 0] & ~cand).any())
+
+
+def test_attention_interface_decodes_like_dense_in_the_exact_regime():
+    """Decode steps reach the interface with one query over the cache: the causal diagonal is
+    bottom-right there, so greedy tokens equal dense ones when every leaf is selected."""
+    model = tiny_llama(1024)
+    ids = torch.randint(0, 256, (1, 200), generator=torch.Generator().manual_seed(4))
+    gen = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        eval_llm.use_attention(model, "dense", None)
+        dense = model.generate(ids, attention_mask=torch.ones_like(ids), **gen)
+        eval_llm.use_attention(model, "exact", PisaConfig(min_seq_len=0, block_size=16,
+                                                          top_k=64, query_tile=16))
+        pisa = model.generate(ids, attention_mask=torch.ones_like(ids), **gen)
+    assert torch.equal(pisa, dense)

@@ -62,8 +62,9 @@ def query_offset(n_queries: int, n_keys: int, is_causal: bool,
 def forced_ranges(tiles: Tensor, n_queries: int, n_keys: int, offset: Optional[int],
                   block_size: int, query_tile: int, sink_blocks: int,
                   local_blocks: int) -> tuple[int, Tensor, Tensor]:
-    """Forced leaves of query tiles ``tiles`` (int tensor): sinks ``[0, n_sink)`` and local
-    leaves ``[lo, hi]`` per tile (``lo > hi``: none). ``offset`` from :func:`query_offset`."""
+    """Forced leaves of query tiles ``tiles`` (int tensor): ``n_sink`` sink leaves (from leaf
+    0, or from :func:`sink_start` with a key mask) and local leaves ``[lo, hi]`` per tile
+    (``lo > hi``: none). ``offset`` from :func:`query_offset`."""
     n_leaves = cdiv(n_keys, block_size)
     n_sink = min(sink_blocks, n_leaves)
     if offset is None or local_blocks == 0:

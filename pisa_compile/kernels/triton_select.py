@@ -592,7 +592,8 @@ def select_blocks(q: Tensor, k: Tensor, is_causal: bool, scale: float, *, block_
         TOPK=top_k, P=P, RB=RB, MP=max(16, triton.next_power_of_2(M)), TW=TW,
         CAUSAL=bool(is_causal), HAS_LOCAL=offset is not None and local_blocks > 0,
         EXACT=leaf_scoring == "exact", SHORT=int(shortlist) if leaf_scoring == "exact" else 0,
-        HAS_KEY_MASK=key_mask is not None, LOWP=q.dtype != torch.float32, TRACE=trace is not None,
+        HAS_KEY_MASK=key_mask is not None, LOWP=q.dtype != torch.float32,
+        TRACE=trace is not None,
         UNROLL=bool(tune["unroll"]) and cdiv(R, RB) <= 16,
         num_warps=tune["num_warps"] or (8 if RB * P >= 8192 else 4),
         **launch)

@@ -297,8 +297,9 @@ def flat_exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scal
     every visible leaf, no pyramid. Quadratic; an oracle for the evaluation, not a kernel.
 
     Args:
-        q: ``[B, Hq, N, D]``; k: ``[B, Hkv, N, D]``; v: ``[B, Hkv, N, Dv]``; float dtypes
-            (computed in fp32); self-attention, ``Hq % Hkv == 0``, causal.
+        q: ``[B, Hq, Nq, D]``; k: ``[B, Hkv, N, D]``; v: ``[B, Hkv, N, Dv]``; float dtypes
+            (computed in fp32); ``Hq % Hkv == 0``; causal, bottom-right (``Nq <= N``: the
+            queries are the last positions, as with a KV cache).
         scale: softmax scale.
         chunk: queries per step (memory ``B * Hq * chunk * N`` floats).
         config: ``block_size``, ``top_k``, ``query_tile``, ``sink_blocks`` and
@@ -309,30 +310,32 @@ def flat_exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scal
             keep the ``M`` best, and let the tile's rows pick ``top_k`` among them.
 
     Returns:
-        ``[B, Hq, N, Dv]`` in q's dtype.
+        ``[B, Hq, Nq, Dv]`` in q's dtype.
     """
-    B, Hq, N, D = q.shape
-    Hkv = k.shape[1]
+    B, Hq, Nq, D = q.shape
+    Hkv, N = k.shape[1], k.shape[2]
     G = Hq // Hkv
+    off = N - Nq  # bottom-right: with a KV cache the queries are the last positions
     C, Tq = config.block_size, config.query_tile
     L = -(-N // C)
     chunk = max(Tq, chunk // Tq * Tq)
     kf, vf = k.float(), v.float()
     leaf = torch.arange(L, device=q.device)
-    out = q.new_empty(B, Hq, N, v.shape[-1])
-    for q0 in range(0, N, chunk):
-        q1 = min(q0 + chunk, N)
+    out = q.new_empty(B, Hq, Nq, v.shape[-1])
+    for q0 in range(0, Nq, chunk):
+        q1 = min(q0 + chunk, Nq)
         n = q1 - q0
         nt = -(-n // Tq)
         qc = q[:, :, q0:q1].float().view(B, Hkv, G, n, D)
         s = torch.einsum("bhgnd,bhkd->bhgnk", qc, kf) * scale
         qi = torch.arange(q0, q1, device=q.device)
-        s = s.masked_fill(torch.arange(N, device=q.device)[None, :] > qi[:, None], float("-inf"))
+        s = s.masked_fill(torch.arange(N, device=q.device)[None, :] > qi[:, None] + off,
+                          float("-inf"))
         lse = torch.nn.functional.pad(s, (0, L * C - N), value=float("-inf"))
         lse = torch.logsumexp(lse.view(B, Hkv, G, n, L, C), -1)  # [B, Hkv, G, n, L]
         tiles = torch.arange(nt, device=q.device)
-        first = q0 + tiles * Tq
-        last = torch.clamp(first + Tq, max=q1) - 1
+        first = q0 + tiles * Tq + off  # key positions of each tile's first and last query
+        last = torch.clamp(q0 + tiles * Tq + Tq, max=q1) - 1 + off
         local = (leaf[None] >= (first[:, None] // C - (config.local_blocks - 1))) & (
             leaf[None] <= last[:, None] // C) if config.local_blocks > 0 else (
             torch.zeros(nt, L, dtype=torch.bool, device=q.device))
@@ -341,7 +344,7 @@ def flat_exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scal
         tile_of = (qi - q0) // Tq
         if mean_query_shortlist is not None:
             cand = _mean_query_shortlist(qc, kf, scale, cand, last, Tq, C,
-                                                mean_query_shortlist)
+                                         mean_query_shortlist)
         cand = cand.expand(B, Hkv, nt, L)
         x = lse.masked_fill(~cand[:, :, tile_of].unsqueeze(2), float("-inf"))
         z = torch.logsumexp(x, -1, keepdim=True)

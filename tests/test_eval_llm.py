@@ -133,6 +133,12 @@ def test_ceiling_is_the_flat_exact_selection(query_tile):
     flat = eval_llm.flat_exact_attention(q, k, v, scale, tight, chunk=64)
     torch.testing.assert_close(flat, ref)
     assert (flat - dense).abs().max() > 1e-3
+    # The last queries alone over every key (a decode step): the same rows as in the full run.
+    tail = eval_llm.flat_exact_attention(q[:, :, -3:], k, v, scale, tight, chunk=64)
+    if query_tile == 1:
+        torch.testing.assert_close(tail, flat[:, :, -3:])
+    torch.testing.assert_close(eval_llm.flat_exact_attention(q[:, :, -3:], k, v, scale, full),
+                               dense[:, :, -3:])
 
 
 def test_mean_query_shortlist_keeps_the_ceiling_when_it_holds_every_leaf():

@@ -80,11 +80,8 @@ def reference_trace(q, k, is_causal, scale, config, key_mask=None, causal_offset
             st = ref._gather_tile_flags(states, pool)
             forced = valid & (((pool >= s0) & (pool < s1)) | ((pool >= lo_b) & (pool <= hi_b)))
             cand = valid & ~forced & ((st == ref.CLEAN) | (st == ref.PARTIAL))
-            if sel.exact and sel.shortlist:
-                cand = cand & ref._shortlist(p, sel, q_rows, mus[0], counts[0], None, pool, st,
-                                             cand, row_ok, t0, t1, scale)
-            s, bad = ref._leaf_scores(p, sel, q_rows, k.float(), mus[0], counts[0], None, pool,
-                                      st, cand, t0, t1, scale)
+            s, bad, cand = ref._leaf_scores(p, sel, q_rows, k.float(), mus[0], counts[0], None,
+                                            pool, st, cand, row_ok, t0, t1, scale)
             S, kept = _scores(s, cand, row_ok, top_k, bad)
             out.append((0, pool, S, kept))
             return out

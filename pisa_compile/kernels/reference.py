@@ -461,11 +461,9 @@ def _select_chunk(p, sel, q_rows, k, mus, counts, biases, flags, states, t0, t1,
             st = _gather_tile_flags(fl, pool)
             forced = valid & (((pool >= s0) & (pool < s1)) | ((pool >= lo_b) & (pool <= hi_b)))
             cand = valid & ~forced & ((st == CLEAN) | (st == PARTIAL))
-            if sel.exact and sel.shortlist:
-                cand = cand & _shortlist(p, sel, q_rows, mus[0], counts[0], _level(biases, 0),
-                                         pool, st, cand, row_ok, t0, t1, scale)
-            s, bad = _leaf_scores(p, sel, q_rows, k, mus[0], counts[0], _level(biases, 0), pool,
-                                  st, cand, t0, t1, scale)
+            s, bad, cand = _leaf_scores(p, sel, q_rows, k, mus[0], counts[0],
+                                        _level(biases, 0), pool, st, cand, row_ok, t0, t1,
+                                        scale)
             picked = _top(s, cand, row_ok, top_k, bad)
             chosen = torch.where(picked | forced, pool, torch.full_like(pool, -1))
             chosen = torch.sort(torch.where(chosen < 0, p.L, chosen), dim=-1).values
@@ -565,24 +563,30 @@ def _internal_scores(p, q_rows, mu_child, cnt_child, bias_child, pool, g, t0, t1
     return torch.logsumexp(s, -1), kid_bad.view(B, H, nt, P, g).any(-1)
 
 
-def _leaf_scores(p, sel, q_rows, k, mu_leaf, cnt_leaf, bias_leaf, pool, st, cand, t0, t1,
-                 scale):
-    """Leaf scores ``[B, Hkv, t, R, P]``: pooled, or exact LSE over visible keys; and which
-    leaves have a summary that is not finite (see :func:`tile_scores`).
+def _leaf_scores(p, sel, q_rows, k, mu_leaf, cnt_leaf, bias_leaf, pool, st, cand, row_ok, t0,
+                 t1, scale):
+    """Leaf scores ``[B, Hkv, t, R, P]``: pooled, or exact LSE over visible keys; which
+    leaves have a summary that is not finite (see :func:`tile_scores`); and the candidates
+    the pick is made from (``cand``, cut to the shortlist when there is one).
 
     Exact scoring is used for every leaf with ``leaf_scoring="exact"``, and always for
-    PARTIAL leaves, whose pooled summary would include keys hidden from some row.
+    PARTIAL leaves, whose pooled summary would include keys hidden from some row. With a
+    ``shortlist``, only the ``shortlist`` best CLEAN candidates by pooled tile score, and every
+    PARTIAL one, stay candidates.
     """
     B, H, nt, P = pool.shape
     mu, bad = _finite_nodes(_gather_nodes(mu_leaf, pool), pool >= 0)
     term = _node_term(p, bias_leaf, cnt_leaf, pool, t0, t1).masked_fill(bad[..., None, :],
                                                                         float("-inf"))
     pooled = _lse_scores(q_rows, mu, term, scale)
+    if sel.exact and sel.shortlist:
+        best = _top(pooled, cand & (st == CLEAN), row_ok, sel.shortlist, bad)
+        cand = cand & (best | (st == PARTIAL))
     exact_leaf = st == PARTIAL
     if sel.exact:
         exact_leaf = exact_leaf | (st == CLEAN)
     if not bool((exact_leaf & cand).any()):
-        return pooled, bad
+        return pooled, bad, cand
     k_pos = (pool.clamp(min=0)[..., None] * p.C + torch.arange(p.C, device=pool.device))
     k_pos = torch.where(pool[..., None] >= 0, k_pos, -1).view(B, H, nt, P * p.C)
     kk = _gather_nodes(torch.nn.functional.pad(k, (0, 0, 0, p.L * p.C - p.Nk)),
@@ -596,20 +600,7 @@ def _leaf_scores(p, sel, q_rows, k, mu_leaf, cnt_leaf, bias_leaf, pool, st, cand
     # summary also holds keys only other tiles see).
     seen_bad = (~torch.isfinite(kk).all(-1) & vis.any(-2)).view(B, H, nt, P, p.C).any(-1)
     bad = torch.where(exact_leaf, seen_bad, bad)
-    return torch.where(exact_leaf[..., None, :], exact, pooled), bad
-
-
-def _shortlist(p, sel, q_rows, mu_leaf, cnt_leaf, bias_leaf, pool, st, cand, row_ok, t0, t1,
-               scale) -> Tensor:
-    """Which candidate leaves are scored exactly with a ``shortlist``: the ``shortlist`` best
-    CLEAN candidates by pooled tile score, and every PARTIAL one (its pooled summary holds keys
-    hidden from some row): a bool ``[B, Hkv, t, P]``."""
-    mu, bad = _finite_nodes(_gather_nodes(mu_leaf, pool), pool >= 0)
-    term = _node_term(p, bias_leaf, cnt_leaf, pool, t0, t1).masked_fill(bad[..., None, :],
-                                                                        float("-inf"))
-    clean = cand & (st == CLEAN)
-    best = _top(_lse_scores(q_rows, mu, term, scale), clean, row_ok, sel.shortlist, bad)
-    return best | (cand & (st == PARTIAL))
+    return torch.where(exact_leaf[..., None, :], exact, pooled), bad, cand
 
 
 def _to_rows(x: Tensor, B: int, H: int, nt: int, G: int, Tq: int) -> Tensor:

@@ -446,6 +446,7 @@ def _select_kernel(
     s0 = 0
     if HAS_KEY_MASK:
         s0 = tl.load(sink_ptr + b)
+    s1 = s0 + n_sink
 
     top = n_levels(L, GB, GB * BEAM) - 1
     span = 1
@@ -459,14 +460,13 @@ def _select_kernel(
         pool = _internal_level(pool, span, top - it, L, mbase, mu_ptr, lcnt_ptr,
                                scr_ptr + tile * (2 * P) + (it % 2) * P, trace,
                                qbase, qoff0, rr, d, n_rows, n_chunks, q_first, sqh, sqn, sqd,
-                               qk_scale, s0, s0 + n_sink, lo, hi, clean_end, partial_end,
-                               live_end,
+                               qk_scale, s0, s1, lo, hi, clean_end, partial_end, live_end,
                                D, BD, G, TQ, RB, GB, BEAM, P, TW, LOWP, TRACE, UNROLL)
         span = span // GB
 
     # Leaves: candidates are visible leaves that are not forced.
     valid = pool >= 0
-    forced = valid & (((pool >= s0) & (pool < s0 + n_sink)) | ((pool >= lo) & (pool <= hi)))
+    forced = valid & (((pool >= s0) & (pool < s1)) | ((pool >= lo) & (pool <= hi)))
     cand = valid & (~forced) & (pool < partial_end)
     mul, bl, bad = _load_summaries(mu_ptr, lcnt_ptr, mbase + pool, cand, d, D, BD)
     if (not EXACT) or SHORT > 0:  # pooled tile scores: the pick, or the shortlist
@@ -522,7 +522,8 @@ def trace_width(beam: int) -> int:
 def select_blocks(q: Tensor, k: Tensor, is_causal: bool, scale: float, *, block_size: int,
                   top_k: int, branching: int, beam: int, sink_blocks: int, local_blocks: int,
                   query_tile: int, leaf_scoring: str, shortlist: int = 0,
-                  key_mask: Optional[Tensor] = None, causal_offset: int = 0, trace: Optional[Tensor] = None,
+                  key_mask: Optional[Tensor] = None, causal_offset: int = 0,
+                  trace: Optional[Tensor] = None,
                   tuning: Optional[Mapping] = None) -> tuple[Tensor, Tensor]:
     """Triton coarse-to-fine selection; same contract as ``reference.select_blocks`` without
     an explicit ``attn_mask`` (``dispatch.plan`` sends those calls to the reference).
@@ -584,7 +585,8 @@ def select_blocks(q: Tensor, k: Tensor, is_causal: bool, scale: float, *, block_
     scratch = torch.empty(B * Hkv * T * 2 * P, dtype=torch.int32, device=q.device)
     sinks = sink_start(key_mask, block_size)
     launcher(_select_kernel, q)[(T, B * Hkv)](
-        q, k, km, counts if sinks is None else sinks, mu_dot, lcnt, idx, counts, counts if trace is None else trace, scratch,
+        q, k, km, counts if sinks is None else sinks, mu_dot, lcnt, idx, counts,
+        counts if trace is None else trace, scratch,
         *q.stride(), *k.stride(), *((0, 0) if key_mask is None else km.stride()),
         Hkv, Nq, Nk, L, total, T, M, n_sink, local_blocks, 0 if offset is None else offset,
         float(scale),

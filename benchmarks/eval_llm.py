@@ -55,6 +55,7 @@ CANDIDATES: dict[str, dict] = {
     "exact_tq16_k32_beam128": {"leaf_scoring": "exact", "query_tile": 16, "top_k": 32,
                                "beam": 128},
     "exact_beam128": {"leaf_scoring": "exact", "beam": 128},
+    "exact_beam64": {"leaf_scoring": "exact", "beam": 64},
     "exact_tq16_k32_beam64": {"leaf_scoring": "exact", "query_tile": 16, "top_k": 32,
                               "beam": 64},
     "exact_beam64_short32": {"leaf_scoring": "exact", "beam": 64, "shortlist": 32},
@@ -67,6 +68,14 @@ CANDIDATES: dict[str, dict] = {
     "exact_tq4_k32": {"leaf_scoring": "exact", "query_tile": 4, "top_k": 32},
     "pooled_tq16_k32_beam128": {"query_tile": 16, "top_k": 32, "beam": 128},
     "exact_tq1": {"leaf_scoring": "exact", "query_tile": 1},
+    # Box bounds rank, exact scores pick: the pyramid's pruning on bounds (beam 64), and a
+    # pool that holds every leaf up to 32K (beam 256: the flat oracle's 0.98 at 8K). Until the
+    # Triton selection takes bound_block, these run the PyTorch reference selection on CUDA
+    # (it warns), so their prefill times are not PISA's cost.
+    "bound16_short64": {"leaf_scoring": "exact", "bound_block": 16, "shortlist": 64,
+                        "beam": 64},
+    "bound16_short64_beam256": {"leaf_scoring": "exact", "bound_block": 16, "shortlist": 64,
+                                "beam": 256},
 }
 # Block-level ceilings: a flat exact scan (every visible leaf scored by the LSE of its keys,
 # no pyramid) with the defaults' budget of blocks, per query tile of 64 and per query; and
@@ -77,7 +86,19 @@ CEILINGS: dict[str, dict] = {
     "flat_exact_query": {"query_tile": 1},
     "flat_meanq32_tile64": {"query_tile": 64, "mean_query_shortlist": 32},
     "flat_meanq64_tile64": {"query_tile": 64, "mean_query_shortlist": 64},
+    "flat_sub8_tile64": {"query_tile": 64, "sub_block": 8},
+    "flat_sub16_tile64": {"query_tile": 64, "sub_block": 16},
+    "flat_sub16_short64_tile64": {"query_tile": 64, "sub_block": 16,
+                                  "sub_block_shortlist": 64},
+    "flat_sub64_short64_tile64": {"query_tile": 64, "sub_block": 64,
+                                  "sub_block_shortlist": 64},
+    "flat_quest16_tile64": {"query_tile": 64, "sub_block": 16, "sub_block_bound": True},
+    "flat_quest16_short64_tile64": {"query_tile": 64, "sub_block": 16,
+                                    "sub_block_bound": True, "sub_block_shortlist": 64},
 }
+
+# The keys of a CEILINGS entry that go to flat_exact_attention (the rest: PisaConfig).
+ORACLE_KEYS = ("mean_query_shortlist", "sub_block", "sub_block_bound", "sub_block_shortlist")
 
 DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 TASKS = ("code", "multikey", "prose")
@@ -291,7 +312,9 @@ def attention_function(config: PisaConfig) -> Callable:
 @torch.no_grad()
 def flat_exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                          config: PisaConfig, chunk: int = 512,
-                         mean_query_shortlist: Optional[int] = None) -> torch.Tensor:
+                         mean_query_shortlist: Optional[int] = None,
+                         sub_block: Optional[int] = None, sub_block_bound: bool = False,
+                         sub_block_shortlist: Optional[int] = None) -> torch.Tensor:
     """The block-level ceiling: causal attention over the forced leaves plus the ``top_k``
     leaves of best tile score, each leaf scored exactly (the LSE of its visible keys) against
     every visible leaf, no pyramid. Quadratic; an oracle for the evaluation, not a kernel.
@@ -308,6 +331,11 @@ def flat_exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scal
         mean_query_shortlist: None, or ``M >= top_k``: first rank the candidates by the same
             vote cast by each head's mean query over the tile (``G`` rows, exact leaf LSE),
             keep the ``M`` best, and let the tile's rows pick ``top_k`` among them.
+        sub_block: None, or ``S`` dividing ``block_size``: score each leaf roughly from its
+            ``S``-key sub-blocks (:func:`_sub_block_lse`; ``sub_block_bound``: Quest's upper
+            bound instead of the pooled mean). With ``sub_block_shortlist=M`` the rough
+            scores keep ``M`` candidates for the exact scores to pick from; without, the
+            rough scores pick.
 
     Returns:
         ``[B, Hq, Nq, Dv]`` in q's dtype.
@@ -346,20 +374,63 @@ def flat_exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scal
             cand = _mean_query_shortlist(qc, kf, scale, cand, last, Tq, C,
                                          mean_query_shortlist)
         cand = cand.expand(B, Hkv, nt, L)
-        x = lse.masked_fill(~cand[:, :, tile_of].unsqueeze(2), float("-inf"))
-        z = torch.logsumexp(x, -1, keepdim=True)
-        share = torch.where(torch.isfinite(z), torch.exp(x - z), 0.0)
-        votes = torch.zeros(B, Hkv, nt, L, device=q.device).index_add_(
-            2, tile_of, share.sum(2))
-        votes = votes.masked_fill(~cand, -1.0)
-        top = torch.topk(votes, min(config.top_k, L), -1).indices
-        picked = torch.zeros_like(votes, dtype=torch.bool).scatter_(-1, top, True) & cand
+        if sub_block is not None:
+            rough = _sub_block_lse(qc, kf, scale, qi + off, C, sub_block, sub_block_bound)
+            if sub_block_shortlist is None:  # the rough scores pick
+                lse = rough
+            else:
+                cand = cand & _top_votes(rough, cand, tile_of, nt, sub_block_shortlist)
+        picked = _top_votes(lse, cand, tile_of, nt, config.top_k)
         keep = (picked | forced)[:, :, tile_of]  # [B, Hkv, n, L]
         keys = keep.repeat_interleave(C, -1)[..., :N]
         s = s.masked_fill(~keys[:, :, None], float("-inf"))
         o = torch.softmax(s, -1) @ vf[:, :, None]
         out[:, :, q0:q1] = o.view(B, Hq, n, v.shape[-1]).to(q.dtype)
     return out
+
+
+def _top_votes(lse, cand, tile_of, nt, n_keep):
+    """The tile vote (the sum over a tile's rows of each row's softmax over its candidate
+    leaves) and its ``n_keep`` best candidates: bool ``[B, Hkv, nt, L]``.
+
+    ``lse``: ``[B, Hkv, G, n, L]`` per-row leaf scores; ``cand``: bool ``[B, Hkv, nt, L]``;
+    ``tile_of``: int ``[n]``, the tile of each query."""
+    B, Hkv, _, _, L = lse.shape
+    x = lse.masked_fill(~cand[:, :, tile_of].unsqueeze(2), float("-inf"))
+    z = torch.logsumexp(x, -1, keepdim=True)
+    share = torch.where(torch.isfinite(z), torch.exp(x - z), 0.0)
+    votes = torch.zeros(B, Hkv, nt, L, device=lse.device).index_add_(2, tile_of, share.sum(2))
+    votes = votes.masked_fill(~cand, -1.0)
+    top = torch.topk(votes, min(n_keep, L), -1).indices
+    return torch.zeros_like(votes, dtype=torch.bool).scatter_(-1, top, True) & cand
+
+
+def _sub_block_lse(qc, kf, scale, qpos, C, S, bound):
+    """Rough per-row leaf scores from ``S``-key sub-block summaries: the LSE over a leaf's
+    sub-blocks of ``scale q.mu_s + log n_s`` (pooled means; ``n_s`` keys, ``S`` but in the
+    last) or, with ``bound``, of Quest's upper bound ``scale sum_d max(q_d min_d, q_d max_d)
+    + log n_s``. Sub-blocks starting past a row's position are left out. Returns
+    ``[B, Hkv, G, n, L]`` (fp32)."""
+    B, Hkv, G, n, D = qc.shape
+    N = kf.shape[2]
+    L = -(-N // C)
+    kp = torch.nn.functional.pad(kf, (0, 0, 0, L * C - N)).view(B, Hkv, L * C // S, S, D)
+    cnt = torch.clamp(N - torch.arange(L * C // S, device=kf.device) * S, 0, S)
+    if bound:
+        big = torch.finfo(kf.dtype).max
+        valid = (torch.arange(L * C, device=kf.device) < N).view(L * C // S, S, 1)
+        hi = kp.masked_fill(~valid, -big).amax(3)
+        lo = kp.masked_fill(~valid, big).amin(3)
+        # sum_d max(q_d hi_d, q_d lo_d) = q+ . hi + q- . lo: two matmuls, no [.., D] product
+        s = (torch.einsum("bhgnd,bhsd->bhgns", qc.clamp(min=0), hi)
+             + torch.einsum("bhgnd,bhsd->bhgns", qc.clamp(max=0), lo))
+    else:
+        mu = kp.sum(3) / torch.clamp(cnt, min=1)[:, None]
+        s = torch.einsum("bhgnd,bhsd->bhgns", qc, mu)
+    s = s * scale + torch.log(cnt.float())
+    start = torch.arange(L * C // S, device=kf.device) * S
+    s = s.masked_fill(start[None, :] > qpos[:, None], float("-inf"))
+    return torch.logsumexp(s.view(B, Hkv, G, n, L, C // S), -1)
 
 
 def _mean_query_shortlist(qc, kf, scale, cand, last, Tq, C, M):
@@ -570,7 +641,7 @@ def main(argv=None) -> int:
     ceilings = {}
     for c in args.ceilings:
         opts = dict(CEILINGS[c])
-        oracle = {"mean_query_shortlist": opts.pop("mean_query_shortlist", None)}
+        oracle = {key: opts.pop(key) for key in ORACLE_KEYS if key in opts}
         ceilings[c] = (PisaConfig(**opts), oracle)
     meta = {"model": args.gguf.rsplit("/", 1)[-1], "repeats": args.repeats,
             "retrieval_method": "prefill the prompt, then the answer token by token through "

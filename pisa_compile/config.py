@@ -55,6 +55,12 @@ class PisaConfig:
             pool exactly; an int ``M >= top_k`` scores all of them pooled first and only the
             ``M`` best exactly (a wide ``beam`` at the cost of ``M`` exact leaves). With an
             explicit mask, partly visible leaves are scored exactly on top of the ``M``.
+        bound_block: ``None`` ranks pyramid nodes (and the shortlist, and pooled leaf picks)
+            by pooled mean keys. An int ``S`` (power of two, ``<= block_size``) ranks them by
+            upper bounds of their logits instead: per-channel key boxes (Quest's page bounds)
+            of every node, and for leaves the LSE over their ``S``-key sub-blocks' bounds.
+            A mean dilutes a one-line needle 64-fold; a bound keeps it (DESIGN.md "Bound
+            scores"). Both selections implement it; its GPU cost is not measured yet.
         min_seq_len: below this many keys the op is plain SDPA (>= 0).
         kernel: ``"auto"`` (Triton on CUDA, reference elsewhere), ``"triton"`` (also the
             Triton interpreter on CPU, for tests) or ``"reference"`` (PyTorch only).
@@ -72,6 +78,7 @@ class PisaConfig:
     query_tile: int = 64
     leaf_scoring: str = "pooled"
     shortlist: Optional[int] = None
+    bound_block: Optional[int] = None
     min_seq_len: int = 2048
     kernel: str = "auto"
 
@@ -105,6 +112,8 @@ class PisaConfig:
                 raise ValueError("PisaConfig.shortlist needs leaf_scoring='exact' (it picks "
                                  f"the leaves scored exactly), got leaf_scoring="
                                  f"{self.leaf_scoring!r}")
+        if self.bound_block is not None:
+            _check_int("bound_block", self.bound_block, 1, self.block_size, pow2=True)
         if self.kernel not in KERNELS:
             raise ValueError(f"PisaConfig.kernel must be one of {KERNELS}, got {self.kernel!r}")
 
@@ -130,10 +139,10 @@ class PisaConfig:
     def selection_args(self) -> tuple:
         """The selection options in the order of the ``pisa::select_blocks`` schema:
         ``block_size, top_k, branching, beam (resolved), sink_blocks, local_blocks,
-        query_tile, leaf_scoring, shortlist`` (``None`` as 0)."""
+        query_tile, leaf_scoring, shortlist, bound_block`` (``None`` as 0)."""
         return (self.block_size, self.top_k, self.branching, self.effective_beam,
                 self.sink_blocks, self.local_blocks, self.query_tile, self.leaf_scoring,
-                self.shortlist or 0)
+                self.shortlist or 0, self.bound_block or 0)
 
     def attention_options(self) -> dict:
         """``block_size`` and ``query_tile``: what the attention kernels need to read a
@@ -143,7 +152,7 @@ class PisaConfig:
     def selection_options(self) -> dict:
         """:meth:`selection_args` by name (the keyword arguments of the selection kernels)."""
         names = ("block_size", "top_k", "branching", "beam", "sink_blocks", "local_blocks",
-                 "query_tile", "leaf_scoring", "shortlist")
+                 "query_tile", "leaf_scoring", "shortlist", "bound_block")
         return dict(zip(names, self.selection_args()))
 
 

@@ -35,18 +35,18 @@ def _select_blocks_op(
     q: Tensor, k: Tensor, attn_mask: Optional[Tensor], key_mask: Optional[Tensor],
     is_causal: bool, causal_offset: int, scale: float, block_size: int, top_k: int,
     branching: int, beam: int, sink_blocks: int, local_blocks: int, query_tile: int,
-    leaf_scoring: str, shortlist: int, impl: str,
+    leaf_scoring: str, shortlist: int, bound_block: int, impl: str,
 ) -> tuple[Tensor, Tensor]:
     return dispatch.select_blocks(
         q, k, attn_mask, is_causal, scale, impl, block_size=block_size, top_k=top_k,
         branching=branching, beam=beam, sink_blocks=sink_blocks, local_blocks=local_blocks,
         query_tile=query_tile, leaf_scoring=leaf_scoring, shortlist=shortlist,
-        key_mask=key_mask, causal_offset=causal_offset)
+        bound_block=bound_block, key_mask=key_mask, causal_offset=causal_offset)
 
 
 @_select_blocks_op.register_fake
 def _(q, k, attn_mask, key_mask, is_causal, causal_offset, scale, block_size, top_k, branching,
-      beam, sink_blocks, local_blocks, query_tile, leaf_scoring, shortlist, impl):
+      beam, sink_blocks, local_blocks, query_tile, leaf_scoring, shortlist, bound_block, impl):
     B, Hkv, Nq, Nk = q.shape[0], k.shape[1], q.shape[2], k.shape[2]
     M = block_width(Nk, block_size, top_k, sink_blocks, local_blocks, query_tile)
     T = cdiv(Nq, query_tile)
@@ -243,7 +243,8 @@ def plan(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None,
     """
     config = _config(config)
     return dispatch.plan(q, k, v, _mask4(attn_mask), is_causal, kernel=config.kernel,
-                         min_seq_len=config.min_seq_len, local_blocks=config.local_blocks)
+                         min_seq_len=config.min_seq_len, local_blocks=config.local_blocks,
+                         bound_block=config.bound_block or 0)
 
 
 def pisa_attention(

@@ -40,13 +40,17 @@ def reference_trace(q, k, is_causal, scale, config, key_mask=None, causal_offset
                           causal_offset)
     sel = ref._Select(config.top_k, config.branching, config.effective_beam, config.sink_blocks,
                       config.local_blocks, config.leaf_scoring == "exact",
-                      config.shortlist or 0)
+                      config.shortlist or 0, config.bound_block or 0)
     g, beam, top_k = config.branching, config.effective_beam, config.top_k
     dev = q.device
     states, key_live = ref.leaf_states(p)
     states = states.to(dev)
     mus, counts = ref.build_pyramid(k.float(), key_live.to(dev), *_pyramid_args(config))
     flags = ref._node_flags(states, g, len(mus))
+    boxes = None
+    if config.bound_block:  # rough scores are box bounds (no float bias here: sub_bias None)
+        boxes = ref.build_boxes(k.float(), key_live.to(dev), config.block_size,
+                                config.bound_block, g, counts)
     n_forced = min(config.sink_blocks, p.L) + local_bound(config.local_blocks,
                                                            config.query_tile, config.block_size)
     e_max = n_forced + beam
@@ -81,14 +85,15 @@ def reference_trace(q, k, is_causal, scale, config, key_mask=None, causal_offset
             forced = valid & (((pool >= s0) & (pool < s1)) | ((pool >= lo_b) & (pool <= hi_b)))
             cand = valid & ~forced & ((st == ref.CLEAN) | (st == ref.PARTIAL))
             s, bad, cand = ref._leaf_scores(p, sel, q_rows, k.float(), mus[0], counts[0], None,
-                                            pool, st, cand, row_ok, t0, t1, scale)
+                                            pool, st, cand, row_ok, t0, t1, scale, boxes)
             S, kept = _scores(s, cand, row_ok, top_k, bad)
             out.append((0, pool, S, kept))
             return out
         expand = valid & (forced_anc | (vis & bad))
         cand = valid & ~expand & vis
+        box = None if boxes is None else (boxes.his[level - 1], boxes.los[level - 1])
         s, bad = ref._internal_scores(p, q_rows, mus[level - 1], counts[level - 1], None, pool,
-                                      g, t0, t1, scale)
+                                      g, t0, t1, scale, box)
         S, kept = _scores(s, cand, row_ok, beam, bad)
         out.append((level, pool, S, kept))
         pool = ref.next_pool(pool, kept, forced_anc, expand, beam, e_max, g,

@@ -189,3 +189,40 @@ def test_attention_interface_decodes_like_dense_in_the_exact_regime():
                                                           top_k=64, query_tile=16))
         pisa = model.generate(ids, attention_mask=torch.ones_like(ids), **gen)
     assert torch.equal(pisa, dense)
+
+
+def test_sub_block_oracle_unit_blocks_are_the_exact_ceiling():
+    """1-key sub-blocks score each leaf by its exact LSE, pooled or bound alike: the same
+    output as the exact ceiling; 4-key means differ, and a shortlist as long as the leaf count
+    changes nothing."""
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(1, 4, 256, 16, generator=g)
+    k = torch.randn(1, 2, 256, 16, generator=g)
+    v = torch.randn(1, 2, 256, 16, generator=g)
+    cfg = PisaConfig(block_size=8, top_k=3, query_tile=16)
+    flat = eval_llm.flat_exact_attention(q, k, v, 0.25, cfg, chunk=64)
+    for bound in (False, True):
+        one = eval_llm.flat_exact_attention(q, k, v, 0.25, cfg, chunk=64, sub_block=1,
+                                            sub_block_bound=bound)
+        torch.testing.assert_close(one, flat)
+        full = eval_llm.flat_exact_attention(q, k, v, 0.25, cfg, chunk=64, sub_block=4,
+                                             sub_block_bound=bound, sub_block_shortlist=32)
+        torch.testing.assert_close(full, flat)
+    rough = eval_llm.flat_exact_attention(q, k, v, 0.25, cfg, chunk=64, sub_block=4)
+    assert (rough - flat).abs().max() > 1e-4
+
+
+def test_sub_block_bound_is_above_the_exact_leaf_score():
+    """A leaf's bound score (LSE over sub-blocks of box bound + log S) is at least its exact
+    LSE, on every visible leaf of every row."""
+    g = torch.Generator().manual_seed(5)
+    qc = torch.randn(1, 2, 3, 40, 16, generator=g)  # [B, Hkv, G, n, D]
+    kf = torch.randn(1, 2, 100, 16, generator=g)
+    qpos = torch.arange(60, 100)
+    bound = eval_llm._sub_block_lse(qc, kf, 0.3, qpos, 8, 4, True)
+    s = torch.einsum("bhgnd,bhkd->bhgnk", qc, kf) * 0.3
+    s = s.masked_fill(torch.arange(100)[None, :] > qpos[:, None], float("-inf"))
+    s = torch.nn.functional.pad(s, (0, 4), value=float("-inf"))
+    exact = torch.logsumexp(s.view(1, 2, 3, 40, 13, 8), -1)
+    seen = torch.isfinite(exact)
+    assert (bound[seen] >= exact[seen] - 1e-4).all()

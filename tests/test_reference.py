@@ -247,7 +247,8 @@ def test_shortlist_needs_exact_leaves_and_top_k_entries():
         PisaConfig(leaf_scoring="exact", top_k=16, shortlist=8)
     with pytest.raises(ValueError, match="shortlist needs leaf_scoring='exact'"):
         PisaConfig(leaf_scoring="pooled", shortlist=32)
-    assert PisaConfig(leaf_scoring="exact", top_k=16, shortlist=16).selection_args()[-1] == 16
+    assert PisaConfig(leaf_scoring="exact", top_k=16, shortlist=16).selection_options()[
+        "shortlist"] == 16
 
 
 def test_causal_needs_a_local_block():

@@ -171,6 +171,8 @@ def test_in_place_writes_outside_a_site_keep_it_rewritten():
 def _configs(exact: bool):
     kw = dict(EXACT) if exact else dict(SPARSE, block_size=8, query_tile=8, top_k=2)
     out = [PisaConfig(kernel="reference", **kw)]
+    if not exact:  # box bounds (bound_block) meet NaN and inf keys on their own path
+        out.append(PisaConfig(kernel="reference", bound_block=2, **kw))
     if INTERPRET:
         out.append(PisaConfig(kernel="triton", **kw))
     return out
@@ -366,7 +368,9 @@ def test_explain_says_when_a_site_runs_plain_sdpa():
 
 def _configs_sparse_small():
     kw = dict(min_seq_len=0, block_size=8, query_tile=8, top_k=2)
-    return [PisaConfig(kernel="reference", **kw)] + (
+    # bound_block: a NaN key must not reach a box some row scores (max/min propagate NaN).
+    return [PisaConfig(kernel="reference", **kw),
+            PisaConfig(kernel="reference", bound_block=2, **kw)] + (
         [PisaConfig(kernel="triton", **kw)] if INTERPRET else [])
 
 

@@ -146,6 +146,63 @@ def test_padding_is_never_selected_over_real_keys():
     assert bool((idx[:, :, 10:] == 10).any(-1).all())  # the sink of every real tile
 
 
+BOUND_CASES = [
+    # (B, Hkv, G, Nq, Nk, dtype, causal, left pads or None, config kwargs): box bounds
+    # (bound_block) for every rough score, pooled leaf picks and exact-scored shortlists
+    (1, 1, 2, 150, 150, torch.float32, True, None, dict(block_size=8, top_k=2,
+                                                        bound_block=2)),
+    (1, 1, 7, 100, 100, torch.float32, False, None, dict(block_size=8, top_k=2, branching=3,
+                                                         bound_block=4, beam=3,
+                                                         leaf_scoring="exact", shortlist=3)),
+    (1, 2, 2, 120, 120, torch.float16, True, None, dict(block_size=8, top_k=2, beam=5,
+                                                        bound_block=2, leaf_scoring="exact",
+                                                        shortlist=3)),
+    (1, 1, 3, 90, 130, torch.float16, False, None, dict(block_size=8, top_k=3, branching=3,
+                                                        bound_block=8)),
+    (1, 1, 7, 96, 96, torch.float32, True, None, dict(block_size=4, top_k=2, bound_block=1)),
+    # left padding: padding keys are left out of boxes and sub-block counts
+    (2, 1, 2, 130, 130, torch.float32, True, [0, 41], dict(block_size=8, top_k=2,
+                                                           bound_block=2)),
+    (2, 1, 2, 110, 110, torch.float16, True, [7, 50], dict(block_size=8, top_k=2, beam=4,
+                                                           bound_block=4,
+                                                           leaf_scoring="exact",
+                                                           shortlist=2)),
+]
+
+
+@pytest.mark.parametrize("case", BOUND_CASES, ids=lambda c: f"B{c[0]}H{c[1]}G{c[2]}q{c[3]}"
+                         f"k{c[4]}{'c' if c[6] else 'n'}{str(c[5])[-2:]}S{c[8]['bound_block']}"
+                         f"{'p' if c[7] else ''}")
+def test_bound_block_matches_reference(case):
+    B, Hkv, G, Nq, Nk, dtype, causal, pads, kw = case
+    cfg = PisaConfig(min_seq_len=0, kernel="triton", **{"query_tile": 4, **kw})
+    q, k = _qk(B, Hkv, G, Nq, Nk, 16, dtype, seed=Nk)
+    assert plan(q, k, k, None, causal, config=cfg).select == "triton"
+    km = None if pads is None else _left_padding(B, Nk, pads)
+    check_selection(q, k, causal, 0.25, cfg, tol=1e-5 if dtype == torch.float32 else 2e-3,
+                    key_mask=km)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(leaf_scoring="exact", shortlist=3)],
+                         ids=["pooled", "shortlist"])
+def test_bound_block_keeps_non_finite_boxes_first(kw):
+    """A NaN key (in a node's box and in one leaf's sub-block) and an inf key: their boxes
+    are not finite, so they rank first at every level (as non-finite pooled summaries do),
+    and a NaN key nobody sees (padding) reaches no box."""
+    cfg = PisaConfig(min_seq_len=0, kernel="triton", block_size=8, top_k=2, query_tile=4,
+                     beam=3, bound_block=2, **kw)
+    q, k = _qk(2, 1, 2, 120, 120, 16, torch.float32, seed=5)
+    k[0, 0, 45, 3] = float("nan")
+    k[1, 0, 70, 0] = float("inf")
+    k[1, 0, 2, 1] = float("nan")  # padding
+    km = _left_padding(2, 120, [0, 9])
+    check_selection(q, k, True, 0.25, cfg, key_mask=km)
+    idx, _ = ts.select_blocks(q, k, True, 0.25, **cfg.selection_options(), key_mask=km)
+    # Every tile past the bad key's leaf that does not force it picks it.
+    assert bool((idx[0, 0, 12:] == 5).any(-1).all())
+    assert bool((idx[1, 0, 18:] == 8).any(-1).all())
+
+
 @pytest.mark.parametrize("case", [CASES[2], CASES[3], CASES[9]],
                          ids=["g3_G6", "fp16_partial_tile", "tile16"])
 def test_unrolled_row_chunks_match(case):
@@ -158,6 +215,12 @@ def test_unrolled_row_chunks_match(case):
     a = ts.select_blocks(q, k, causal, D ** -0.5, **opts, tuning=dict(row_block=16))
     b = ts.select_blocks(q, k, causal, D ** -0.5, **opts, tuning=dict(row_block=16, unroll=True))
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    if case is CASES[3]:  # and with box bounds (sub-blocks at the leaves)
+        opts = {**opts, "bound_block": 2}
+        a = ts.select_blocks(q, k, causal, D ** -0.5, **opts, tuning=dict(row_block=16))
+        b = ts.select_blocks(q, k, causal, D ** -0.5, **opts,
+                             tuning=dict(row_block=16, unroll=True))
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
 @pytest.mark.parametrize("Nq", [1, 3, 16])

@@ -94,7 +94,8 @@ def _triton_refusal(q: Tensor, v: Tensor, kernel: str) -> Optional[str]:
 
 
 def plan(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal: bool, *,
-         kernel: str = "auto", min_seq_len: int = 0, local_blocks: int = 1) -> Plan:
+         kernel: str = "auto", min_seq_len: int = 0, local_blocks: int = 1,
+         bound_block: int = 0) -> Plan:
     """Decide which implementation runs selection and attention for one call.
 
     Args:
@@ -104,6 +105,8 @@ def plan(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal
             interpreter on CPU, for tests) or ``"reference"``.
         min_seq_len: below this many keys the call is plain SDPA (DESIGN.md "Exact regime").
         local_blocks: the PISA option; a causal selection with none needs the reference.
+        bound_block: the PISA option (0 for None); both selections take it (kept so the
+            call sites need not change).
 
     Returns:
         A :class:`Plan`. Falling back to the reference on CUDA warns once per reason.

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -258,6 +258,79 @@ def build_pyramid(k: Tensor, key_live: Tensor, block_size: int, branching: int,
     return mus, counts
 
 
+class Boxes(NamedTuple):
+    """Per-channel key boxes for ``bound_block`` (DESIGN.md "Bound scores"), float32.
+
+    ``his[l]``/``los[l]``: ``[B, Hkv, n_l, D]`` channel max/min over the live keys of each
+    node of pyramid level ``l`` (0 = leaves); ``sub_hi``/``sub_lo``: the same over
+    ``bound_block``-key sub-blocks of the leaves, ``[B, Hkv, L * C / S, D]``, with
+    ``sub_counts`` float32 ``[B, Hkv, L * C / S]`` live keys each and ``sub_bias`` their bias
+    LSE, ``[B, h, gm, Nq or 1, L * C / S]`` (:func:`_bias_levels` at that granularity; None
+    without a float bias). Empty boxes are 0
+    (their count is 0, so they score ``-inf``); a box holding a non-finite key is not finite.
+    """
+
+    his: list
+    los: list
+    sub_hi: Tensor
+    sub_lo: Tensor
+    sub_counts: Tensor
+    sub_bias: Optional[Tensor]
+
+
+def build_boxes(k: Tensor, key_live: Tensor, block_size: int, bound_block: int,
+                branching: int, counts: list) -> Boxes:
+    """Channel-wise max/min boxes of the live keys (the page bounds of Quest: Tang et al.,
+    2024, "Quest: Query-Aware Sparsity for Efficient Long-Context LLM Inference"), per
+    ``bound_block``-key sub-block and per pyramid node; see :class:`Boxes`.
+
+    Args:
+        k: ``[B, Hkv, Nk, D]``; key_live: bool ``[B, Hkv or 1, Nk]``.
+        block_size: ``C``; bound_block: ``S`` (a power of two dividing ``C``);
+        branching: ``g``; counts: :func:`build_pyramid`'s live keys per node and level.
+
+    Returns:
+        :class:`Boxes` with ``sub_bias`` None.
+    """
+    B, Hkv, Nk, D = k.shape
+    C, S, g = block_size, bound_block, branching
+    L = cdiv(Nk, C)
+    pad = L * C - Nk
+    live = torch.nn.functional.pad(key_live.expand(B, Hkv, Nk), (0, pad))[..., None]
+    kp = torch.nn.functional.pad(k.float(), (0, 0, 0, pad))
+    hi = torch.where(live, kp, float("-inf")).view(B, Hkv, L * C // S, S, D).amax(3)
+    lo = torch.where(live, kp, float("inf")).view(B, Hkv, L * C // S, S, D).amin(3)
+    sub_counts = live[..., 0].view(B, Hkv, L * C // S, S).sum(3).float()
+    his = [hi.view(B, Hkv, L, C // S, D).amax(3)]
+    los = [lo.view(B, Hkv, L, C // S, D).amin(3)]
+    for _ in range(len(counts) - 1):
+        m = his[-1].shape[2]
+        p = cdiv(m, g) * g - m
+        his.append(torch.nn.functional.pad(his[-1], (0, 0, 0, p), value=float("-inf"))
+                   .view(B, Hkv, -1, g, D).amax(3))
+        los.append(torch.nn.functional.pad(los[-1], (0, 0, 0, p), value=float("inf"))
+                   .view(B, Hkv, -1, g, D).amin(3))
+
+    def clear(x: Tensor, n: Tensor) -> Tensor:
+        # Empty boxes (-inf/+inf) become 0: their count is 0, so they score -inf anyway,
+        # and 0 * inf would make the bound NaN.
+        return x.masked_fill((n == 0)[..., None], 0.0)
+
+    return Boxes([clear(h, n) for h, n in zip(his, counts)],
+                 [clear(x, n) for x, n in zip(los, counts)],
+                 clear(hi, sub_counts), clear(lo, sub_counts), sub_counts, None)
+
+
+def _bound_scores(qr: Tensor, hi: Tensor, lo: Tensor, term: Tensor, scale: float) -> Tensor:
+    """``scale * max over the box of q . k + term`` for rows ``qr [..., R, D]`` and boxes
+    ``hi, lo [..., P, D]`` (float32): ``sum_d max(q_d hi_d, q_d lo_d) = q+ . hi + q- . lo``
+    (two matmuls), an upper bound of every logit in the box. ``term`` broadcasts to
+    ``[..., R or 1, P]``; returns float32 ``[..., R, P]``."""
+    up = torch.matmul(qr.clamp(min=0), hi.transpose(-1, -2))
+    up = up + torch.matmul(qr.clamp(max=0), lo.transpose(-1, -2))
+    return up * scale + term
+
+
 # -- selection --------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -270,7 +343,8 @@ class _Select:
     sink_blocks: int
     local_blocks: int
     exact: bool  # leaf_scoring == "exact"
-    shortlist: int = 0  # exact: score only the best `shortlist` by pooled score (0: all)
+    shortlist: int = 0  # exact: score only the best `shortlist` by rough score (0: all)
+    bound_block: int = 0  # rough scores: box bounds over these sub-blocks (0: pooled means)
 
 
 def _node_flags(states: Tensor, g: int, levels: int) -> list[tuple[Tensor, Tensor]]:
@@ -288,7 +362,8 @@ def _node_flags(states: Tensor, g: int, levels: int) -> list[tuple[Tensor, Tenso
     return out
 
 
-def _bias_levels(p: _Problem, key_live: Tensor, n_levels: int, g: int) -> Optional[list]:
+def _bias_levels(p: _Problem, key_live: Tensor, n_levels: int, g: int,
+                 block: Optional[int] = None) -> Optional[list]:
     """Per level, ``log sum over the node's live keys j of exp(bias_rj)`` for each row ``r``:
     float32 ``[B, h, gm, Nq or 1, n_l]`` (``Nq`` is 1 when the bias is the same for every
     query, as for key padding). ``None`` without a float bias.
@@ -297,7 +372,8 @@ def _bias_levels(p: _Problem, key_live: Tensor, n_levels: int, g: int) -> Option
     of the node's keys when they all sit at ``mu``; with a bias each key counts ``exp(bias)``
     instead of 1), so a finite bias (ALiBi, T5's, ``-1e4`` padding) steers the selection as
     it steers attention. Only nodes whose live keys every valid row sees are pooled-scored,
-    so masked entries never enter (they are -inf here).
+    so masked entries never enter (they are -inf here). ``block``: the granularity of
+    level 0 (default ``block_size``; ``bound_block`` for the sub-blocks of :class:`Boxes`).
     """
     if p.bias is None:
         return None
@@ -313,7 +389,8 @@ def _bias_levels(p: _Problem, key_live: Tensor, n_levels: int, g: int) -> Option
         x = torch.where(a & live, b, float("-inf"))
         finite_bias = finite_bias or bool(((x != 0) & (x != float("-inf"))).any())
         x = torch.nn.functional.pad(x, (0, pad), value=float("-inf"))
-        level0.append(torch.logsumexp(x.view(*x.shape[:-1], p.L, p.C), -1))
+        C = block or p.C
+        level0.append(torch.logsumexp(x.view(*x.shape[:-1], p.L * p.C // C, C), -1))
     if not finite_bias:  # a 0 / masked mask (HF's): the terms are log n
         return None
     out = [torch.cat(level0, 3)]
@@ -353,7 +430,7 @@ def _lse_scores(qr: Tensor, mu: Tensor, term: Tensor, scale: float) -> Tensor:
 def select_blocks(q: Tensor, k: Tensor, attn_mask: Optional[Tensor], is_causal: bool, scale: float,
                   *, block_size: int, top_k: int, branching: int, beam: int, sink_blocks: int,
                   local_blocks: int, query_tile: int, leaf_scoring: str, shortlist: int = 0,
-                  key_mask: Optional[Tensor] = None,
+                  bound_block: int = 0, key_mask: Optional[Tensor] = None,
                   causal_offset: int = 0) -> tuple[Tensor, Tensor]:
     """Coarse-to-fine top-K leaf selection per query tile (DESIGN.md "Coarse-to-fine selection").
 
@@ -363,8 +440,8 @@ def select_blocks(q: Tensor, k: Tensor, attn_mask: Optional[Tensor], is_causal: 
         key_mask: bool ``[B, Nk]`` (True = the key may be attended) or None.
         causal_offset: with ``is_causal``, query ``i`` sees keys ``j <= i + causal_offset``.
         block_size, top_k, branching, beam, sink_blocks, local_blocks, query_tile,
-        leaf_scoring, shortlist: the PISA options of those names (``beam`` resolved, never
-        None; ``shortlist`` 0 for None).
+        leaf_scoring, shortlist, bound_block: the PISA options of those names (``beam``
+        resolved, never None; ``shortlist`` and ``bound_block`` 0 for None).
 
     Returns:
         ``block_indices`` int32 ``[B, Hkv, T, M]`` (ascending, -1 padded; forced leaves
@@ -372,7 +449,7 @@ def select_blocks(q: Tensor, k: Tensor, attn_mask: Optional[Tensor], is_causal: 
     """
     p = _Problem.make(q, k, attn_mask, is_causal, block_size, query_tile, key_mask, causal_offset)
     sel = _Select(top_k, branching, beam, sink_blocks, local_blocks, leaf_scoring == "exact",
-                  shortlist)
+                  shortlist, bound_block)
     g = branching
     dev = q.device
     states, key_live = leaf_states(p)
@@ -381,6 +458,11 @@ def select_blocks(q: Tensor, k: Tensor, attn_mask: Optional[Tensor], is_causal: 
         mus, counts = build_pyramid(k, key_live.to(dev), block_size, branching, beam)
     n_levels = len(mus)
     biases = _bias_levels(p, key_live.to(dev), n_levels, g)
+    boxes = None
+    if bound_block:
+        boxes = build_boxes(k, key_live.to(dev), block_size, bound_block, g, counts)
+        sub_bias = _bias_levels(p, key_live.to(dev), 1, g, block=bound_block)
+        boxes = boxes._replace(sub_bias=None if sub_bias is None else sub_bias[0])
     flags = _node_flags(states, g, n_levels)
     M = block_width(p.Nk, block_size, top_k, sink_blocks, local_blocks, query_tile)
     n_forced = min(sink_blocks, p.L) + local_bound(local_blocks, query_tile, block_size)
@@ -396,9 +478,12 @@ def select_blocks(q: Tensor, k: Tensor, attn_mask: Optional[Tensor], is_causal: 
     block_indices = torch.full((p.B, p.Hkv, p.T, M), -1, dtype=torch.int32, device=dev)
     block_counts = torch.zeros((p.B, p.Hkv, p.T), dtype=torch.int32, device=dev)
     per_tile = R * P * (g + p.C) + P * p.C * p.D
+    if bound_block:
+        # hi/lo gathered and cleaned, two matmul outputs and the term, per sub-block
+        per_tile += 4 * P * (p.C // bound_block) * (R + p.D)
     for t0, t1 in _tile_chunks(p.T, p.B * p.Hkv * per_tile):
         idx, cnt = _select_chunk(p, sel, q_rows[:, :, t0:t1].float(), k, mus, counts, biases,
-                                 flags, states, t0, t1, scale, P, e_max, M)
+                                 flags, states, t0, t1, scale, P, e_max, M, boxes)
         block_indices[:, :, t0:t1] = idx
         block_counts[:, :, t0:t1] = cnt
     return block_indices, block_counts
@@ -433,7 +518,7 @@ def _gather_tile_flags(f: Tensor, idx: Tensor) -> Tensor:
 
 
 def _select_chunk(p, sel, q_rows, k, mus, counts, biases, flags, states, t0, t1, scale, P,
-                  e_max, M):
+                  e_max, M, boxes=None):
     g, beam, top_k = sel.branching, sel.beam, sel.top_k
     dev = q_rows.device
     nt = t1 - t0
@@ -463,7 +548,7 @@ def _select_chunk(p, sel, q_rows, k, mus, counts, biases, flags, states, t0, t1,
             cand = valid & ~forced & ((st == CLEAN) | (st == PARTIAL))
             s, bad, cand = _leaf_scores(p, sel, q_rows, k, mus[0], counts[0],
                                         _level(biases, 0), pool, st, cand, row_ok, t0, t1,
-                                        scale)
+                                        scale, boxes)
             picked = _top(s, cand, row_ok, top_k, bad)
             chosen = torch.where(picked | forced, pool, torch.full_like(pool, -1))
             chosen = torch.sort(torch.where(chosen < 0, p.L, chosen), dim=-1).values
@@ -473,8 +558,9 @@ def _select_chunk(p, sel, q_rows, k, mus, counts, biases, flags, states, t0, t1,
             return chosen[..., :M].to(torch.int32), cnt.to(torch.int32)
         expand = valid & (forced_anc | (vis & mixed))
         cand = valid & ~expand & vis
+        box = None if boxes is None else (boxes.his[level - 1], boxes.los[level - 1])
         s, bad = _internal_scores(p, q_rows, mus[level - 1], counts[level - 1],
-                                  _level(biases, level - 1), pool, g, t0, t1, scale)
+                                  _level(biases, level - 1), pool, g, t0, t1, scale, box)
         kept = _top(s, cand, row_ok, beam, bad)
         pool = next_pool(pool, kept, forced_anc, expand, beam, e_max, g, mus[level - 1].shape[2])
         level -= 1
@@ -546,39 +632,73 @@ def _finite_nodes(mu: Tensor, ok: Tensor) -> tuple[Tensor, Tensor]:
     return mu.masked_fill(bad[..., None], 0.0), bad
 
 
-def _internal_scores(p, q_rows, mu_child, cnt_child, bias_child, pool, g, t0, t1, scale):
+def _internal_scores(p, q_rows, mu_child, cnt_child, bias_child, pool, g, t0, t1, scale,
+                     box_child=None):
     """``s_r(a) = LSE_c (scale q_r . mu_c + term_c)`` over the children of pool nodes
     (``term`` is ``log n`` or the bias LSE: :func:`_node_term`), and which pool nodes have a
-    child whose summary is not finite (those children score nothing: see :func:`_top`)."""
+    child whose summary is not finite (those children score nothing: see :func:`_top`).
+    With ``box_child = (hi, lo)`` (``bound_block``), each child scores its box bound
+    (:func:`_bound_scores`) in place of ``scale q_r . mu_c``."""
     B, H, nt, P = pool.shape
     kids = pool[..., None] * g + torch.arange(g, device=pool.device)
     n_child = mu_child.shape[2]
     kid_ok = (pool[..., None] >= 0) & (kids < n_child)
     kids = torch.where(kid_ok, kids, 0).view(B, H, nt, P * g)
-    mu, kid_bad = _finite_nodes(_gather_nodes(mu_child, kids), kid_ok.view(B, H, nt, P * g))
+    ok = kid_ok.view(B, H, nt, P * g)
     term = _node_term(p, bias_child, cnt_child, kids, t0, t1)
-    term = term.masked_fill(~(kid_ok.view(B, H, nt, 1, P * g) & ~kid_bad[..., None, :]),
-                            float("-inf"))
-    s = _lse_scores(q_rows, mu, term, scale).view(B, H, nt, q_rows.shape[3], P, g)
+    if box_child is None:
+        mu, kid_bad = _finite_nodes(_gather_nodes(mu_child, kids), ok)
+    else:
+        hi, kid_bad = _finite_nodes(_gather_nodes(box_child[0], kids), ok)
+        lo, lo_bad = _finite_nodes(_gather_nodes(box_child[1], kids), ok)
+        kid_bad = kid_bad | lo_bad
+    term = term.masked_fill(~(ok[..., None, :] & ~kid_bad[..., None, :]), float("-inf"))
+    if box_child is None:
+        s = _lse_scores(q_rows, mu, term, scale)
+    else:
+        s = _bound_scores(q_rows, hi, lo, term, scale)
+    s = s.view(B, H, nt, q_rows.shape[3], P, g)
     return torch.logsumexp(s, -1), kid_bad.view(B, H, nt, P, g).any(-1)
 
 
+def _sub_block_scores(p, q_rows, boxes: Boxes, pool, t0, t1, scale):
+    """Rough leaf scores from the leaves' sub-block boxes (``bound_block``):
+    ``LSE over sub-blocks u of (bound_u + term_u)``, ``[B, Hkv, t, R, P]``, and which leaves
+    hold a non-finite box. Only CLEAN leaves use them (every row sees all their keys)."""
+    B, H, nt, P = pool.shape
+    n_sub = boxes.sub_hi.shape[2] // p.L  # sub-blocks per leaf
+    sub = pool.clamp(min=0)[..., None] * n_sub + torch.arange(n_sub, device=pool.device)
+    sub = sub.view(B, H, nt, P * n_sub)
+    ok = (pool >= 0)[..., None].expand(B, H, nt, P, n_sub).reshape(B, H, nt, P * n_sub)
+    hi, bad = _finite_nodes(_gather_nodes(boxes.sub_hi, sub), ok)
+    lo, lo_bad = _finite_nodes(_gather_nodes(boxes.sub_lo, sub), ok)
+    bad = bad | lo_bad
+    term = _node_term(p, boxes.sub_bias, boxes.sub_counts, sub, t0, t1)
+    term = term.masked_fill(~(ok & ~bad)[..., None, :], float("-inf"))
+    s = _bound_scores(q_rows, hi, lo, term, scale).view(B, H, nt, q_rows.shape[3], P, n_sub)
+    return torch.logsumexp(s, -1), bad.view(B, H, nt, P, n_sub).any(-1)
+
+
 def _leaf_scores(p, sel, q_rows, k, mu_leaf, cnt_leaf, bias_leaf, pool, st, cand, row_ok, t0,
-                 t1, scale):
+                 t1, scale, boxes=None):
     """Leaf scores ``[B, Hkv, t, R, P]``: pooled, or exact LSE over visible keys; which
     leaves have a summary that is not finite (see :func:`tile_scores`); and the candidates
     the pick is made from (``cand``, cut to the shortlist when there is one).
 
     Exact scoring is used for every leaf with ``leaf_scoring="exact"``, and always for
     PARTIAL leaves, whose pooled summary would include keys hidden from some row. With a
-    ``shortlist``, only the ``shortlist`` best CLEAN candidates by pooled tile score, and every
-    PARTIAL one, stay candidates.
+    ``shortlist``, only the ``shortlist`` best CLEAN candidates by rough tile score, and every
+    PARTIAL one, stay candidates. Rough scores are pooled, or with ``boxes``
+    (``bound_block``) the sub-block bounds of :func:`_sub_block_scores`.
     """
     B, H, nt, P = pool.shape
-    mu, bad = _finite_nodes(_gather_nodes(mu_leaf, pool), pool >= 0)
-    term = _node_term(p, bias_leaf, cnt_leaf, pool, t0, t1).masked_fill(bad[..., None, :],
-                                                                        float("-inf"))
-    pooled = _lse_scores(q_rows, mu, term, scale)
+    if boxes is None or (sel.exact and not sel.shortlist):  # bounds only rank: no shortlist,
+        mu, bad = _finite_nodes(_gather_nodes(mu_leaf, pool), pool >= 0)  # nothing to rank
+        term = _node_term(p, bias_leaf, cnt_leaf, pool, t0, t1).masked_fill(bad[..., None, :],
+                                                                            float("-inf"))
+        pooled = _lse_scores(q_rows, mu, term, scale)
+    else:
+        pooled, bad = _sub_block_scores(p, q_rows, boxes, pool, t0, t1, scale)
     if sel.exact and sel.shortlist:
         best = _top(pooled, cand & (st == CLEAN), row_ok, sel.shortlist, bad)
         cand = cand & (best | (st == PARTIAL))

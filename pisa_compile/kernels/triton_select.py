@@ -16,7 +16,10 @@ Per level (same rules as :func:`pisa_compile.kernels.reference.select_blocks`):
   nodes are expanded; visible, non-expanded nodes are scored;
 * internal score ``s_r(a) = LSE_c(scale q_r . mu_c + log n_c)``, leaf score
   ``scale q_r . mu + log n`` (or, with ``leaf_scoring="exact"``, the LSE over the leaf's
-  visible keys);
+  visible keys); with ``bound_block = S`` every rough score takes the box bound
+  ``scale (q+ . hi + q- . lo)`` of the keys' channel max/min in place of ``scale q . mu``
+  (internal: per child; leaves: the LSE over the leaf's ``S``-key sub-blocks), the boxes
+  built on the host (:func:`box_buffers`);
 * tile score ``S(a) = sum_r softmax_pool(s_r)(a)`` over valid rows, accumulated over row
   chunks of ``RB`` rows (rows ``r = query * G + head``); a node whose summary is not finite
   (a NaN or infinite key) gets ``S(a) = +inf`` and a row whose query is not finite votes
@@ -209,6 +212,34 @@ def _scores2(qv, mu, bias, qk_scale, LOWP: tl.constexpr):
 
 
 @triton.jit
+def _bound2(qv, hi, lo, bias, qk_scale, LOWP: tl.constexpr):
+    """Box bounds in base 2, ``qk_scale (q+ . hi + q- . lo) + log2 n``: [RB, P] (the bound
+    of ``reference._bound_scores``: the largest ``q . k`` over the box)."""
+    # where, not maximum/minimum: a NaN query stays NaN in both halves, so its row votes for
+    # nothing (as the reference's clamp).
+    qp = tl.where(qv < 0, 0.0, qv).to(qv.dtype)
+    qn = tl.where(qv > 0, 0.0, qv).to(qv.dtype)
+    if LOWP:
+        dot = tl.dot(qp, tl.trans(hi))
+        dot = tl.dot(qn, tl.trans(lo), acc=dot)
+    else:
+        dot = tl.dot(qp, tl.trans(hi), input_precision="ieee")
+        dot = tl.dot(qn, tl.trans(lo), acc=dot, input_precision="ieee")
+    return dot * qk_scale + bias[None, :]
+
+
+@triton.jit
+def _load_lo(lo_ptr, idx, ok, d, D: tl.constexpr, BD: tl.constexpr):
+    """Box minima ``[P, BD]`` of nodes ``idx`` (the maxima and flags come from
+    :func:`_load_summaries` on the ``hi`` buffer); 0 where ``ok`` is false."""
+    if BD == D:
+        msk = ok[:, None]
+    else:
+        msk = ok[:, None] & (d < D)[None, :]
+    return tl.load(lo_ptr + idx.to(tl.int64)[:, None] * D + d[None, :], mask=msk, other=0.0)
+
+
+@triton.jit
 def _online(s, m, e, FIRST: tl.constexpr):
     """One child's scores ``s`` into a running row max ``m`` (-inf: none finite yet) and
     ``e = sum over children of 2^(s - max(m, 0 if m is -inf))`` per (row, pool node).
@@ -243,19 +274,28 @@ def _row_share(e, row_ok):
 
 @triton.jit
 def _internal_chunk(qbase, qoff0, c, rr, n_rows, q_first, sqh, sqn, sqd, d, mu0, b0, mu1, b1,
-                    mu_ptr, lcnt_ptr, cbase, kid, cand, n_child, qk_scale,
+                    lo0, lo1, mu_ptr, lcnt_ptr, lo_ptr, cbase, kid, cand, n_child, qk_scale,
                     D: tl.constexpr, BD: tl.constexpr, G: tl.constexpr, RB: tl.constexpr,
-                    GB: tl.constexpr, LOWP: tl.constexpr):
-    """One row chunk of an internal level: its rows' normalised shares ``[RB, P]``."""
+                    GB: tl.constexpr, LOWP: tl.constexpr, BOUND: tl.constexpr):
+    """One row chunk of an internal level: its rows' normalised shares ``[RB, P]``. With
+    ``BOUND``, ``mu*`` are the children's box maxima and ``lo*`` their minima."""
     qv, row_ok = _q_rows(qbase, qoff0, c, rr, n_rows, q_first, sqh, sqn, sqd, d, D, BD, G, RB)
-    m, e = _online(_scores2(qv, mu0, b0, qk_scale, LOWP), 0.0, 0.0, True)
-    m, e = _online(_scores2(qv, mu1, b1, qk_scale, LOWP), m, e, False)
+    if BOUND:
+        m, e = _online(_bound2(qv, mu0, lo0, b0, qk_scale, LOWP), 0.0, 0.0, True)
+        m, e = _online(_bound2(qv, mu1, lo1, b1, qk_scale, LOWP), m, e, False)
+    else:
+        m, e = _online(_scores2(qv, mu0, b0, qk_scale, LOWP), 0.0, 0.0, True)
+        m, e = _online(_scores2(qv, mu1, b1, qk_scale, LOWP), m, e, False)
     # branching > 2 only: these loads are loop-invariant too (hoisted by the compiler's LICM
     # in the rolled loop); children 0 and 1 are hoisted by hand, the default branching being 2.
     for j in tl.static_range(2, GB):
-        muj, bj, _ = _load_summaries(mu_ptr, lcnt_ptr, cbase + j, cand & (kid + j < n_child),
-                                     d, D, BD)
-        m, e = _online(_scores2(qv, muj, bj, qk_scale, LOWP), m, e, False)
+        okj = cand & (kid + j < n_child)
+        muj, bj, _ = _load_summaries(mu_ptr, lcnt_ptr, cbase + j, okj, d, D, BD)
+        if BOUND:
+            loj = _load_lo(lo_ptr, cbase + j, okj, d, D, BD)
+            m, e = _online(_bound2(qv, muj, loj, bj, qk_scale, LOWP), m, e, False)
+        else:
+            m, e = _online(_scores2(qv, muj, bj, qk_scale, LOWP), m, e, False)
     return _row_share(e, row_ok)
 
 
@@ -266,6 +306,25 @@ def _leaf_chunk(qbase, qoff0, c, rr, n_rows, q_first, sqh, sqn, sqd, d, mu, b, q
     """One row chunk of the (pooled) leaf level: its rows' normalised shares ``[RB, P]``."""
     qv, row_ok = _q_rows(qbase, qoff0, c, rr, n_rows, q_first, sqh, sqn, sqd, d, D, BD, G, RB)
     m, e = _online(_scores2(qv, mu, b, qk_scale, LOWP), 0.0, 0.0, True)
+    return _row_share(e, row_ok)
+
+
+@triton.jit
+def _leaf_bound_chunk(qbase, qoff0, c, rr, n_rows, q_first, sqh, sqn, sqd, d, shi_ptr, slo_ptr,
+                      slc_ptr, sub0, cand, qk_scale, D: tl.constexpr, BD: tl.constexpr,
+                      G: tl.constexpr, RB: tl.constexpr, NS: tl.constexpr, LOWP: tl.constexpr):
+    """One row chunk of the leaf level with box bounds (``bound_block``): a leaf's rough score
+    is the LSE over its ``NS`` sub-blocks of their bounds, accumulated like an internal node's
+    children (``sub0 [P]``: the flat index of each leaf's first sub-block; ``cand``: the
+    leaves scored, without those whose box is not finite)."""
+    qv, row_ok = _q_rows(qbase, qoff0, c, rr, n_rows, q_first, sqh, sqn, sqd, d, D, BD, G, RB)
+    hi, b, _ = _load_summaries(shi_ptr, slc_ptr, sub0, cand, d, D, BD)
+    lo = _load_lo(slo_ptr, sub0, cand, d, D, BD)
+    m, e = _online(_bound2(qv, hi, lo, b, qk_scale, LOWP), 0.0, 0.0, True)
+    for u in tl.static_range(1, NS):
+        hi, b, _ = _load_summaries(shi_ptr, slc_ptr, sub0 + u, cand, d, D, BD)
+        lo = _load_lo(slo_ptr, sub0 + u, cand, d, D, BD)
+        m, e = _online(_bound2(qv, hi, lo, b, qk_scale, LOWP), m, e, False)
     return _row_share(e, row_ok)
 
 
@@ -302,20 +361,22 @@ def _leaf_ranges(t, Nq, Nk, L, offset, local_blocks, TQ: tl.constexpr, C: tl.con
 
 
 @triton.jit
-def _internal_level(pool, span, lev, L, mbase, mu_ptr, lcnt_ptr, scr, trace,
+def _internal_level(pool, span, lev, L, mbase, mu_ptr, lcnt_ptr, lo_ptr, scr, trace,
                     qbase, qoff0, rr, d, n_rows, n_chunks, q_first, sqh, sqn, sqd, qk_scale,
                     s0, s1, lo, hi, clean_end, partial_end, live_end,
                     D: tl.constexpr, BD: tl.constexpr, G: tl.constexpr, TQ: tl.constexpr,
                     RB: tl.constexpr, GB: tl.constexpr, BEAM: tl.constexpr, P: tl.constexpr,
                     TW: tl.constexpr, LOWP: tl.constexpr, TRACE: tl.constexpr,
-                    UNROLL: tl.constexpr):
+                    UNROLL: tl.constexpr, BOUND: tl.constexpr):
     """One internal level: score the pool's candidates, keep the best ``BEAM``, and return
     the next pool (the children of kept and expanded nodes); like the fused-attention
     tutorial's ``_attn_fwd_inner``, the loop body of the kernel.
 
     The children's summaries (already in the dot dtype) are loaded once, as the dots' B
     operands, and reused by every row chunk; each chunk adds its rows' normalised shares into
-    a register accumulator that is reduced over rows once per level.
+    a register accumulator that is reduced over rows once per level. With ``BOUND`` the
+    summaries are the children's boxes (``mu_ptr``: maxima, ``lo_ptr``: minima, ``lcnt_ptr``:
+    log counts, ``+inf`` for a non-finite box).
     """
     n_child = _level_size(L, GB, lev - 1)
     valid = pool >= 0
@@ -334,6 +395,18 @@ def _internal_level(pool, span, lev, L, mbase, mu_ptr, lcnt_ptr, scr, trace,
     mu1, b1, bad1 = _load_summaries(mu_ptr, lcnt_ptr, cbase + 1, cand & (kid + 1 < n_child), d,
                                     D, BD)
     bad = bad | bad1
+    if BOUND:
+        lo0 = _load_lo(lo_ptr, cbase, cand & (kid < n_child), d, D, BD)
+        lo1 = _load_lo(lo_ptr, cbase + 1, cand & (kid + 1 < n_child), d, D, BD)
+        # A node with a non-finite box is out of every row's softmax (reference.tile_scores),
+        # its finite children too.
+        b0 = tl.where(bad, float("-inf"), b0)
+        b1 = tl.where(bad, float("-inf"), b1)
+        scored = cand & ~bad
+    else:
+        lo0 = mu0  # unused
+        lo1 = mu1
+        scored = cand
     for j in tl.static_range(2, GB):  # branching > 2: the other children's flags
         _, _, badj = _load_summaries(mu_ptr, lcnt_ptr, cbase + j, cand & (kid + j < n_child), d,
                                      D, BD)
@@ -342,13 +415,15 @@ def _internal_level(pool, span, lev, L, mbase, mu_ptr, lcnt_ptr, scr, trace,
     if UNROLL:  # all rows, masked past n_rows (see select_blocks' tuning)
         for c in tl.static_range((G * TQ + RB - 1) // RB):
             acc += _internal_chunk(qbase, qoff0, c, rr, n_rows, q_first, sqh, sqn, sqd, d,
-                                   mu0, b0, mu1, b1, mu_ptr, lcnt_ptr, cbase, kid, cand,
-                                   n_child, qk_scale, D, BD, G, RB, GB, LOWP)
+                                   mu0, b0, mu1, b1, lo0, lo1, mu_ptr, lcnt_ptr, lo_ptr,
+                                   cbase, kid, scored, n_child, qk_scale, D, BD, G, RB, GB,
+                                   LOWP, BOUND)
     else:
         for c in range(n_chunks):
             acc += _internal_chunk(qbase, qoff0, c, rr, n_rows, q_first, sqh, sqn, sqd, d,
-                                   mu0, b0, mu1, b1, mu_ptr, lcnt_ptr, cbase, kid, cand,
-                                   n_child, qk_scale, D, BD, G, RB, GB, LOWP)
+                                   mu0, b0, mu1, b1, lo0, lo1, mu_ptr, lcnt_ptr, lo_ptr,
+                                   cbase, kid, scored, n_child, qk_scale, D, BD, G, RB, GB,
+                                   LOWP, BOUND)
     kept = _top_mask(_prioritise(tl.sum(acc, axis=0), bad, cand), cand, BEAM, P)
     if TRACE:
         _store_compact(trace + lev * TW, pool, kept, BEAM, TW)
@@ -414,7 +489,8 @@ def _exact_leaf_shares(pool, cand, kbase, skn, skd, km_row, skmn, qbase, rr, d, 
 
 @triton.jit
 def _select_kernel(
-    q_ptr, k_ptr, km_ptr, sink_ptr, mu_ptr, lcnt_ptr, idx_ptr, bcnt_ptr, trace_ptr, scr_ptr,
+    q_ptr, k_ptr, km_ptr, sink_ptr, mu_ptr, lcnt_ptr, lo_ptr, shi_ptr, slo_ptr, slc_ptr,
+    idx_ptr, bcnt_ptr, trace_ptr, scr_ptr,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, skmb, skmn,
     Hkv, Nq, Nk, L, total, T, M, n_sink, local_blocks, offset, scale,
     D: tl.constexpr, G: tl.constexpr, TQ: tl.constexpr, C: tl.constexpr, KC: tl.constexpr,
@@ -422,8 +498,14 @@ def _select_kernel(
     RB: tl.constexpr, MP: tl.constexpr, TW: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_LOCAL: tl.constexpr, EXACT: tl.constexpr, SHORT: tl.constexpr,
     HAS_KEY_MASK: tl.constexpr, LOWP: tl.constexpr, TRACE: tl.constexpr, UNROLL: tl.constexpr,
+    BOUND: tl.constexpr, NS: tl.constexpr,
 ):
-    """One program per (query tile, batch * KV head): the pyramid walk, top level to leaves."""
+    """One program per (query tile, batch * KV head): the pyramid walk, top level to leaves.
+
+    ``mu_ptr``/``lcnt_ptr``: the nodes' pooled means and base-2 log counts, or with ``BOUND``
+    (``bound_block``) their box maxima and log counts (``+inf``: a non-finite box), the minima
+    at ``lo_ptr``; ``shi_ptr``/``slo_ptr``/``slc_ptr``: the same per sub-block of ``C / NS``
+    keys (``BOUND`` only)."""
     scale = tl.cast(scale, tl.float32)  # Inductor may pass Python floats as fp64 scalars
     t = tl.program_id(0)
     bh = tl.program_id(1)
@@ -457,28 +539,44 @@ def _select_kernel(
     trace = trace_ptr + tile * (top + 1) * TW
     for it in range(top):
         # Two scratch rows, alternating between levels (see _children).
-        pool = _internal_level(pool, span, top - it, L, mbase, mu_ptr, lcnt_ptr,
+        pool = _internal_level(pool, span, top - it, L, mbase, mu_ptr, lcnt_ptr, lo_ptr,
                                scr_ptr + tile * (2 * P) + (it % 2) * P, trace,
                                qbase, qoff0, rr, d, n_rows, n_chunks, q_first, sqh, sqn, sqd,
                                qk_scale, s0, s1, lo, hi, clean_end, partial_end, live_end,
-                               D, BD, G, TQ, RB, GB, BEAM, P, TW, LOWP, TRACE, UNROLL)
+                               D, BD, G, TQ, RB, GB, BEAM, P, TW, LOWP, TRACE, UNROLL,
+                               BOUND)
         span = span // GB
 
     # Leaves: candidates are visible leaves that are not forced.
     valid = pool >= 0
     forced = valid & (((pool >= s0) & (pool < s1)) | ((pool >= lo) & (pool <= hi)))
     cand = valid & (~forced) & (pool < partial_end)
-    mul, bl, bad = _load_summaries(mu_ptr, lcnt_ptr, mbase + pool, cand, d, D, BD)
-    if (not EXACT) or SHORT > 0:  # pooled tile scores: the pick, or the shortlist
+    if BOUND:
+        # A leaf's box is not finite iff one of its sub-blocks' is: flags from the leaf level.
+        bad = tl.load(lcnt_ptr + mbase + pool, mask=cand, other=0.0) == float("inf")
+        sub0 = bh.to(tl.int64) * (L * NS) + pool * NS
+    else:
+        mul, bl, bad = _load_summaries(mu_ptr, lcnt_ptr, mbase + pool, cand, d, D, BD)
+    if (not EXACT) or SHORT > 0:  # rough tile scores: the pick, or the shortlist
         acc = tl.zeros([RB, P], dtype=tl.float32)
         if UNROLL:
             for c in tl.static_range((G * TQ + RB - 1) // RB):
-                acc += _leaf_chunk(qbase, qoff0, c, rr, n_rows, q_first, sqh, sqn, sqd, d, mul,
-                                   bl, qk_scale, D, BD, G, RB, LOWP)
+                if BOUND:
+                    acc += _leaf_bound_chunk(qbase, qoff0, c, rr, n_rows, q_first, sqh, sqn,
+                                             sqd, d, shi_ptr, slo_ptr, slc_ptr, sub0,
+                                             cand & ~bad, qk_scale, D, BD, G, RB, NS, LOWP)
+                else:
+                    acc += _leaf_chunk(qbase, qoff0, c, rr, n_rows, q_first, sqh, sqn, sqd, d,
+                                       mul, bl, qk_scale, D, BD, G, RB, LOWP)
         else:
             for c in range(n_chunks):
-                acc += _leaf_chunk(qbase, qoff0, c, rr, n_rows, q_first, sqh, sqn, sqd, d, mul,
-                                   bl, qk_scale, D, BD, G, RB, LOWP)
+                if BOUND:
+                    acc += _leaf_bound_chunk(qbase, qoff0, c, rr, n_rows, q_first, sqh, sqn,
+                                             sqd, d, shi_ptr, slo_ptr, slc_ptr, sub0,
+                                             cand & ~bad, qk_scale, D, BD, G, RB, NS, LOWP)
+                else:
+                    acc += _leaf_chunk(qbase, qoff0, c, rr, n_rows, q_first, sqh, sqn, sqd, d,
+                                       mul, bl, qk_scale, D, BD, G, RB, LOWP)
         S = tl.sum(acc, axis=0)
     if EXACT:
         if SHORT > 0:  # only the shortlist is scored exactly, and picked from
@@ -519,10 +617,74 @@ def trace_width(beam: int) -> int:
     return triton.next_power_of_2(beam)
 
 
+def box_buffers(k: Tensor, cnt: Tensor, total: int, block_size: int, bound_block: int,
+                branching: int, beam: int, dtype: torch.dtype,
+                live_limit: Optional[int] = None, key_live: Optional[Tensor] = None):
+    """Per-channel key boxes for ``bound_block`` (``reference.build_boxes``), laid out like the
+    pyramid's flat buffers, built with torch ops (``O(Nk * D)``, once per call).
+
+    Args:
+        k: ``[B, Hkv, Nk, D]``; cnt: the pyramid's live keys per node, float32
+            ``[B, Hkv, total]`` (:func:`pyramid_buffers`); total: its row count.
+        block_size, bound_block, branching, beam: ``C``, ``S``, ``g`` and the resolved beam.
+        dtype: the dots' input dtype (q's).
+        live_limit, key_live: the liveness :func:`pyramid_buffers` was given (keys at or past
+            ``live_limit`` and keys where ``key_live`` [B, 1, Nk] is 0 are not live).
+
+    Returns:
+        ``hi, lo`` ``dtype`` ``[B, Hkv, total, D]``: channel max/min of each node's live keys,
+        and ``lc`` float32 ``[B, Hkv, total]``: ``log2 n`` (``-inf`` empty); then ``shi, slo``
+        ``[B, Hkv, L * C / S, D]`` and ``slc`` ``[B, Hkv, L * C / S]``, the same per
+        sub-block of ``S`` keys. Empty boxes are 0; a box holding a non-finite key is zeroed
+        and its log count is ``+inf`` (kept first, like a non-finite pooled summary). Rows
+        past the last level are unused.
+    """
+    B, Hkv, Nk, D = k.shape
+    C, S, g = block_size, bound_block, branching
+    L = cdiv(Nk, C)
+    pos = torch.arange(Nk, device=k.device)
+    live = (pos < (Nk if live_limit is None else live_limit)).view(1, 1, Nk)
+    if key_live is not None:
+        live = live & (key_live != 0)
+    pad = L * C - Nk
+    live = torch.nn.functional.pad(live.expand(B, Hkv, Nk), (0, pad))[..., None]
+    kp = torch.nn.functional.pad(k.float(), (0, 0, 0, pad))
+    # where, not a product: a NaN key nobody sees must not reach a box.
+    shi = torch.where(live, kp, float("-inf")).view(B, Hkv, L * C // S, S, D).amax(3)
+    slo = torch.where(live, kp, float("inf")).view(B, Hkv, L * C // S, S, D).amin(3)
+    sub_n = live[..., 0].view(B, Hkv, L * C // S, S).sum(3).float()
+
+    def finish(h: Tensor, x: Tensor, n: Tensor):
+        # Empty: 0 boxes (their -inf log count scores nothing, and 0 * inf would be NaN).
+        bad = (n > 0) & ~(torch.isfinite(h).all(-1) & torch.isfinite(x).all(-1))
+        zero = (bad | (n == 0))[..., None]
+        lc = torch.where(bad, float("inf"), torch.log2(n))
+        return h.masked_fill(zero, 0.0).to(dtype), x.masked_fill(zero, 0.0).to(dtype), lc
+
+    hi = torch.zeros(B, Hkv, total, D, dtype=dtype, device=k.device)
+    lo = torch.zeros_like(hi)
+    lc = torch.full((B, Hkv, total), float("-inf"), device=k.device)
+    h = shi.view(B, Hkv, L, C // S, D).amax(3)
+    x = slo.view(B, Hkv, L, C // S, D).amin(3)
+    off = 0
+    for n_l in level_sizes(Nk, C, g, beam):
+        if off:  # coarsen the level below (n_l nodes of g children, the last maybe fewer)
+            p = n_l * g - h.shape[2]
+            h = torch.nn.functional.pad(h, (0, 0, 0, p), value=float("-inf"))
+            h = h.view(B, Hkv, n_l, g, D).amax(3)
+            x = torch.nn.functional.pad(x, (0, 0, 0, p), value=float("inf"))
+            x = x.view(B, Hkv, n_l, g, D).amin(3)
+        hi[:, :, off:off + n_l], lo[:, :, off:off + n_l], lc[:, :, off:off + n_l] = finish(
+            h, x, cnt[:, :, off:off + n_l])
+        off += n_l
+    return (hi, lo, lc, *finish(shi, slo, sub_n))
+
+
 def select_blocks(q: Tensor, k: Tensor, is_causal: bool, scale: float, *, block_size: int,
                   top_k: int, branching: int, beam: int, sink_blocks: int, local_blocks: int,
                   query_tile: int, leaf_scoring: str, shortlist: int = 0,
-                  key_mask: Optional[Tensor] = None, causal_offset: int = 0,
+                  bound_block: int = 0, key_mask: Optional[Tensor] = None,
+                  causal_offset: int = 0,
                   trace: Optional[Tensor] = None,
                   tuning: Optional[Mapping] = None) -> tuple[Tensor, Tensor]:
     """Triton coarse-to-fine selection; same contract as ``reference.select_blocks`` without
@@ -537,6 +699,9 @@ def select_blocks(q: Tensor, k: Tensor, is_causal: bool, scale: float, *, block_
         block_size, top_k, branching, beam, sink_blocks, local_blocks, query_tile,
         leaf_scoring, shortlist: the PISA options of those names (``beam`` resolved,
         ``shortlist`` 0 for None).
+        bound_block: 0, or ``S``: rough scores are box bounds (internal nodes: over their
+            children's boxes; leaves: over their ``S``-key sub-blocks), see
+            :func:`box_buffers`.
         trace: tests only: int32 ``[B, Hkv, T, n_levels, trace_width(beam)]`` receives the
             kept nodes per level (level 0: the picked leaves), ascending, -1 padded, so a
             test can diff every level against the reference.
@@ -554,11 +719,15 @@ def select_blocks(q: Tensor, k: Tensor, is_causal: bool, scale: float, *, block_
     T = cdiv(Nq, Tq)
     # Read as bytes: a value cast (Inductor cannot lower bool->uint8 views); q: never read.
     km = q if key_mask is None else key_mask.to(torch.uint8)
+    live_limit = min(Nk, Nq + causal_offset) if is_causal else None
+    key_live = None if key_mask is None else km[:, None, :]
     with stage_range("pisa.pyramid", k):
-        mu, _, lcnt, total = pyramid_buffers(
-            k, block_size, branching, beam,
-            live_limit=min(Nk, Nq + causal_offset) if is_causal else None,
-            key_live=None if key_mask is None else km[:, None, :])
+        mu, cnt, lcnt, total = pyramid_buffers(k, block_size, branching, beam,
+                                               live_limit=live_limit, key_live=key_live)
+        if bound_block:
+            # The same liveness and counts as the pyramid, so boxes and terms agree.
+            boxes = box_buffers(k, cnt, total, block_size, bound_block, branching, beam,
+                                q.dtype, live_limit=live_limit, key_live=key_live)
     L = cdiv(Nk, C)
     M = block_width(Nk, block_size, top_k, sink_blocks, local_blocks, query_tile)
     n_sink = min(sink_blocks, L)
@@ -580,12 +749,17 @@ def select_blocks(q: Tensor, k: Tensor, is_causal: bool, scale: float, *, block_
     # in the dot's input dtype (the same rounding as a cast in the kernel, at half the bytes
     # and registers per load); the pyramid wrote base-2 log counts, +inf for a non-finite
     # summary (zeroed), which the kernel keeps first at the cost of one compare.
-    mu_dot = mu.to(q.dtype)
+    if bound_block:  # the kernel reads the boxes' maxima and flags where the means would be
+        mu_dot, lo, lcnt, shi, slo, slc = boxes
+    else:
+        mu_dot = mu.to(q.dtype)
+        lo = shi = slo = slc = mu_dot  # unused
     # Per program, two rows of P slots for the pool compaction (see _children).
     scratch = torch.empty(B * Hkv * T * 2 * P, dtype=torch.int32, device=q.device)
     sinks = sink_start(key_mask, block_size)
     launcher(_select_kernel, q)[(T, B * Hkv)](
-        q, k, km, counts if sinks is None else sinks, mu_dot, lcnt, idx, counts,
+        q, k, km, counts if sinks is None else sinks, mu_dot, lcnt, lo, shi, slo, slc, idx,
+        counts,
         counts if trace is None else trace, scratch,
         *q.stride(), *k.stride(), *((0, 0) if key_mask is None else km.stride()),
         Hkv, Nq, Nk, L, total, T, M, n_sink, local_blocks, 0 if offset is None else offset,
@@ -597,6 +771,7 @@ def select_blocks(q: Tensor, k: Tensor, is_causal: bool, scale: float, *, block_
         HAS_KEY_MASK=key_mask is not None, LOWP=q.dtype != torch.float32,
         TRACE=trace is not None,
         UNROLL=bool(tune["unroll"]) and cdiv(R, RB) <= 16,
+        BOUND=bool(bound_block), NS=block_size // bound_block if bound_block else 1,
         num_warps=tune["num_warps"] or (8 if RB * P >= 8192 else 4),
         **launch)
     return idx, counts

@@ -52,6 +52,9 @@ CASES = [
     # a wide pooled pool of which only a shortlist is scored exactly
     (1, 2, 7, 8192, 8192, torch.float16, True, dict(leaf_scoring="exact", beam=64,
                                                     shortlist=32)),
+    # box bounds (bound_block) for the internal levels and the shortlist
+    (1, 2, 7, 8192, 8192, torch.bfloat16, True, dict(leaf_scoring="exact", beam=32,
+                                                     shortlist=16, bound_block=16)),
 ]
 
 

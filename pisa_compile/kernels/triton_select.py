@@ -63,6 +63,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from . import reference
 from .geometry import block_width, cdiv, level_sizes, local_bound, query_offset, sink_start
 from .runtime import launcher, stage_range
 from .triton_pyramid import n_levels, pyramid_buffers
@@ -640,44 +641,30 @@ def box_buffers(k: Tensor, cnt: Tensor, total: int, block_size: int, bound_block
         past the last level are unused.
     """
     B, Hkv, Nk, D = k.shape
-    C, S, g = block_size, bound_block, branching
-    L = cdiv(Nk, C)
     pos = torch.arange(Nk, device=k.device)
     live = (pos < (Nk if live_limit is None else live_limit)).view(1, 1, Nk)
     if key_live is not None:
         live = live & (key_live != 0)
-    pad = L * C - Nk
-    live = torch.nn.functional.pad(live.expand(B, Hkv, Nk), (0, pad))[..., None]
-    kp = torch.nn.functional.pad(k.float(), (0, 0, 0, pad))
-    # where, not a product: a NaN key nobody sees must not reach a box.
-    shi = torch.where(live, kp, float("-inf")).view(B, Hkv, L * C // S, S, D).amax(3)
-    slo = torch.where(live, kp, float("inf")).view(B, Hkv, L * C // S, S, D).amin(3)
-    sub_n = live[..., 0].view(B, Hkv, L * C // S, S).sum(3).float()
+    sizes = level_sizes(Nk, block_size, branching, beam)
+    counts = list(cnt[:, :, :sum(sizes)].split(sizes, dim=2))
+    boxes = reference.build_boxes(k, live, block_size, bound_block, branching, counts)
 
     def finish(h: Tensor, x: Tensor, n: Tensor):
-        # Empty: 0 boxes (their -inf log count scores nothing, and 0 * inf would be NaN).
+        # Non-finite boxes: zeroed, log count +inf (kept first); empty ones are already 0.
         bad = (n > 0) & ~(torch.isfinite(h).all(-1) & torch.isfinite(x).all(-1))
-        zero = (bad | (n == 0))[..., None]
         lc = torch.where(bad, float("inf"), torch.log2(n))
-        return h.masked_fill(zero, 0.0).to(dtype), x.masked_fill(zero, 0.0).to(dtype), lc
+        return (h.masked_fill(bad[..., None], 0.0).to(dtype),
+                x.masked_fill(bad[..., None], 0.0).to(dtype), lc)
 
     hi = torch.zeros(B, Hkv, total, D, dtype=dtype, device=k.device)
     lo = torch.zeros_like(hi)
     lc = torch.full((B, Hkv, total), float("-inf"), device=k.device)
-    h = shi.view(B, Hkv, L, C // S, D).amax(3)
-    x = slo.view(B, Hkv, L, C // S, D).amin(3)
     off = 0
-    for n_l in level_sizes(Nk, C, g, beam):
-        if off:  # coarsen the level below (n_l nodes of g children, the last maybe fewer)
-            p = n_l * g - h.shape[2]
-            h = torch.nn.functional.pad(h, (0, 0, 0, p), value=float("-inf"))
-            h = h.view(B, Hkv, n_l, g, D).amax(3)
-            x = torch.nn.functional.pad(x, (0, 0, 0, p), value=float("inf"))
-            x = x.view(B, Hkv, n_l, g, D).amin(3)
-        hi[:, :, off:off + n_l], lo[:, :, off:off + n_l], lc[:, :, off:off + n_l] = finish(
-            h, x, cnt[:, :, off:off + n_l])
+    for h, x, n in zip(boxes.his, boxes.los, counts):
+        n_l = n.shape[2]
+        hi[:, :, off:off + n_l], lo[:, :, off:off + n_l], lc[:, :, off:off + n_l] = finish(h, x, n)
         off += n_l
-    return (hi, lo, lc, *finish(shi, slo, sub_n))
+    return (hi, lo, lc, *finish(boxes.sub_hi, boxes.sub_lo, boxes.sub_counts))
 
 
 def select_blocks(q: Tensor, k: Tensor, is_causal: bool, scale: float, *, block_size: int,

@@ -33,7 +33,7 @@ from pisa_compile.kernels.geometry import block_width  # noqa: E402
 from tests.selections import synthetic_selection  # noqa: E402
 
 B, HQ, HKV, D = 1, 32, 8, 128
-CFG = PisaConfig(block_size=64, top_k=16, query_tile=64, min_seq_len=0)
+CFG = PisaConfig.preset("fast", min_seq_len=0)
 SHAPE = dict(block_size=CFG.block_size, query_tile=CFG.query_tile)
 N_LIST = [8192, 32768, 65536, 131072]
 IMPLS = ["pisa", "sdpa_default", "sdpa_flash"]

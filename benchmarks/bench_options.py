@@ -15,9 +15,9 @@ import json
 import torch
 import torch.nn.functional as F
 from benchmarks.bench_pisa import B, D, HKV, HQ, inputs
-from benchmarks.eval_llm import CANDIDATES
+from benchmarks.eval_llm import CANDIDATES, candidate_config
 
-from pisa_compile import PisaConfig, pisa_attention
+from pisa_compile import pisa_attention
 
 # The option sets of the real-model evaluation, so that quality and cost line up by name.
 OPTIONS = CANDIDATES
@@ -42,8 +42,7 @@ def main(argv=None) -> int:
         fns = {"dense SDPA (default backend)": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                                                     enable_gqa=True)}
         for name in args.options:
-            opts = OPTIONS[name]
-            cfg = PisaConfig(min_seq_len=0, **opts)
+            cfg = candidate_config(name).replace(min_seq_len=0)
             fns[name] = lambda cfg=cfg: pisa_attention(q, k, v, is_causal=True, enable_gqa=True,
                                                        config=cfg)
         for name, f in fns.items():

@@ -26,7 +26,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 from pisa_compile import PisaConfig, pisa_attention, select_blocks  # noqa: E402
 
 B, HQ, HKV, D = 1, 32, 8, 128
-CFG = PisaConfig(block_size=64, top_k=16, query_tile=64, min_seq_len=0)
+CFG = PisaConfig.preset("fast", min_seq_len=0)
 
 
 def inputs(n: int, grad: bool = False, seed: int = 0):

@@ -6,6 +6,7 @@ in one process on the same inputs (GPU only).
 
     python -m benchmarks.bench_select                  # selection ms at 8K..256K
     python -m benchmarks.bench_select --sizes 131072 --tune   # launch-option sweep
+    python -m benchmarks.bench_select --sizes 32768 --tune-rescore   # exact rescoring's
     python -m benchmarks.bench_select --out profiles/select_gpu.json
     python -m pytest benchmarks/bench_select.py --benchmark-enable
 
@@ -25,7 +26,7 @@ from pisa_compile import PisaConfig
 from pisa_compile.kernels import triton_pyramid as tp
 from pisa_compile.kernels import triton_select as ts
 
-CFG = PisaConfig(min_seq_len=0)
+CFG = PisaConfig.preset("fast", min_seq_len=0)
 SIZES = [8192, 16384, 32768, 65536, 131072, 262144]
 # --tune: launch options of the selection kernel (rows per chunk, warps, pipelining stages,
 # register cap). Default: 64 rows, 4 warps, Triton's stages, no cap (~255 registers).
@@ -41,6 +42,20 @@ TUNE = {
     "rb64_w4_unroll": dict(row_block=64, num_warps=4, unroll=True),
     "rb64_w4_unroll_r168": dict(row_block=64, num_warps=4, unroll=True, maxnreg=168),
     "rb128_w8_unroll": dict(row_block=128, num_warps=8, unroll=True),
+}
+
+# --tune-rescore: launch options of the exact rescoring kernel, on a 32-leaf shortlist (the
+# setting the recorded sweep used; the defaults score 64 leaves per 16-query tile).
+RESCORE_CFG = PisaConfig.preset("fast", min_seq_len=0, leaf_scoring="exact", beam=60,
+                                 shortlist=32)
+TUNE_RESCORE = {
+    "rb64_w4": dict(row_block=64, num_warps=4),
+    "rb64_w4_s1": dict(row_block=64, num_warps=4, num_stages=1),
+    "rb64_w4_s3": dict(row_block=64, num_warps=4, num_stages=3),
+    "rb64_w4_kb32": dict(row_block=64, num_warps=4, key_block=32),
+    "rb128_w8": dict(row_block=128, num_warps=8),
+    "rb128_w8_s3": dict(row_block=128, num_warps=8, num_stages=3),
+    "rb128_w4": dict(row_block=128, num_warps=4),
 }
 
 
@@ -87,7 +102,7 @@ def _ms(fn):
     return triton.testing.do_bench(fn, warmup=25, rep=100)
 
 
-def run(sizes, out_path=None, tune=False):
+def run(sizes, out_path=None, tune=False, tune_rescore=False):
     res = {"command": " ".join(sys.argv), "device": torch.cuda.get_device_name(),
            "torch": torch.__version__, "shape": "B=1 Hq=32 Hkv=8 D=128 bf16 causal",
            "config": dict(block_size=CFG.block_size, top_k=CFG.top_k, query_tile=CFG.query_tile,
@@ -109,6 +124,16 @@ def run(sizes, out_path=None, tune=False):
                     row[f"select_{name}_diff_frac"] = float(diff)
                 except Exception as e:  # noqa: BLE001 (resource limits on some configs)
                     row[f"select_{name}_ms"] = repr(e)[:80]
+        if tune_rescore:
+            ref_idx = pisa_select(q, k, RESCORE_CFG)[0]
+            for name, kw in TUNE_RESCORE.items():
+                try:
+                    row[f"rescore_{name}_ms"] = _ms(
+                        lambda: pisa_select(q, k, RESCORE_CFG, rescore=kw))
+                    diff = (pisa_select(q, k, RESCORE_CFG, rescore=kw)[0] != ref_idx)
+                    row[f"rescore_{name}_diff_frac"] = float(diff.any(-1).float().mean())
+                except Exception as e:  # noqa: BLE001 (resource limits on some configs)
+                    row[f"rescore_{name}_ms"] = repr(e)[:80]
         try:
             row["flat_select_ms"] = _ms(lambda: flat_select(q, k))
         except torch.OutOfMemoryError:
@@ -163,5 +188,6 @@ if __name__ == "__main__":
     ap.add_argument("--sizes", type=int, nargs="*", default=SIZES)
     ap.add_argument("--out", default=None)
     ap.add_argument("--tune", action="store_true")
+    ap.add_argument("--tune-rescore", action="store_true")
     a = ap.parse_args()
-    run(a.sizes, a.out, a.tune)
+    run(a.sizes, a.out, a.tune, a.tune_rescore)

@@ -45,11 +45,17 @@ import torch
 from pisa_compile import PisaConfig, pisa_attention
 from pisa_compile.samples import stdlib_files
 
-__all__ = ["CANDIDATES", "Case", "needle_cases", "loss_windows", "evaluate", "main"]
+__all__ = ["CANDIDATES", "candidate_config", "Case", "needle_cases", "loss_windows", "evaluate",
+           "main"]
 
-# Option sets compared against dense (PisaConfig keys; "defaults" is PisaConfig()).
+# Option sets compared against dense: PisaConfig keys over the "fast" preset (the defaults
+# these names were first measured with), or over the preset a "preset" key names. "defaults"
+# is PisaConfig() itself (plain SDPA below its min_seq_len); "quality" is the defaults'
+# selection from 2048 keys on.
 CANDIDATES: dict[str, dict] = {
-    "defaults": {},
+    "defaults": {"preset": "quality"},
+    "quality": {"preset": "quality", "min_seq_len": 2048},
+    "fast": {},
     "exact": {"leaf_scoring": "exact"},
     "exact_tq16_k32": {"leaf_scoring": "exact", "query_tile": 16, "top_k": 32},
     "exact_tq16_k32_beam128": {"leaf_scoring": "exact", "query_tile": 16, "top_k": 32,
@@ -68,15 +74,37 @@ CANDIDATES: dict[str, dict] = {
     "exact_tq4_k32": {"leaf_scoring": "exact", "query_tile": 4, "top_k": 32},
     "pooled_tq16_k32_beam128": {"query_tile": 16, "top_k": 32, "beam": 128},
     "exact_tq1": {"leaf_scoring": "exact", "query_tile": 1},
-    # Box bounds rank, exact scores pick: the pyramid's pruning on bounds (beam 64), and a
-    # pool that holds every leaf up to 32K (beam 256: the flat oracle's 0.98 at 8K). Until the
-    # Triton selection takes bound_block, these run the PyTorch reference selection on CUDA
-    # (it warns), so their prefill times are not PISA's cost.
+    # Box bounds rank, exact scores pick: the pyramid's pruning on bounds. beam 60 is the
+    # widest beam whose pool stays 128 wide (pool_size: pow2(2 * (beam + 4 forced)));
+    # beam 256 holds every leaf up to 32K (the flat oracle's 0.98 at 8K).
     "bound16_short64": {"leaf_scoring": "exact", "bound_block": 16, "shortlist": 64,
                         "beam": 64},
     "bound16_short64_beam256": {"leaf_scoring": "exact", "bound_block": 16, "shortlist": 64,
                                 "beam": 256},
+    "bound16_b60": {"bound_block": 16, "beam": 60},
+    "bound16_b60_s32": {"leaf_scoring": "exact", "bound_block": 16, "beam": 60,
+                        "shortlist": 32},
+    "bound16_b60_s64": {"leaf_scoring": "exact", "bound_block": 16, "beam": 60,
+                        "shortlist": 64},
+    "bound8_b60_s32": {"leaf_scoring": "exact", "bound_block": 8, "beam": 60,
+                       "shortlist": 32},
+    "bound64_b60_s32": {"leaf_scoring": "exact", "bound_block": 64, "beam": 60,
+                        "shortlist": 32},
+    "exact_b60_s32": {"leaf_scoring": "exact", "beam": 60, "shortlist": 32},
+    "bound16_k32_b60_s64": {"leaf_scoring": "exact", "bound_block": 16, "top_k": 32,
+                            "beam": 60, "shortlist": 64},
+    "bound16_tq16_b60_s64": {"leaf_scoring": "exact", "bound_block": 16, "query_tile": 16,
+                             "beam": 60, "shortlist": 64},
+    "exact_b60": {"leaf_scoring": "exact", "beam": 60},
 }
+
+
+def candidate_config(name: str) -> PisaConfig:
+    """The :class:`PisaConfig` of ``CANDIDATES[name]`` (its keys over its preset)."""
+    opts = dict(CANDIDATES[name])
+    return PisaConfig.preset(opts.pop("preset", "fast"), **opts)
+
+
 # Block-level ceilings: a flat exact scan (every visible leaf scored by the LSE of its keys,
 # no pyramid) with the defaults' budget of blocks, per query tile of 64 and per query; and
 # the same scan over a shortlist ranked by the tile's mean query (the ranking a fast kernel
@@ -637,12 +665,12 @@ def main(argv=None) -> int:
     if unknown:
         ap.error(f"--ceilings: unknown {unknown}; expected some of {list(CEILINGS)}")
     model, tok = load_gguf(args.gguf)
-    configs = {c: PisaConfig(**CANDIDATES[c]) for c in args.configs}
+    configs = {c: candidate_config(c) for c in args.configs}
     ceilings = {}
     for c in args.ceilings:
         opts = dict(CEILINGS[c])
         oracle = {key: opts.pop(key) for key in ORACLE_KEYS if key in opts}
-        ceilings[c] = (PisaConfig(**opts), oracle)
+        ceilings[c] = (PisaConfig.preset("fast", **opts), oracle)
     meta = {"model": args.gguf.rsplit("/", 1)[-1], "repeats": args.repeats,
             "retrieval_method": "prefill the prompt, then the answer token by token through "
                                 "the KV cache (greedy generate()'s outcome)",

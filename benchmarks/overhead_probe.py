@@ -17,7 +17,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from pisa_compile import PisaConfig, pisa_attention
 
-CFG = PisaConfig(min_seq_len=0)
+CFG = PisaConfig.preset("fast", min_seq_len=0)
 
 
 def profile_tables(fn, repeats: int, sorts=(("self_cpu_time_total", 14),

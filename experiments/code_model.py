@@ -130,8 +130,9 @@ def load_checkpoint(path: Path = CHECKPOINT, device: str = "cpu") -> CodeModel:
     blob = torch.load(path, map_location="cpu", weights_only=True)
     model = CodeModel(CodeModelConfig(**blob["config"]))
     model.load_state_dict({k: v.float() for k, v in blob["state_dict"].items()})
-    # The PISA options it was trained with: compile it with these (the demo does).
-    model.pisa_options = dict(blob.get("pisa_options", {}))
+    # The PISA options it was trained with: compile it with these (the demo does). Saved as
+    # changes to the defaults of their day, the "fast" preset, unless they name a preset.
+    model.pisa_options = {"preset": "fast", **dict(blob.get("pisa_options", {}))}
     return model.to(device).eval()
 
 
@@ -483,9 +484,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--train-bytes", type=int, default=64 << 20)
     ap.add_argument("--out", default="code_model.json")
     ap.add_argument("--checkpoint", default=None, help="where to save the PISA model")
-    ap.add_argument("--options", default="{}",
+    ap.add_argument("--options", default='{"preset": "fast"}',
                     help='PISA options (JSON) for training and evaluating with PISA, e.g. '
-                         '\'{"local_blocks": 8}\'')
+                         '\'{"preset": "fast", "local_blocks": 8}\'')
     ap.add_argument("--mode", default=None,
                     help="torch.compile mode of both runs, e.g. reduce-overhead (CUDA graphs)")
     ap.add_argument("--dense-warmup-steps", type=int, default=0,

@@ -25,14 +25,15 @@ import torch
 
 from experiments import code_model as cm
 
+# Options over the "fast" preset (the defaults these runs were made with).
 CANDIDATES = {
-    "default": {},
-    "local_blocks=8": {"local_blocks": 8},
-    "exact leaves": {"leaf_scoring": "exact"},
-    "query_tile=16": {"query_tile": 16},
-    "local_blocks=8, exact, query_tile=16": {"local_blocks": 8, "leaf_scoring": "exact",
-                                             "query_tile": 16},
-    "block 32, top_k 32, local_blocks=16": {"block_size": 32, "top_k": 32,
+    "default": {"preset": "fast"},
+    "local_blocks=8": {"preset": "fast", "local_blocks": 8},
+    "exact leaves": {"preset": "fast", "leaf_scoring": "exact"},
+    "query_tile=16": {"preset": "fast", "query_tile": 16},
+    "local_blocks=8, exact, query_tile=16": {"preset": "fast", "local_blocks": 8,
+                                             "leaf_scoring": "exact", "query_tile": 16},
+    "block 32, top_k 32, local_blocks=16": {"preset": "fast", "block_size": 32, "top_k": 32,
                                             "local_blocks": 16},
 }
 def evaluate_options(model, candidates: dict, held, length: int, lengths: list, device: str,

@@ -257,8 +257,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if code:
         # The reference kernel on every device: the flat variants' pools (every leaf) are
         # beyond the Triton kernel's register budget; selection times are the reference's.
-        base = PisaConfig(block_size=block, top_k=top_k, query_tile=64, min_seq_len=0,
-                          kernel="reference")
+        base = PisaConfig.preset("fast", block_size=block, top_k=top_k, min_seq_len=0,
+                                 kernel="reference")
         for n in lengths:  # reported one by one: long lengths are slow (the ceiling is dense)
             layers = code_model_qk(n, args.checkpoint, args.device)
             title = (f"Selection quality, trained code model ({len(layers)} layers x "
@@ -268,7 +268,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             groups[label] = run_study(layers, base, top_k, is_causal=True, query_tiles=tiles)
             report(label, groups[label])
     else:
-        base = PisaConfig(block_size=block, top_k=top_k, query_tile=16, min_seq_len=0)
+        base = PisaConfig.preset("fast", block_size=block, top_k=top_k, query_tile=16,
+                                 min_seq_len=0)
         layers = minilm_qk(n_texts=args.texts)
         N = layers[0][1].shape[2]
         title = (f"Selection quality, MiniLM-L6 (6 layers x 12 heads, {args.texts} texts x {N} "

@@ -4,12 +4,12 @@ Public API: :class:`PisaConfig`, :func:`pisa_attention`, :func:`select_blocks`, 
 :func:`explain`, :func:`profile`, :mod:`metrics`.
 """
 
-from .config import PisaConfig
+from .config import PRESETS, PisaConfig
 from .ops import pisa_attention, plan, select_blocks
 from .lowering import explain
 from .profiling import profile
 from . import metrics
 from ._version import __version__
 
-__all__ = ["PisaConfig", "pisa_attention", "select_blocks", "plan", "explain", "profile",
+__all__ = ["PisaConfig", "PRESETS", "pisa_attention", "select_blocks", "plan", "explain", "profile",
            "metrics"]

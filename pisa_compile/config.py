@@ -10,7 +10,7 @@ from typing import Any, Mapping, Optional
 
 from .kernels.dispatch import KERNELS  # the implementations plan() chooses from
 
-__all__ = ["PisaConfig", "split_options"]
+__all__ = ["PisaConfig", "PRESETS", "split_options"]
 
 LEAF_SCORINGS = ("pooled", "exact")
 
@@ -38,30 +38,42 @@ def _check_int(name: str, value: int, lo: int, hi: Optional[int] = None,
 class PisaConfig:
     """Options of PISA (Pyramid Top-K Sparse Attention); see ``DESIGN.md``, "The algorithm".
 
+    The defaults are the ``"quality"`` preset, chosen on Qwen2.5-Coder-0.5B (H200, 45 needle
+    cases per length, ``profiles/eval_llm_bound.json``): the same retrieval as dense SDPA at
+    4K, 8K and 16K. ``PisaConfig.preset("fast")`` is the earlier, cheaper selection (pooled
+    leaves, 64-query tiles), which loses most needles past 4K on that model. ``README.md``
+    ("Presets") gives both presets' measured quality and cost.
+
     Args:
         block_size: keys per leaf block ``C`` (power of two, 4..1024). Default 64.
         top_k: scored leaf blocks each query tile attends, on top of the forced blocks (>= 1).
         branching: children per pyramid node ``g`` (2..16).
-        beam: nodes kept per pyramid level; ``None`` means ``top_k``. Must be >= ``top_k``.
+        beam: nodes kept per pyramid level (>= 1), raised to ``top_k`` if smaller; ``None``
+            means ``top_k``. Default 60: the widest beam whose candidate pool stays 128 wide
+            with the default forced leaves (``pow2(g * (beam + forced))``).
         sink_blocks: leading leaf blocks every tile attends (>= 0), counted from the leaf of
             the row's first key that ``key_mask`` lets through (left padding is skipped).
         local_blocks: leaf blocks holding the tile's own positions, plus ``local_blocks - 1``
             before them, always attended in self-attention (>= 0; causal needs >= 1).
         query_tile: consecutive queries ``Tq`` that share one selection (power of two, 1..1024).
-            A tile has ``Tq * G`` rows (``G`` query heads per KV head).
+            A tile has ``Tq * G`` rows (``G`` query heads per KV head). Default 16.
         leaf_scoring: ``"pooled"`` (``scale*q.mu + log n``) or ``"exact"`` (LSE over the
-            leaf's visible keys).
-        shortlist: with ``leaf_scoring="exact"``: ``None`` scores every candidate leaf of the
-            pool exactly; an int ``M >= top_k`` scores all of them pooled first and only the
-            ``M`` best exactly (a wide ``beam`` at the cost of ``M`` exact leaves). With an
-            explicit mask, partly visible leaves are scored exactly on top of the ``M``.
+            leaf's visible keys, the default).
+        shortlist: with ``leaf_scoring="exact"``: an int ``M >= 1`` scores the pool's leaves
+            roughly first (pooled, or box bounds with ``bound_block``) and only the
+            ``max(M, top_k)`` best exactly; ``None`` scores every candidate leaf exactly.
+            Unused with pooled scoring. With an explicit mask, partly visible leaves are
+            scored exactly on top of the ``M``. Default 64.
         bound_block: ``None`` ranks pyramid nodes (and the shortlist, and pooled leaf picks)
-            by pooled mean keys. An int ``S`` (power of two, ``<= block_size``) ranks them by
-            upper bounds of their logits instead: per-channel key boxes (Quest's page bounds)
-            of every node, and for leaves the LSE over their ``S``-key sub-blocks' bounds.
-            A mean dilutes a one-line needle 64-fold; a bound keeps it (DESIGN.md "Bound
-            scores"). Both selections implement it; its GPU cost is not measured yet.
-        min_seq_len: below this many keys the op is plain SDPA (>= 0).
+            by pooled mean keys. An int ``S`` (power of two, capped at ``block_size``) ranks
+            them by upper bounds of their logits instead: per-channel key boxes (Quest's page
+            bounds) of every node, and for leaves the LSE over their ``S``-key sub-blocks'
+            bounds. A mean dilutes a one-line needle 64-fold; a bound keeps it (DESIGN.md
+            "Bound scores"). Default 16.
+        min_seq_len: below this many keys the op is plain SDPA (>= 0). Default 32768: from
+            there the default selection pays in training (forward+backward 2.2x faster than
+            dense at 32K on the standard shape, H200); its forward pays from about 48K (0.8x
+            dense's speed at 32K, 1.4x at 64K).
         kernel: ``"auto"`` (Triton on CUDA, reference elsewhere), ``"triton"`` (also the
             Triton interpreter on CPU, for tests) or ``"reference"`` (PyTorch only).
 
@@ -72,14 +84,14 @@ class PisaConfig:
     block_size: int = 64
     top_k: int = 16
     branching: int = 2
-    beam: Optional[int] = None
+    beam: Optional[int] = 60
     sink_blocks: int = 1
     local_blocks: int = 2
-    query_tile: int = 64
-    leaf_scoring: str = "pooled"
-    shortlist: Optional[int] = None
-    bound_block: Optional[int] = None
-    min_seq_len: int = 2048
+    query_tile: int = 16
+    leaf_scoring: str = "exact"
+    shortlist: Optional[int] = 64
+    bound_block: Optional[int] = 16
+    min_seq_len: int = 32768
     kernel: str = "auto"
 
     def __post_init__(self) -> None:
@@ -94,10 +106,6 @@ class PisaConfig:
         _check_int("branching", self.branching, 2, 16)
         if self.beam is not None:
             _check_int("beam", self.beam, 1)
-            if self.beam < self.top_k:
-                raise ValueError(
-                    f"PisaConfig.beam must be None or >= top_k ({self.top_k}), got {self.beam}"
-                )
         _check_int("sink_blocks", self.sink_blocks, 0)
         _check_int("local_blocks", self.local_blocks, 0)
         _check_int("query_tile", self.query_tile, 1, 1024, pow2=True)
@@ -107,20 +115,47 @@ class PisaConfig:
                 f"PisaConfig.leaf_scoring must be one of {LEAF_SCORINGS}, got {self.leaf_scoring!r}"
             )
         if self.shortlist is not None:
-            _check_int("shortlist", self.shortlist, self.top_k)
-            if self.leaf_scoring != "exact":
-                raise ValueError("PisaConfig.shortlist needs leaf_scoring='exact' (it picks "
-                                 f"the leaves scored exactly), got leaf_scoring="
-                                 f"{self.leaf_scoring!r}")
+            _check_int("shortlist", self.shortlist, 1)
         if self.bound_block is not None:
-            _check_int("bound_block", self.bound_block, 1, self.block_size, pow2=True)
+            _check_int("bound_block", self.bound_block, 1, 1024, pow2=True)
         if self.kernel not in KERNELS:
             raise ValueError(f"PisaConfig.kernel must be one of {KERNELS}, got {self.kernel!r}")
 
     @property
     def effective_beam(self) -> int:
-        """``beam``, with ``None`` resolved to ``top_k``."""
-        return self.top_k if self.beam is None else self.beam
+        """``beam`` as the selection uses it: ``None`` is ``top_k``, and never below ``top_k``
+        (the leaf level picks ``top_k`` among the children of the kept nodes)."""
+        return self.top_k if self.beam is None else max(self.beam, self.top_k)
+
+    @property
+    def effective_shortlist(self) -> int:
+        """Leaves scored exactly per tile: 0 for all candidates (``shortlist=None``) and for
+        pooled scoring (no exact scores), else ``max(shortlist, top_k)``."""
+        if self.leaf_scoring != "exact" or self.shortlist is None:
+            return 0
+        return max(self.shortlist, self.top_k)
+
+    @property
+    def effective_bound_block(self) -> int:
+        """``bound_block`` capped at ``block_size`` (a whole leaf's box), 0 for ``None``."""
+        return 0 if self.bound_block is None else min(self.bound_block, self.block_size)
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> "PisaConfig":
+        """A named option set (:data:`PRESETS`) with ``overrides`` applied.
+
+        ``"quality"`` is the defaults. ``"fast"`` is pooled leaves with 64-query tiles and
+        ``beam = top_k`` from ``2048`` keys: about 7x cheaper than ``"quality"`` at 32K-128K
+        (standard shape, H200) but it loses needles on a pretrained LLM (README "Presets").
+
+        Raises:
+            ValueError: ``name`` is not a preset (the message lists them), or an override's
+                value is out of range. TypeError: an override is not a field.
+        """
+        if name not in PRESETS:
+            raise ValueError(f"PisaConfig.preset: unknown preset {name!r}; expected one of "
+                             f"{sorted(PRESETS)}")
+        return cls(**{**PRESETS[name], **overrides})
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
@@ -128,9 +163,13 @@ class PisaConfig:
 
     @classmethod
     def from_options(cls, options: Optional[Mapping[str, Any]]) -> "PisaConfig":
-        """Build a config from the PISA keys of ``options``; other keys are ignored here."""
+        """Build a config from the PISA keys of ``options`` (``"preset"`` first, then the
+        fields over it); other keys are ignored here."""
         options = options or {}
-        return cls(**{k: v for k, v in options.items() if k in cls.field_names()})
+        fields = {k: v for k, v in options.items() if k in cls.field_names()}
+        if "preset" in options:
+            return cls.preset(options["preset"], **fields)
+        return cls(**fields)
 
     def replace(self, **changes: Any) -> "PisaConfig":
         """A copy with ``changes`` applied (validated again)."""
@@ -139,10 +178,11 @@ class PisaConfig:
     def selection_args(self) -> tuple:
         """The selection options in the order of the ``pisa::select_blocks`` schema:
         ``block_size, top_k, branching, beam (resolved), sink_blocks, local_blocks,
-        query_tile, leaf_scoring, shortlist, bound_block`` (``None`` as 0)."""
+        query_tile, leaf_scoring, shortlist, bound_block`` (resolved: ``effective_*``,
+        0 for none)."""
         return (self.block_size, self.top_k, self.branching, self.effective_beam,
                 self.sink_blocks, self.local_blocks, self.query_tile, self.leaf_scoring,
-                self.shortlist or 0, self.bound_block or 0)
+                self.effective_shortlist, self.effective_bound_block)
 
     def attention_options(self) -> dict:
         """``block_size`` and ``query_tile``: what the attention kernels need to read a
@@ -156,12 +196,21 @@ class PisaConfig:
         return dict(zip(names, self.selection_args()))
 
 
+# Named option sets (PisaConfig.preset, or options={"preset": name} in torch.compile).
+PRESETS: dict[str, dict] = {
+    "quality": {},
+    "fast": dict(beam=None, query_tile=64, leaf_scoring="pooled", shortlist=None,
+                 bound_block=None, min_seq_len=2048),
+}
+
+
 def split_options(options: Optional[Mapping[str, Any]] = None,
                   mode: Optional[str] = None) -> tuple[PisaConfig, dict]:
     """Split ``torch.compile``'s ``options=``/``mode=`` into a config and Inductor patches.
 
     Args:
-        options: PisaConfig keys (validated by :class:`PisaConfig`) and/or any
+        options: ``"preset"`` (a :data:`PRESETS` name), PisaConfig keys (validated by
+            :class:`PisaConfig`, applied over the preset) and/or any
             ``torch._inductor.config`` key (``-`` may stand for ``_``), as ``torch.compile``
             passes them unvalidated.
         mode: a ``torch.compile`` mode, mapped with ``torch._inductor.list_mode_options``.
@@ -186,7 +235,7 @@ def split_options(options: Optional[Mapping[str, Any]] = None,
             raise ValueError(f"unknown mode {mode!r} for backend 'pisa': valid modes are "
                              f"{sorted(modes)}")
         patches.update(list_mode_options(mode))
-    pisa_keys = PisaConfig.field_names()
+    pisa_keys = ("preset",) + PisaConfig.field_names()
     known = inductor_config.get_config_copy()
     pisa: dict = {}
     for key, value in (options or {}).items():

@@ -244,7 +244,7 @@ def plan(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None,
     config = _config(config)
     return dispatch.plan(q, k, v, _mask4(attn_mask), is_causal, kernel=config.kernel,
                          min_seq_len=config.min_seq_len, local_blocks=config.local_blocks,
-                         bound_block=config.bound_block or 0)
+                         bound_block=config.effective_bound_block)
 
 
 def pisa_attention(

@@ -23,9 +23,9 @@ PROG = "python -m pisa_compile profile"
 MINILM_MAX_POSITIONS = 512
 # Per-model defaults: lengths, and options when --options is not given.
 DEFAULTS = {
-    "llama": {"lengths": "1024,2048,4096", "options": {}},
-    # MiniLM stops at 512 positions, below PISA's default min_seq_len (2048): use the demo's
-    # sparse setting so the sparse path runs.
+    # Both below PISA's default min_seq_len (32768): lower it
+    # so the sparse path runs. MiniLM stops at 512 positions: the demo's sparse setting.
+    "llama": {"lengths": "1024,2048,4096", "options": {"min_seq_len": 0}},
     "minilm": {"lengths": "128,256,512",
                "options": {"min_seq_len": 0, "block_size": 16, "top_k": 4, "query_tile": 16}},
 }

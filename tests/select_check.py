@@ -40,7 +40,7 @@ def reference_trace(q, k, is_causal, scale, config, key_mask=None, causal_offset
                           causal_offset)
     sel = ref._Select(config.top_k, config.branching, config.effective_beam, config.sink_blocks,
                       config.local_blocks, config.leaf_scoring == "exact",
-                      config.shortlist or 0, config.bound_block or 0)
+                      config.effective_shortlist, config.effective_bound_block)
     g, beam, top_k = config.branching, config.effective_beam, config.top_k
     dev = q.device
     states, key_live = ref.leaf_states(p)
@@ -48,9 +48,9 @@ def reference_trace(q, k, is_causal, scale, config, key_mask=None, causal_offset
     mus, counts = ref.build_pyramid(k.float(), key_live.to(dev), *_pyramid_args(config))
     flags = ref._node_flags(states, g, len(mus))
     boxes = None
-    if config.bound_block:  # rough scores are box bounds (no float bias here: sub_bias None)
+    if config.effective_bound_block:  # box bounds rank (no float bias here: sub_bias None)
         boxes = ref.build_boxes(k.float(), key_live.to(dev), config.block_size,
-                                config.bound_block, g, counts)
+                                config.effective_bound_block, g, counts)
     n_forced = min(config.sink_blocks, p.L) + local_bound(config.local_blocks,
                                                            config.query_tile, config.block_size)
     e_max = n_forced + beam

@@ -103,7 +103,8 @@ def sparse_configs(draw) -> PisaConfig:
         local_blocks=draw(st.integers(1, 2)),
         query_tile=draw(st.sampled_from([1, 4, 16, 32])),
         leaf_scoring=draw(st.sampled_from(["pooled", "exact"])),
-        bound_block=draw(st.sampled_from([None, None, 1, 4])),
+        shortlist=draw(st.sampled_from([None, 2, 64])),
+        bound_block=draw(st.sampled_from([None, None, 1, 4, 16])),
         min_seq_len=0,
         kernel="reference",
     )

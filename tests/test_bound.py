@@ -40,9 +40,9 @@ def test_unit_sub_blocks_are_exact_leaf_scores(causal):
     base = dict(block_size=32, top_k=4, query_tile=16, beam=32, min_seq_len=0,
                 kernel="reference")
     want = select_blocks(q, k, is_causal=causal, enable_gqa=True,
-                         config=PisaConfig(**base, leaf_scoring="exact"))
+                         config=PisaConfig.preset("fast", **base, leaf_scoring="exact"))
     got = select_blocks(q, k, is_causal=causal, enable_gqa=True,
-                        config=PisaConfig(**base, bound_block=1))
+                        config=PisaConfig.preset("fast", **base, bound_block=1))
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
@@ -87,7 +87,8 @@ def test_bounds_keep_a_needle_that_pooled_means_lose(beam):
         n = 0
         for seed in range(20):
             q, k, leaf = _needle(seed)
-            cfg = PisaConfig(top_k=4, beam=beam, min_seq_len=0, kernel="reference", **kw)
+            cfg = PisaConfig.preset("fast", top_k=4, beam=beam, min_seq_len=0,
+                                    kernel="reference", **kw)
             idx, _ = select_blocks(q, k, is_causal=True, enable_gqa=True, scale=0.5, config=cfg)
             n += leaf in idx[0, 0, -1].tolist()
         return n
@@ -101,8 +102,7 @@ def test_bound_block_is_validated_and_planned_on_the_reference():
     """Config validation; both selections take the option: ``dispatch.plan`` keeps the fused
     Triton selection, which selects what the reference does (more cases, level by level:
     ``tests/test_triton_select.py``)."""
-    with pytest.raises(ValueError, match="bound_block must be a power of two in \\[1, 64\\]"):
-        PisaConfig(bound_block=128)
+    assert PisaConfig(bound_block=128).selection_options()["bound_block"] == 64  # a leaf
     with pytest.raises(ValueError, match="bound_block must be a power of two"):
         PisaConfig(bound_block=3)
     q = torch.randn(1, 2, 64, 16, generator=torch.Generator().manual_seed(0))

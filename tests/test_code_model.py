@@ -54,7 +54,8 @@ def test_train_evaluate_and_checkpoint(attention, tmp_path):
     path = tmp_path / "m.pt"
     cm.save_checkpoint(model, path, SPARSE if attention == "pisa" else None)
     back = cm.load_checkpoint(path)
-    assert back.pisa_options == (SPARSE if attention == "pisa" else {})
+    # Saved options are changes to the "fast" preset (the defaults they were written for).
+    assert back.pisa_options == {"preset": "fast", **(SPARSE if attention == "pisa" else {})}
     ids = torch.randint(0, 256, (1, 64))
     with torch.no_grad():  # the weights round to bf16; the RoPE buffer is rebuilt in fp32
         for prm in model.parameters():
@@ -158,5 +159,6 @@ def test_shipped_checkpoint_loads_with_its_options():
     model = cm.load_checkpoint()
     assert model.cfg == cm.CodeModelConfig(**record["config"])
     assert sum(p.numel() for p in model.parameters()) == record["runs"]["pisa"]["n_params"]
-    assert model.pisa_options == record["runs"]["pisa"]["options"] != {}
+    assert record["runs"]["pisa"]["options"] != {}
+    assert model.pisa_options == {"preset": "fast", **record["runs"]["pisa"]["options"]}
     assert cm.CHECKPOINT.stat().st_size < 20 * 10**6

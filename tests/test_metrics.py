@@ -26,9 +26,13 @@ def _needle(N: int, C: int, needle_block: int, G: int, seed: int):
 def test_planted_needle_is_always_selected(n_blocks, data, seed, G, tile, scoring):
     C = 8
     needle = data.draw(st.integers(1, n_blocks - 1))
-    cfg = PisaConfig(block_size=C, top_k=2, query_tile=tile, sink_blocks=0, local_blocks=1,
-                     leaf_scoring=scoring, min_seq_len=0)
+    opts = dict(block_size=C, top_k=2, query_tile=tile, sink_blocks=0, local_blocks=1,
+                min_seq_len=0)
     q, k = _needle(n_blocks * C, C, needle, G, seed)
+    # The defaults' selection (box bounds, exact shortlist) keeps the needle too.
+    bi, _ = select_blocks(q, k, enable_gqa=True, config=PisaConfig(**opts))
+    assert bool((bi == needle).any(-1).all()), "the defaults missed the dominant block"
+    cfg = PisaConfig.preset("fast", leaf_scoring=scoring, **opts)
     bi, bc = select_blocks(q, k, enable_gqa=True, config=cfg)
     assert bool((bi == needle).any(-1).all()), "the dominant block was missed by some tile"
     quality = selection_recall(q, k, cfg)

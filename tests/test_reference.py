@@ -230,7 +230,9 @@ def test_device_mix_is_rejected():
     ("block_size", 48, "block_size must be a power of two"),
     ("top_k", 0, "top_k must be >= 1"),
     ("branching", 1, "branching must be in"),
-    ("beam", 2, "beam must be None or >= top_k"),
+    ("beam", 0, "beam must be >= 1"),
+    ("shortlist", 0, "shortlist must be >= 1"),
+    ("bound_block", 3, "bound_block must be a power of two"),
     ("query_tile", 3, "query_tile must be a power of two"),
     ("leaf_scoring", "max", "leaf_scoring must be one of"),
     ("kernel", "cuda", "kernel must be one of"),
@@ -242,13 +244,28 @@ def test_config_errors_name_the_field(field, value, match):
         PisaConfig(**{field: value})
 
 
-def test_shortlist_needs_exact_leaves_and_top_k_entries():
-    with pytest.raises(ValueError, match="shortlist must be >= 16"):
-        PisaConfig(leaf_scoring="exact", top_k=16, shortlist=8)
-    with pytest.raises(ValueError, match="shortlist needs leaf_scoring='exact'"):
-        PisaConfig(leaf_scoring="pooled", shortlist=32)
-    assert PisaConfig(leaf_scoring="exact", top_k=16, shortlist=16).selection_options()[
-        "shortlist"] == 16
+def test_option_values_resolve_against_top_k_and_block_size():
+    """beam and shortlist never go below top_k (a user raising top_k need not raise them),
+    a shortlist means nothing without exact scores, and a sub-block is at most a leaf."""
+    opts = PisaConfig(top_k=100).selection_options()
+    assert (opts["beam"], opts["shortlist"]) == (100, 100)
+    assert PisaConfig(top_k=16, shortlist=8).selection_options()["shortlist"] == 16
+    assert PisaConfig(leaf_scoring="pooled", shortlist=32).selection_options()["shortlist"] == 0
+    assert PisaConfig(shortlist=None).selection_options()["shortlist"] == 0
+    assert PisaConfig(beam=None, top_k=8).selection_options()["beam"] == 8
+    assert PisaConfig(block_size=8).selection_options()["bound_block"] == 8
+    assert PisaConfig(bound_block=None).selection_options()["bound_block"] == 0
+
+
+def test_presets():
+    assert PisaConfig.preset("quality") == PisaConfig()
+    fast = PisaConfig.preset("fast", top_k=8)
+    assert fast.selection_args() == (64, 8, 2, 8, 1, 2, 64, "pooled", 0, 0)
+    assert fast.min_seq_len == 2048
+    with pytest.raises(ValueError, match="unknown preset 'turbo'; expected one of"):
+        PisaConfig.preset("turbo")
+    with pytest.raises(TypeError):
+        PisaConfig.preset("fast", topk=8)
 
 
 def test_causal_needs_a_local_block():

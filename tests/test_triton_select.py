@@ -22,6 +22,8 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
 from pisa_compile import PisaConfig  # noqa: E402
 from pisa_compile.ops import plan  # noqa: E402
 from pisa_compile.kernels import reference as ref  # noqa: E402
@@ -36,6 +38,12 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
 
+def _fast(**kw):
+    """The cases' base: the "fast" preset (pooled leaves, 64-query tiles, beam = top_k), so
+    each case's keys name everything it changes; the defaults' options are spelled out."""
+    return PisaConfig.preset("fast", **kw)
+
+
 def _qk(B, Hkv, G, Nq, Nk, D, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(B, Hkv * G, Nq, D, generator=g).to(dtype)
@@ -47,7 +55,7 @@ def _qk(B, Hkv, G, Nq, Nk, D, dtype, seed=0):
 @pytest.mark.parametrize("g", [2, 3])
 @pytest.mark.parametrize("Nk,use_live", [(203, True), (64, False), (7, False)])
 def test_pyramid_matches_reference(g, Nk, use_live):
-    cfg = PisaConfig(block_size=4, top_k=2, branching=g, min_seq_len=0)
+    cfg = _fast(block_size=4, top_k=2, branching=g, min_seq_len=0)
     k = torch.randn(2, 3, Nk, 20)
     live = torch.rand(2, 1, Nk) > 0.3 if use_live else torch.ones(1, 1, Nk, dtype=torch.bool)
     check_pyramid(k, live, cfg)
@@ -79,6 +87,12 @@ CASES = [
     (1, 2, 3, 130, 130, 16, torch.float16, False, dict(block_size=4, top_k=2, beam=6,
                                                       branching=3, leaf_scoring="exact",
                                                       shortlist=4)),
+    # the rescoring kernel: G = 7 over two row chunks; leaves of two key chunks each
+    (1, 1, 7, 150, 150, 16, torch.float16, True, dict(block_size=4, top_k=2, beam=6,
+                                                     query_tile=16, leaf_scoring="exact",
+                                                     shortlist=4)),
+    (1, 1, 2, 200, 1100, 16, torch.float32, False, dict(block_size=128, top_k=2,
+                                                       leaf_scoring="exact")),
 ]
 
 
@@ -86,7 +100,7 @@ CASES = [
                          f"{'c' if c[7] else 'n'}{str(c[6])[-2:]}")
 def test_select_matches_reference(case):
     B, Hkv, G, Nq, Nk, D, dtype, causal, kw = case
-    cfg = PisaConfig(min_seq_len=0, kernel="triton", **{"query_tile": 4, **kw})
+    cfg = _fast(min_seq_len=0, kernel="triton", **{"query_tile": 4, **kw})
     q, k = _qk(B, Hkv, G, Nq, Nk, D, dtype)
     check_selection(q, k, causal, D ** -0.5, cfg, tol=1e-5 if dtype == torch.float32 else 2e-3)
 
@@ -121,7 +135,7 @@ def test_structured_masks_match_reference(case):
     """Causal offsets and key padding read analytically by the kernel select what the
     reference selects from the same structure."""
     B, G, Nq, Nk, dtype, causal, off, pads, kw = case
-    cfg = PisaConfig(min_seq_len=0, kernel="triton", **{"query_tile": 4, **kw})
+    cfg = _fast(min_seq_len=0, kernel="triton", **{"query_tile": 4, **kw})
     q, k = _qk(B, 1, G, Nq, Nk, 16, dtype, seed=Nq)
     km = _left_padding(B, Nk, pads)
     check_selection(q, k, causal, 0.25, cfg, tol=1e-5 if dtype == torch.float32 else 2e-3,
@@ -131,7 +145,7 @@ def test_structured_masks_match_reference(case):
 def test_padding_is_never_selected_over_real_keys():
     """A padded leaf counts 0 keys: with real leaves left to pick, none is chosen (the leak
     test of the selection)."""
-    cfg = PisaConfig(block_size=4, top_k=3, query_tile=4, local_blocks=1, min_seq_len=0)
+    cfg = _fast(block_size=4, top_k=3, query_tile=4, local_blocks=1, min_seq_len=0)
     q, k = _qk(2, 1, 2, 96, 96, 16, torch.float32, seed=3)
     k[:, :, :40] *= 50  # loud padding keys: they would win if they were scored
     km = _left_padding(2, 96, [40, 40])
@@ -175,7 +189,7 @@ BOUND_CASES = [
                          f"{'p' if c[7] else ''}")
 def test_bound_block_matches_reference(case):
     B, Hkv, G, Nq, Nk, dtype, causal, pads, kw = case
-    cfg = PisaConfig(min_seq_len=0, kernel="triton", **{"query_tile": 4, **kw})
+    cfg = _fast(min_seq_len=0, kernel="triton", **{"query_tile": 4, **kw})
     q, k = _qk(B, Hkv, G, Nq, Nk, 16, dtype, seed=Nk)
     assert plan(q, k, k, None, causal, config=cfg).select == "triton"
     km = None if pads is None else _left_padding(B, Nk, pads)
@@ -189,7 +203,7 @@ def test_bound_block_keeps_non_finite_boxes_first(kw):
     """A NaN key (in a node's box and in one leaf's sub-block) and an inf key: their boxes
     are not finite, so they rank first at every level (as non-finite pooled summaries do),
     and a NaN key nobody sees (padding) reaches no box."""
-    cfg = PisaConfig(min_seq_len=0, kernel="triton", block_size=8, top_k=2, query_tile=4,
+    cfg = _fast(min_seq_len=0, kernel="triton", block_size=8, top_k=2, query_tile=4,
                      beam=3, bound_block=2, **kw)
     q, k = _qk(2, 1, 2, 120, 120, 16, torch.float32, seed=5)
     k[0, 0, 45, 3] = float("nan")
@@ -209,7 +223,7 @@ def test_unrolled_row_chunks_match(case):
     # The unrolled chunk loop (a tuning option) runs the same arithmetic in the same order;
     # rows past the tile's end are masked, so the selection is identical.
     B, Hkv, G, Nq, Nk, D, dtype, causal, kw = case
-    cfg = PisaConfig(min_seq_len=0, kernel="triton", **{"query_tile": 4, **kw})
+    cfg = _fast(min_seq_len=0, kernel="triton", **{"query_tile": 4, **kw})
     q, k = _qk(B, Hkv, G, Nq, Nk, D, dtype)
     opts = cfg.selection_options()
     a = ts.select_blocks(q, k, causal, D ** -0.5, **opts, tuning=dict(row_block=16))
@@ -226,7 +240,7 @@ def test_unrolled_row_chunks_match(case):
 @pytest.mark.parametrize("Nq", [1, 3, 16])
 @pytest.mark.parametrize("G", [1, 4])
 def test_decode(Nq, G):
-    cfg = PisaConfig(block_size=4, top_k=3, query_tile=16, min_seq_len=0)
+    cfg = _fast(block_size=4, top_k=3, query_tile=16, min_seq_len=0)
     q, k = _qk(1, 1, G, Nq, 157, 16, torch.float32, seed=Nq)
     check_selection(q, k, False, 0.25, cfg)
     check_selection(q, k, True, 0.25, cfg)
@@ -234,7 +248,7 @@ def test_decode(Nq, G):
 
 def test_exact_ties_go_to_lower_index():
     # Identical leaves: every score ties, so the lowest node indices must win at every level.
-    cfg = PisaConfig(block_size=4, top_k=2, query_tile=4, min_seq_len=0)
+    cfg = _fast(block_size=4, top_k=2, query_tile=4, min_seq_len=0)
     k = torch.ones(1, 1, 96, 16)
     q = torch.randn(1, 2, 96, 16)
     idx, cnt = ts.select_blocks(q, k, True, 0.25, **cfg.selection_options())
@@ -243,7 +257,7 @@ def test_exact_ties_go_to_lower_index():
 
 
 def test_explicit_mask_plans_the_reference_selection():
-    cfg = PisaConfig(block_size=4, top_k=2, query_tile=4, min_seq_len=0, kernel="triton")
+    cfg = _fast(block_size=4, top_k=2, query_tile=4, min_seq_len=0, kernel="triton")
     q, k = _qk(1, 1, 2, 40, 40, 16, torch.float32)
     mask = torch.rand(1, 1, 40, 40) > 0.3
     how = plan(q, k, k, mask, False, config=cfg)
@@ -255,8 +269,30 @@ def test_explicit_mask_plans_the_reference_selection():
 def test_pool_bound_holds_without_mask():
     # Every expanded node is a forced ancestor, so the pool never drops one: the kernel's pool
     # width is g * (beam + n_forced) rounded up: 2 * (16 + 1 + 3) -> 64.
-    cfg = PisaConfig()
+    cfg = _fast()
     n_forced = cfg.sink_blocks + local_bound(cfg.local_blocks, cfg.query_tile, cfg.block_size)
     assert n_forced == 4
     assert ts.pool_size(cfg.branching, cfg.effective_beam, n_forced) == 64
     assert ts.pool_size(3, cfg.effective_beam, n_forced) == 64
+    # The defaults: beam 60 is the widest whose pool stays 128 wide: 2 * (60 + 1 + 3).
+    cfg = PisaConfig()
+    n_forced = cfg.sink_blocks + local_bound(cfg.local_blocks, cfg.query_tile, cfg.block_size)
+    assert (n_forced, ts.pool_size(cfg.branching, cfg.effective_beam, n_forced)) == (4, 128)
+
+
+@settings(max_examples=10, deadline=None)
+@given(G=st.sampled_from([1, 3, 7]), Nk=st.integers(40, 260), extra_q=st.integers(0, 30),
+       causal=st.booleans(), pad=st.integers(0, 35), shortlist=st.sampled_from([2, 5, 64]),
+       bound_block=st.sampled_from([1, 2, 8]), seed=st.integers(0, 2**31 - 1))
+def test_default_style_selection_matches_reference(G, Nk, extra_q, causal, pad, shortlist,
+                                                   bound_block, seed):
+    """The defaults' kind of selection, scaled down: box-bound ranking through a wide beam, an
+    exact-scored shortlist (the rescoring kernel) and 4-query tiles, over GQA groups up to 7,
+    ragged lengths, a KV-cache offset (Nq < Nk) and left padding; level by level."""
+    Nq = max(1, Nk - extra_q)
+    cfg = PisaConfig(block_size=8, top_k=2, beam=5, query_tile=4, shortlist=shortlist,
+                     bound_block=bound_block, min_seq_len=0, kernel="triton")
+    q, k = _qk(2, 1, G, Nq, Nk, 16, torch.float32, seed=seed % 1000)
+    km = _left_padding(2, Nk, [0, min(pad, Nk - 1)])
+    check_selection(q, k, causal, 0.25, cfg, key_mask=km,
+                    causal_offset=Nk - Nq if causal else 0)

@@ -467,7 +467,7 @@ def select_blocks(q: Tensor, k: Tensor, attn_mask: Optional[Tensor], is_causal: 
     M = block_width(p.Nk, block_size, top_k, sink_blocks, local_blocks, query_tile)
     n_forced = min(sink_blocks, p.L) + local_bound(local_blocks, query_tile, block_size)
     e_max = n_forced + beam  # expanded nodes kept per level; past it the excess is dropped
-    P = g * (beam + e_max)
+    P = min(g * (beam + e_max), p.L)  # pool width: never more than the widest level
     R = p.G * p.Tq
 
     # Rows of each tile: [B, Hkv, T, R, D] with row r = (head g_, query i).
@@ -483,7 +483,7 @@ def select_blocks(q: Tensor, k: Tensor, attn_mask: Optional[Tensor], is_causal: 
         per_tile += 4 * P * (p.C // bound_block) * (R + p.D)
     for t0, t1 in _tile_chunks(p.T, p.B * p.Hkv * per_tile):
         idx, cnt = _select_chunk(p, sel, q_rows[:, :, t0:t1].float(), k, mus, counts, biases,
-                                 flags, states, t0, t1, scale, P, e_max, M, boxes)
+                                 flags, states, t0, t1, scale, e_max, M, boxes)
         block_indices[:, :, t0:t1] = idx
         block_counts[:, :, t0:t1] = cnt
     return block_indices, block_counts
@@ -517,7 +517,7 @@ def _gather_tile_flags(f: Tensor, idx: Tensor) -> Tensor:
     return torch.gather(f, 3, idx.clamp(min=0).long())
 
 
-def _select_chunk(p, sel, q_rows, k, mus, counts, biases, flags, states, t0, t1, scale, P,
+def _select_chunk(p, sel, q_rows, k, mus, counts, biases, flags, states, t0, t1, scale,
                   e_max, M, boxes=None):
     g, beam, top_k = sel.branching, sel.beam, sel.top_k
     dev = q_rows.device
@@ -531,8 +531,9 @@ def _select_chunk(p, sel, q_rows, k, mus, counts, biases, flags, states, t0, t1,
     row_ok = _row_valid(p, t0, t1, dev)  # [B, Hkv, nt, R]
     level = len(mus) - 1
     n_top = mus[level].shape[2]
+    # Pools are at most P wide, and never wider than their level (a wide beam over a short
+    # sequence would otherwise score and gather mostly padding).
     pool = torch.arange(n_top, device=dev).expand(p.B, p.Hkv, nt, n_top)
-    pool = torch.nn.functional.pad(pool, (0, P - n_top), value=-1) if n_top < P else pool
     lo_b, hi_b = lo.view(1, 1, nt, 1), hi.view(1, 1, nt, 1)
     while True:
         valid = pool >= 0
@@ -562,7 +563,8 @@ def _select_chunk(p, sel, q_rows, k, mus, counts, biases, flags, states, t0, t1,
         s, bad = _internal_scores(p, q_rows, mus[level - 1], counts[level - 1],
                                   _level(biases, level - 1), pool, g, t0, t1, scale, box)
         kept = _top(s, cand, row_ok, beam, bad)
-        pool = next_pool(pool, kept, forced_anc, expand, beam, e_max, g, mus[level - 1].shape[2])
+        n_next = mus[level - 1].shape[2]
+        pool = next_pool(pool, kept, forced_anc, expand, beam, e_max, g, n_next)[..., :n_next]
         level -= 1
 
 

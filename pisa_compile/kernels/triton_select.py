@@ -3,7 +3,9 @@
 One program per (query tile, batch * kv head) walks the pyramid from its top level down to the
 leaves with a bounded pool of ``P`` nodes held in registers, and writes only
 ``block_indices [B, Hkv, T, M]`` and ``block_counts [B, Hkv, T]``: no ``Nq x Nk`` or
-``Nq x L`` tensor is ever built.
+``Nq x L`` tensor is ever built. With ``leaf_scoring="exact"`` a second kernel
+(:func:`_rescore_kernel`) scores the leaf shortlist the walk wrote (an index array of at most
+``P`` leaves per tile) exactly, as a tensor-core pass over their keys, and picks.
 
 Per level (same rules as :func:`pisa_compile.kernels.reference.select_blocks`):
 
@@ -156,13 +158,13 @@ def _prioritise(S, bad, cand):
 
 
 @triton.jit
-def _pool_share(s, cand, row_ok):
-    """``sum over voting rows of softmax over candidates`` of per-row scores ``s [RB, P]``
-    (natural log; exact leaf scoring only)."""
+def _pool_share2(s, cand, row_ok):
+    """``sum over voting rows of softmax over candidates`` of per-row base-2 scores
+    ``s [RB, W]`` (the exact leaf scores of the rescoring kernel)."""
     s = tl.where(cand[None, :], s, float("-inf"))
     z = tl.max(s, axis=1)
     zs = tl.where(z == float("-inf"), 0.0, z)
-    return tl.sum(_row_share(tl.exp(s - zs[:, None]), row_ok), axis=0)
+    return tl.sum(_row_share(tl.exp2(s - zs[:, None]), row_ok), axis=0)
 
 
 @triton.jit
@@ -322,7 +324,10 @@ def _leaf_bound_chunk(qbase, qoff0, c, rr, n_rows, q_first, sqh, sqn, sqd, d, sh
     hi, b, _ = _load_summaries(shi_ptr, slc_ptr, sub0, cand, d, D, BD)
     lo = _load_lo(slo_ptr, sub0, cand, d, D, BD)
     m, e = _online(_bound2(qv, hi, lo, b, qk_scale, LOWP), 0.0, 0.0, True)
-    for u in tl.static_range(1, NS):
+    # A rolled, unpipelined loop: the other sub-blocks are reloaded per row chunk (from L2).
+    # Hoisted or multi-buffered, their box tiles [P, D] need more shared memory than an SM
+    # has (P=128, D=128: 64 KB per sub-block).
+    for u in tl.range(1, NS, num_stages=1):
         hi, b, _ = _load_summaries(shi_ptr, slc_ptr, sub0 + u, cand, d, D, BD)
         lo = _load_lo(slo_ptr, sub0 + u, cand, d, D, BD)
         m, e = _online(_bound2(qv, hi, lo, b, qk_scale, LOWP), m, e, False)
@@ -432,71 +437,14 @@ def _internal_level(pool, span, lev, L, mbase, mu_ptr, lcnt_ptr, lo_ptr, scr, tr
 
 
 @triton.jit
-def _exact_leaf_shares(pool, cand, kbase, skn, skd, km_row, skmn, qbase, rr, d, n_rows,
-                       n_chunks, q_first, sqh, sqn, sqd, Nk, offset, scale, D: tl.constexpr,
-                       G: tl.constexpr, C: tl.constexpr, KC: tl.constexpr, RB: tl.constexpr,
-                       P: tl.constexpr, CAUSAL: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
-                       LOWP: tl.constexpr):
-    """Tile scores ``S [P]`` of the leaf pool with exact leaf scores: the LSE over each
-    candidate leaf's visible keys (``leaf_scoring="exact"``), natural log. ``cand`` leaves
-    out leaves whose summary is not finite (the caller keeps them first)."""
-    ar = tl.arange(0, P)
-    dm = d < D
-    kc = tl.arange(0, KC)
-    S = tl.zeros([P], dtype=tl.float32)
-    for c in range(n_chunks):
-        r = c * RB + rr
-        row_ok = r < n_rows
-        qpos = q_first + r // G
-        qv = tl.load(qbase + (r % G).to(tl.int64)[:, None] * sqh
-                     + qpos.to(tl.int64)[:, None] * sqn + d[None, :] * sqd,
-                     mask=row_ok[:, None] & dm[None, :], other=0.0)
-        s = tl.full([RB, P], float("-inf"), tl.float32)
-        for pi in range(P):
-            leaf = tl.sum(tl.where(ar == pi, pool, 0), axis=0)
-            is_cand = tl.sum(tl.where((ar == pi) & cand, 1, 0), axis=0) > 0
-            if is_cand:
-                row_max = tl.full([RB], float("-inf"), tl.float32)
-                row_sum = tl.zeros([RB], dtype=tl.float32)
-                for c0 in tl.static_range(0, C, KC):
-                    kp = leaf * C + c0 + kc
-                    kin = (kp < Nk) & (c0 + kc < C)
-                    if HAS_KEY_MASK:
-                        kin = kin & (tl.load(km_row + kp.to(tl.int64) * skmn, mask=kin,
-                                             other=0) != 0)
-                    kk = tl.load(kbase + kp.to(tl.int64)[:, None] * skn + d[None, :] * skd,
-                                 mask=kin[:, None] & dm[None, :], other=0.0)
-                    if LOWP:
-                        sk = tl.dot(qv, tl.trans(kk.to(qv.dtype)))
-                    else:
-                        sk = tl.dot(qv.to(tl.float32), tl.trans(kk.to(tl.float32)),
-                                    input_precision="ieee")
-                    seen = kin[None, :] & row_ok[:, None]
-                    if CAUSAL:
-                        seen = seen & (kp[None, :] <= qpos[:, None] + offset)
-                    sk = tl.where(seen, sk * scale, float("-inf"))
-                    m_new = tl.maximum(row_max, tl.max(sk, axis=1))
-                    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-                    row_sum = (row_sum * tl.exp(row_max - m_use)
-                               + tl.sum(tl.exp(sk - m_use[:, None]), axis=1))
-                    row_max = m_new
-                m_use = tl.where(row_max == float("-inf"), 0.0, row_max)
-                lse = tl.where(row_sum > 0, m_use + tl.log(tl.where(row_sum > 0, row_sum, 1.0)),
-                               float("-inf"))
-                s = tl.where((ar == pi)[None, :], lse[:, None], s)
-        S += _pool_share(s, cand, row_ok)
-    return S
-
-
-@triton.jit
 def _select_kernel(
-    q_ptr, k_ptr, km_ptr, sink_ptr, mu_ptr, lcnt_ptr, lo_ptr, shi_ptr, slo_ptr, slc_ptr,
-    idx_ptr, bcnt_ptr, trace_ptr, scr_ptr,
-    sqb, sqh, sqn, sqd, skb, skh, skn, skd, skmb, skmn,
+    q_ptr, sink_ptr, mu_ptr, lcnt_ptr, lo_ptr, shi_ptr, slo_ptr, slc_ptr,
+    idx_ptr, bcnt_ptr, short_ptr, trace_ptr, scr_ptr,
+    sqb, sqh, sqn, sqd,
     Hkv, Nq, Nk, L, total, T, M, n_sink, local_blocks, offset, scale,
-    D: tl.constexpr, G: tl.constexpr, TQ: tl.constexpr, C: tl.constexpr, KC: tl.constexpr,
+    D: tl.constexpr, G: tl.constexpr, TQ: tl.constexpr, C: tl.constexpr,
     BD: tl.constexpr, GB: tl.constexpr, BEAM: tl.constexpr, TOPK: tl.constexpr, P: tl.constexpr,
-    RB: tl.constexpr, MP: tl.constexpr, TW: tl.constexpr,
+    RB: tl.constexpr, MP: tl.constexpr, TW: tl.constexpr, W: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_LOCAL: tl.constexpr, EXACT: tl.constexpr, SHORT: tl.constexpr,
     HAS_KEY_MASK: tl.constexpr, LOWP: tl.constexpr, TRACE: tl.constexpr, UNROLL: tl.constexpr,
     BOUND: tl.constexpr, NS: tl.constexpr,
@@ -506,7 +454,11 @@ def _select_kernel(
     ``mu_ptr``/``lcnt_ptr``: the nodes' pooled means and base-2 log counts, or with ``BOUND``
     (``bound_block``) their box maxima and log counts (``+inf``: a non-finite box), the minima
     at ``lo_ptr``; ``shi_ptr``/``slo_ptr``/``slc_ptr``: the same per sub-block of ``C / NS``
-    keys (``BOUND`` only)."""
+    keys (``BOUND`` only).
+
+    With ``EXACT`` the kernel stops before the pick: it writes the leaves to score exactly
+    (the ``SHORT`` best by rough score, or every candidate) to ``short_ptr`` ``[.., W]`` and
+    only the forced leaves to ``idx_ptr``/``bcnt_ptr``; :func:`_rescore_kernel` picks."""
     scale = tl.cast(scale, tl.float32)  # Inductor may pass Python floats as fp64 scalars
     t = tl.program_id(0)
     bh = tl.program_id(1)
@@ -580,19 +532,127 @@ def _select_kernel(
                                        mul, bl, qk_scale, D, BD, G, RB, LOWP)
         S = tl.sum(acc, axis=0)
     if EXACT:
-        if SHORT > 0:  # only the shortlist is scored exactly, and picked from
+        # The exact scores are a flash-style pass over the candidates' keys: its own kernel
+        # (its own tiles and pipelining), fed the shortlist through an index array.
+        if SHORT > 0:
             cand = cand & _top_mask(_prioritise(S, bad, cand), cand, SHORT, P)
-        kbase = k_ptr + b.to(tl.int64) * skb + h.to(tl.int64) * skh
-        S = _exact_leaf_shares(pool, cand & ~bad, kbase, skn, skd,
-                               km_ptr + b.to(tl.int64) * skmb, skmn, qbase, rr, d, n_rows,
-                               n_chunks, q_first, sqh, sqn, sqd, Nk, offset, scale, D, G, C, KC,
-                               RB, P, CAUSAL, HAS_KEY_MASK, LOWP)
-    picked = _top_mask(_prioritise(S, bad, cand), cand, TOPK, P)
-    if TRACE:
-        _store_compact(trace, pool, picked, TOPK, TW)
-    chosen = picked | forced
+        _store_compact(short_ptr + tile * W, pool, cand, W, W)
+        chosen = forced
+    else:
+        picked = _top_mask(_prioritise(S, bad, cand), cand, TOPK, P)
+        if TRACE:
+            _store_compact(trace, pool, picked, TOPK, TW)
+        chosen = picked | forced
     _store_compact(idx_ptr + tile * M, pool, chosen, M, MP)
     tl.store(bcnt_ptr + tile, tl.sum(chosen.to(tl.int32), axis=0))
+
+
+@triton.jit
+def _leaf_lse2(qv, qpos, row_ok, kbase, skn, skd, km_row, skmn, leaf, Nk, offset, qk_scale,
+               d, D: tl.constexpr, C: tl.constexpr, KC: tl.constexpr, CAUSAL: tl.constexpr,
+               HAS_KEY_MASK: tl.constexpr, LOWP: tl.constexpr):
+    """Base-2 LSE ``[RB]`` of each row's scores over leaf ``leaf``'s visible keys (``-inf``:
+    none), in key chunks of ``KC`` with an online max, as flash attention's row statistics."""
+    kc = tl.arange(0, KC)
+    dm = d < D
+    row_max = tl.full(qpos.shape, float("-inf"), tl.float32)
+    row_sum = tl.zeros(qpos.shape, dtype=tl.float32)
+    for c0 in tl.static_range(0, C, KC):
+        kp = leaf * C + c0 + kc
+        kin = (kp < Nk) & (c0 + kc < C)
+        if HAS_KEY_MASK:
+            kin = kin & (tl.load(km_row + kp.to(tl.int64) * skmn, mask=kin, other=0) != 0)
+        kk = tl.load(kbase + kp.to(tl.int64)[:, None] * skn + d[None, :] * skd,
+                     mask=kin[:, None] & dm[None, :], other=0.0)
+        if LOWP:
+            sk = tl.dot(qv, tl.trans(kk.to(qv.dtype)))
+        else:
+            sk = tl.dot(qv.to(tl.float32), tl.trans(kk.to(tl.float32)), input_precision="ieee")
+        seen = kin[None, :] & row_ok[:, None]
+        if CAUSAL:
+            seen = seen & (kp[None, :] <= qpos[:, None] + offset)
+        sk = tl.where(seen, sk * qk_scale, float("-inf"))
+        m_new = tl.maximum(row_max, tl.max(sk, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        row_sum = row_sum * tl.exp2(row_max - m_use) + tl.sum(tl.exp2(sk - m_use[:, None]), axis=1)
+        row_max = m_new
+    m_use = tl.where(row_max == float("-inf"), 0.0, row_max)
+    return tl.where(row_sum > 0, m_use + tl.log2(tl.where(row_sum > 0, row_sum, 1.0)),
+                    float("-inf"))
+
+
+@triton.jit
+def _rescore_kernel(
+    q_ptr, k_ptr, km_ptr, lcnt_ptr, short_ptr, fidx_ptr, fcnt_ptr, idx_ptr, bcnt_ptr, trace_ptr,
+    sqb, sqh, sqn, sqd, skb, skh, skn, skd, skmb, skmn,
+    Hkv, Nq, Nk, total, T, M, offset, scale, trace_stride,
+    D: tl.constexpr, G: tl.constexpr, TQ: tl.constexpr, C: tl.constexpr, KC: tl.constexpr,
+    BD: tl.constexpr, TOPK: tl.constexpr, W: tl.constexpr, RB: tl.constexpr, MP: tl.constexpr,
+    TW: tl.constexpr, CAUSAL: tl.constexpr, HAS_KEY_MASK: tl.constexpr, LOWP: tl.constexpr,
+    TRACE: tl.constexpr,
+):
+    """One program per (query tile, batch * KV head): exact leaf scores (LSE over each
+    shortlisted leaf's visible keys) of every row, the tile score ``sum_r softmax(.)`` over
+    the shortlist, the ``TOPK`` best picked (a shortlisted leaf whose keys are not finite
+    first), merged ascending with the forced leaves ``fidx_ptr``/``fcnt_ptr`` into
+    ``idx_ptr``/``bcnt_ptr``.
+
+    Rows go in chunks of ``RB`` (``r = query * G + head``, as the select kernel); for each chunk
+    the leaves are visited in turn, one ``[RB, D] x [D, KC]`` tensor-core dot per key chunk,
+    their per-row LSE scattered into a ``[RB, W]`` register tile.
+    """
+    scale = tl.cast(scale, tl.float32)
+    t = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // Hkv
+    h = bh % Hkv
+    tile = bh.to(tl.int64) * T + t
+    q_first = t * TQ
+    n_rows = (tl.minimum(q_first + TQ, Nq) - q_first) * G
+    ws = tl.arange(0, W)
+    short_row = short_ptr + tile * W
+    ids = tl.load(short_row + ws)
+    ok = ids >= 0
+    # The pyramid's leaf log count is +inf for a leaf holding a non-finite key.
+    bad = ok & (tl.load(lcnt_ptr + bh.to(tl.int64) * total + ids, mask=ok, other=0.0)
+                == float("inf"))
+    n_ok = tl.sum(ok.to(tl.int32), axis=0)
+    S = tl.zeros([W], dtype=tl.float32)
+    if n_ok > TOPK:  # otherwise every shortlisted leaf is picked
+        rr = tl.arange(0, RB)
+        d = tl.arange(0, BD)
+        qoff0 = (rr % G).to(tl.int64) * sqh + (q_first + rr // G).to(tl.int64) * sqn
+        qbase = q_ptr + b.to(tl.int64) * sqb + (h * G).to(tl.int64) * sqh
+        kbase = k_ptr + b.to(tl.int64) * skb + h.to(tl.int64) * skh
+        km_row = km_ptr + b.to(tl.int64) * skmb
+        qk_scale = scale * LOG2E
+        for c in range((n_rows + RB - 1) // RB):
+            qv, row_ok = _q_rows(qbase, qoff0, c, rr, n_rows, q_first, sqh, sqn, sqd, d, D, BD,
+                                 G, RB)
+            qpos = q_first + (c * RB + rr) // G
+            s = tl.full([RB, W], float("-inf"), tl.float32)
+            for j in range(n_ok):  # the shortlist is compact: slots [0, n_ok)
+                leaf = tl.load(short_row + j)
+                lse = _leaf_lse2(qv, qpos, row_ok, kbase, skn, skd, km_row, skmn, leaf, Nk,
+                                 offset, qk_scale, d, D, C, KC, CAUSAL, HAS_KEY_MASK, LOWP)
+                s = tl.where((ws == j)[None, :], lse[:, None], s)
+            S += _pool_share2(s, ok & ~bad, row_ok)
+    picked = _top_mask(_prioritise(S, bad, ok), ok, TOPK, W)
+    if TRACE:
+        _store_compact(trace_ptr + tile * trace_stride, ids, picked, TOPK, TW)
+    # Merge with the forced leaves (disjoint, both ascending): each entry's rank in the union.
+    fs = tl.arange(0, MP)
+    n_f = tl.load(fcnt_ptr + tile)
+    f_ok = fs < n_f
+    fid = tl.load(fidx_ptr + tile * M + fs, mask=f_ok, other=-1)
+    p_pos, n_p = _compact_pos(picked)
+    pos_p = p_pos + tl.sum((f_ok[None, :] & (fid[None, :] < ids[:, None])).to(tl.int32), axis=1)
+    pos_f = fs + tl.sum((picked[None, :] & (ids[None, :] < fid[:, None])).to(tl.int32), axis=1)
+    out = idx_ptr + tile * M
+    tl.store(out + pos_p, ids, mask=picked & (pos_p < M))
+    tl.store(out + pos_f, fid, mask=f_ok & (pos_f < M))
+    tl.store(out + fs, tl.full([MP], -1, tl.int32), mask=(fs >= n_p + n_f) & (fs < M))
+    tl.store(bcnt_ptr + tile, n_p + n_f)
 
 
 # Launch settings of the select kernel, measured on the H200 (benchmarks/bench_select.py
@@ -606,6 +666,10 @@ def _select_kernel(
 # - unroll: unroll the row-chunk loop (at most 16 chunks). Each level's summaries then go to
 #   shared memory once instead of once per chunk, at the price of no cp.async prefetch of q.
 SELECT_TUNING = dict(row_block=64, num_warps=None, num_stages=None, maxnreg=None, unroll=False)
+
+# Launch settings of the exact rescoring kernel (``leaf_scoring="exact"``): rows per chunk
+# (capped so that the [rows, shortlist] fp32 scores fit in registers), keys per dot.
+RESCORE_TUNING = dict(row_block=64, key_block=64, num_warps=4, num_stages=None)
 
 
 def pool_size(branching: int, beam: int, n_forced: int) -> int:
@@ -692,7 +756,8 @@ def select_blocks(q: Tensor, k: Tensor, is_causal: bool, scale: float, *, block_
         trace: tests only: int32 ``[B, Hkv, T, n_levels, trace_width(beam)]`` receives the
             kept nodes per level (level 0: the picked leaves), ascending, -1 padded, so a
             test can diff every level against the reference.
-        tuning: overrides of :data:`SELECT_TUNING` (benchmark sweeps).
+        tuning: overrides of :data:`SELECT_TUNING`, and under ``"rescore"`` of
+            :data:`RESCORE_TUNING` (benchmark sweeps).
 
     Returns:
         ``block_indices`` int32 ``[B, Hkv, T, M]`` (ascending, -1 padded, forced leaves
@@ -744,21 +809,47 @@ def select_blocks(q: Tensor, k: Tensor, is_causal: bool, scale: float, *, block_
     # Per program, two rows of P slots for the pool compaction (see _children).
     scratch = torch.empty(B * Hkv * T * 2 * P, dtype=torch.int32, device=q.device)
     sinks = sink_start(key_mask, block_size)
+    exact = leaf_scoring == "exact"
+    # A shortlist as wide as the pool is the whole pool: no rough pass.
+    short = int(shortlist) if exact and int(shortlist) < P else 0
+    # Exact scoring: the select kernel writes the shortlist (width W) and the forced leaves,
+    # the rescoring kernel picks into idx/counts.
+    W = max(16, triton.next_power_of_2(short)) if short else P
+    short_idx = torch.empty(B * Hkv * T * W if exact else 1, dtype=torch.int32,
+                            device=q.device)
+    sel_idx, sel_counts = (torch.empty_like(idx), torch.empty_like(counts)) if exact else (
+        idx, counts)
+    MP = max(16, triton.next_power_of_2(M))
     launcher(_select_kernel, q)[(T, B * Hkv)](
-        q, k, km, counts if sinks is None else sinks, mu_dot, lcnt, lo, shi, slo, slc, idx,
-        counts,
-        counts if trace is None else trace, scratch,
-        *q.stride(), *k.stride(), *((0, 0) if key_mask is None else km.stride()),
+        q, counts if sinks is None else sinks, mu_dot, lcnt, lo, shi, slo, slc, sel_idx,
+        sel_counts, short_idx, counts if trace is None else trace, scratch,
+        *q.stride(),
         Hkv, Nq, Nk, L, total, T, M, n_sink, local_blocks, 0 if offset is None else offset,
         float(scale),
-        D=D, G=G, TQ=Tq, C=C, KC=max(16, min(C, 64)), BD=BD, GB=branching, BEAM=beam,
-        TOPK=top_k, P=P, RB=RB, MP=max(16, triton.next_power_of_2(M)), TW=TW,
+        D=D, G=G, TQ=Tq, C=C, BD=BD, GB=branching, BEAM=beam,
+        TOPK=top_k, P=P, RB=RB, MP=MP, TW=TW, W=W,
         CAUSAL=bool(is_causal), HAS_LOCAL=offset is not None and local_blocks > 0,
-        EXACT=leaf_scoring == "exact", SHORT=int(shortlist) if leaf_scoring == "exact" else 0,
+        EXACT=exact, SHORT=short,
         HAS_KEY_MASK=key_mask is not None, LOWP=q.dtype != torch.float32,
         TRACE=trace is not None,
         UNROLL=bool(tune["unroll"]) and cdiv(R, RB) <= 16,
         BOUND=bool(bound_block), NS=block_size // bound_block if bound_block else 1,
         num_warps=tune["num_warps"] or (8 if RB * P >= 8192 else 4),
         **launch)
+    if exact:
+        rt = {**RESCORE_TUNING, **(tuning or {}).get("rescore", {})}
+        # [RB, W] fp32 scores stay in registers: fewer rows per chunk for a wide shortlist.
+        RBx = min(rt["row_block"], max(16, 8192 // W),
+                  max(16, triton.next_power_of_2(min(R, G * Nq))))
+        launcher(_rescore_kernel, q)[(T, B * Hkv)](
+            q, k, km, lcnt, short_idx, sel_idx, sel_counts, idx, counts,
+            counts if trace is None else trace,
+            *q.stride(), *k.stride(), *((0, 0) if key_mask is None else km.stride()),
+            Hkv, Nq, Nk, total, T, M, 0 if offset is None else offset, float(scale),
+            0 if trace is None else trace.shape[3] * TW,
+            D=D, G=G, TQ=Tq, C=C, KC=max(16, min(C, rt["key_block"])), BD=BD, TOPK=top_k,
+            W=W, RB=RBx, MP=MP, TW=TW, CAUSAL=bool(is_causal),
+            HAS_KEY_MASK=key_mask is not None, LOWP=q.dtype != torch.float32,
+            TRACE=trace is not None, num_warps=rt["num_warps"],
+            **({"num_stages": rt["num_stages"]} if rt["num_stages"] is not None else {}))
     return idx, counts

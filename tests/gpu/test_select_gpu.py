@@ -20,6 +20,12 @@ from tests.select_check import check_pyramid, check_selection  # noqa: E402
 pytestmark = pytest.mark.gpu
 
 
+def _fast(**kw):
+    """The cases' base: the "fast" preset (pooled leaves, 64-query tiles, beam = top_k), so
+    each case's keys name everything it changes; the defaults' options are spelled out."""
+    return PisaConfig.preset("fast", **kw)
+
+
 def _qk(B, Hkv, G, Nq, Nk, D, dtype, C, seed=0):
     g = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn(B, Hkv * G, Nq, D, device="cuda", generator=g)
@@ -32,7 +38,7 @@ def _qk(B, Hkv, G, Nq, Nk, D, dtype, C, seed=0):
 
 @pytest.mark.parametrize("Nk", [1000, 32768])
 def test_pyramid(Nk):
-    cfg = PisaConfig()
+    cfg = _fast()
     k = torch.randn(1, 4, Nk, 128, device="cuda", dtype=torch.bfloat16)
     live = (torch.arange(Nk, device="cuda") < Nk - 37).view(1, 1, Nk)
     check_pyramid(k, live, cfg)
@@ -55,6 +61,14 @@ CASES = [
     # box bounds (bound_block) for the internal levels and the shortlist
     (1, 2, 7, 8192, 8192, torch.bfloat16, True, dict(leaf_scoring="exact", beam=32,
                                                      shortlist=16, bound_block=16)),
+    # the defaults ("quality"), and the rescoring kernel on a 128-wide pool: every candidate,
+    # or a bound-ranked shortlist
+    (1, 2, 4, 32768, 32768, torch.bfloat16, True, dict(leaf_scoring="exact", beam=60,
+                                                       query_tile=16, shortlist=64,
+                                                       bound_block=16)),
+    (1, 2, 4, 8192, 8192, torch.bfloat16, True, dict(leaf_scoring="exact", beam=60)),
+    (2, 2, 7, 6000, 6000, torch.bfloat16, True, dict(leaf_scoring="exact", beam=60,
+                                                     shortlist=32, bound_block=16)),
 ]
 
 
@@ -62,7 +76,7 @@ CASES = [
                          f"{'c' if c[6] else 'n'}{str(c[5])[-2:]}")
 def test_select_matches_reference(case):
     B, Hkv, G, Nq, Nk, dtype, causal, kw = case
-    cfg = PisaConfig(min_seq_len=0, kernel="triton", **kw)
+    cfg = _fast(min_seq_len=0, kernel="triton", **kw)
     q, k = _qk(B, Hkv, G, Nq, Nk, 128, dtype, cfg.block_size)
     tol = 2e-2 if dtype == torch.bfloat16 else 5e-3
     ties = check_selection(q, k, causal, 128 ** -0.5, cfg, tol=tol, max_tie_frac=0.1)
@@ -72,7 +86,7 @@ def test_select_matches_reference(case):
 def test_left_padded_rows_select_like_the_reference():
     """A key mask with left padding: sinks at each row's first real leaf, padding never
     summarised, on the GPU as in the reference."""
-    cfg = PisaConfig(min_seq_len=0, kernel="triton")
+    cfg = _fast(min_seq_len=0, kernel="triton")
     q, k = _qk(3, 2, 4, 4096, 4096, 128, torch.bfloat16, cfg.block_size, seed=5)
     km = torch.arange(4096, device="cuda")[None, :] >= torch.tensor([0, 1024, 1500],
                                                                      device="cuda")[:, None]
@@ -83,7 +97,7 @@ def test_left_padded_rows_select_like_the_reference():
 
 @pytest.mark.parametrize("rb", [32, 64, 256])
 def test_row_block_does_not_change_selection(rb):
-    cfg = PisaConfig(min_seq_len=0)
+    cfg = _fast(min_seq_len=0)
     q, k = _qk(1, 2, 4, 4096, 4096, 128, torch.float16, 64, seed=3)
     a = ts.select_blocks(q, k, True, 0.1, **cfg.selection_options())
     b = ts.select_blocks(q, k, True, 0.1, **cfg.selection_options(), tuning=dict(row_block=rb))
@@ -93,7 +107,7 @@ def test_row_block_does_not_change_selection(rb):
 
 
 def test_cuda_graph_capture():
-    cfg = PisaConfig(min_seq_len=0)
+    cfg = _fast(min_seq_len=0)
     q, k = _qk(1, 2, 4, 4096, 4096, 128, torch.bfloat16, 64)
     out = ts.select_blocks(q, k, True, 0.1, **cfg.selection_options())  # compile first
     graph = torch.cuda.CUDAGraph()

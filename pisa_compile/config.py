@@ -150,9 +150,14 @@ class PisaConfig:
 
         Raises:
             ValueError: ``name`` is not a preset (the message lists them), or an override's
-                value is out of range. TypeError: an override is not a field.
+                value is out of range. TypeError: an override is not a field (the message
+                lists them).
         """
-        if name not in PRESETS:
+        unknown = sorted(set(overrides) - set(cls.field_names()))
+        if unknown:
+            raise TypeError(f"PisaConfig.preset: unknown option(s) {unknown}; valid: "
+                            f"{', '.join(cls.field_names())}")
+        if not isinstance(name, str) or name not in PRESETS:
             raise ValueError(f"PisaConfig.preset: unknown preset {name!r}; expected one of "
                              f"{sorted(PRESETS)}")
         return cls(**{**PRESETS[name], **overrides})

@@ -264,7 +264,9 @@ def test_presets():
     assert fast.min_seq_len == 2048
     with pytest.raises(ValueError, match="unknown preset 'turbo'; expected one of"):
         PisaConfig.preset("turbo")
-    with pytest.raises(TypeError):
+    with pytest.raises(ValueError, match="unknown preset \\['fast'\\]"):
+        PisaConfig.from_options({"preset": ["fast"]})
+    with pytest.raises(TypeError, match="unknown option\\(s\\) \\['topk'\\]; valid: block_size"):
         PisaConfig.preset("fast", topk=8)
 
 

@@ -42,7 +42,7 @@ class PisaConfig:
     cases per length, ``profiles/eval_llm_bound.json``): the same retrieval as dense SDPA at
     4K, 8K and 16K. ``PisaConfig.preset("fast")`` is the earlier, cheaper selection (pooled
     leaves, 64-query tiles), which loses most needles past 4K on that model. ``README.md``
-    ("Presets") gives both presets' measured quality and cost.
+    ("Speed and quality") gives both presets' measured quality and cost.
 
     Args:
         block_size: keys per leaf block ``C`` (power of two, 4..1024). Default 64.
@@ -146,7 +146,7 @@ class PisaConfig:
 
         ``"quality"`` is the defaults. ``"fast"`` is pooled leaves with 64-query tiles and
         ``beam = top_k`` from ``2048`` keys: about 7x cheaper than ``"quality"`` at 32K-128K
-        (standard shape, H200) but it loses needles on a pretrained LLM (README "Presets").
+        (standard shape, H200) but it loses needles on a pretrained LLM (README "Speed and quality").
 
         Raises:
             ValueError: ``name`` is not a preset (the message lists them), or an override's

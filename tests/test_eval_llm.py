@@ -141,13 +141,17 @@ def test_ceiling_is_the_flat_exact_selection(query_tile):
                                dense[:, :, -3:])
 
 
+def _qkv(seed, B):
+    """q ``[B, 4, 256, 16]`` and k, v ``[B, 2, 256, 16]`` (G = 2)."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(B, 4, 256, 16, generator=g), torch.randn(B, 2, 256, 16, generator=g),
+            torch.randn(B, 2, 256, 16, generator=g))
+
+
 def test_mean_query_shortlist_keeps_the_ceiling_when_it_holds_every_leaf():
     """A shortlist as long as the leaf count changes nothing; a short one changes the output
     and still picks only among its own leaves (so it can lose what the full scan finds)."""
-    g = torch.Generator().manual_seed(2)
-    q = torch.randn(2, 4, 256, 16, generator=g)
-    k = torch.randn(2, 2, 256, 16, generator=g)
-    v = torch.randn(2, 2, 256, 16, generator=g)
+    q, k, v = _qkv(2, B=2)
     cfg = PisaConfig(block_size=8, top_k=3, query_tile=16)
     flat = eval_llm.flat_exact_attention(q, k, v, 0.25, cfg, chunk=64)
     full = eval_llm.flat_exact_attention(q, k, v, 0.25, cfg, chunk=64, mean_query_shortlist=32)
@@ -195,10 +199,7 @@ def test_sub_block_oracle_unit_blocks_are_the_exact_ceiling():
     """1-key sub-blocks score each leaf by its exact LSE, pooled or bound alike: the same
     output as the exact ceiling; 4-key means differ, and a shortlist as long as the leaf count
     changes nothing."""
-    g = torch.Generator().manual_seed(4)
-    q = torch.randn(1, 4, 256, 16, generator=g)
-    k = torch.randn(1, 2, 256, 16, generator=g)
-    v = torch.randn(1, 2, 256, 16, generator=g)
+    q, k, v = _qkv(4, B=1)
     cfg = PisaConfig(block_size=8, top_k=3, query_tile=16)
     flat = eval_llm.flat_exact_attention(q, k, v, 0.25, cfg, chunk=64)
     for bound in (False, True):

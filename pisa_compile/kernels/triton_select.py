@@ -335,6 +335,22 @@ def _leaf_bound_chunk(qbase, qoff0, c, rr, n_rows, q_first, sqh, sqn, sqd, d, sh
 
 
 @triton.jit
+def _leaf_rough_chunk(qbase, qoff0, c, rr, n_rows, q_first, sqh, sqn, sqd, d, mu, b, shi_ptr,
+                      slo_ptr, slc_ptr, sub0, cand, qk_scale, D: tl.constexpr, BD: tl.constexpr,
+                      G: tl.constexpr, RB: tl.constexpr, NS: tl.constexpr, LOWP: tl.constexpr,
+                      BOUND: tl.constexpr):
+    """One row chunk's shares of the leaf level's rough scores: box bounds of the sub-blocks
+    with ``BOUND`` (:func:`_leaf_bound_chunk`), else pooled (:func:`_leaf_chunk`)."""
+    if BOUND:
+        return _leaf_bound_chunk(qbase, qoff0, c, rr, n_rows, q_first, sqh, sqn, sqd, d,
+                                 shi_ptr, slo_ptr, slc_ptr, sub0, cand, qk_scale, D, BD, G, RB,
+                                 NS, LOWP)
+    else:
+        return _leaf_chunk(qbase, qoff0, c, rr, n_rows, q_first, sqh, sqn, sqd, d, mu, b,
+                           qk_scale, D, BD, G, RB, LOWP)
+
+
+@triton.jit
 def _leaf_ranges(t, Nq, Nk, L, offset, local_blocks, TQ: tl.constexpr, C: tl.constexpr,
                  CAUSAL: tl.constexpr, HAS_LOCAL: tl.constexpr):
     """Tile ``t``'s queries and its leaf ranges (``reference.leaf_states`` and
@@ -508,28 +524,23 @@ def _select_kernel(
         # A leaf's box is not finite iff one of its sub-blocks' is: flags from the leaf level.
         bad = tl.load(lcnt_ptr + mbase + pool, mask=cand, other=0.0) == float("inf")
         sub0 = bh.to(tl.int64) * (L * NS) + pool * NS
+        mul = sub0  # unused
+        bl = sub0
     else:
         mul, bl, bad = _load_summaries(mu_ptr, lcnt_ptr, mbase + pool, cand, d, D, BD)
+        sub0 = pool  # unused
     if (not EXACT) or SHORT > 0:  # rough tile scores: the pick, or the shortlist
         acc = tl.zeros([RB, P], dtype=tl.float32)
         if UNROLL:
             for c in tl.static_range((G * TQ + RB - 1) // RB):
-                if BOUND:
-                    acc += _leaf_bound_chunk(qbase, qoff0, c, rr, n_rows, q_first, sqh, sqn,
-                                             sqd, d, shi_ptr, slo_ptr, slc_ptr, sub0,
-                                             cand & ~bad, qk_scale, D, BD, G, RB, NS, LOWP)
-                else:
-                    acc += _leaf_chunk(qbase, qoff0, c, rr, n_rows, q_first, sqh, sqn, sqd, d,
-                                       mul, bl, qk_scale, D, BD, G, RB, LOWP)
+                acc += _leaf_rough_chunk(qbase, qoff0, c, rr, n_rows, q_first, sqh, sqn, sqd, d,
+                                         mul, bl, shi_ptr, slo_ptr, slc_ptr, sub0, cand & ~bad,
+                                         qk_scale, D, BD, G, RB, NS, LOWP, BOUND)
         else:
             for c in range(n_chunks):
-                if BOUND:
-                    acc += _leaf_bound_chunk(qbase, qoff0, c, rr, n_rows, q_first, sqh, sqn,
-                                             sqd, d, shi_ptr, slo_ptr, slc_ptr, sub0,
-                                             cand & ~bad, qk_scale, D, BD, G, RB, NS, LOWP)
-                else:
-                    acc += _leaf_chunk(qbase, qoff0, c, rr, n_rows, q_first, sqh, sqn, sqd, d,
-                                       mul, bl, qk_scale, D, BD, G, RB, LOWP)
+                acc += _leaf_rough_chunk(qbase, qoff0, c, rr, n_rows, q_first, sqh, sqn, sqd, d,
+                                         mul, bl, shi_ptr, slo_ptr, slc_ptr, sub0, cand & ~bad,
+                                         qk_scale, D, BD, G, RB, NS, LOWP, BOUND)
         S = tl.sum(acc, axis=0)
     if EXACT:
         # The exact scores are a flash-style pass over the candidates' keys: its own kernel

@@ -96,6 +96,14 @@ CANDIDATES: dict[str, dict] = {
     "bound16_tq16_b60_s64": {"leaf_scoring": "exact", "bound_block": 16, "query_tile": 16,
                              "beam": 60, "shortlist": 64},
     "exact_b60": {"leaf_scoring": "exact", "beam": 60},
+    # Changes to the defaults (from 2048 keys): what each part of the default selection buys.
+    "quality_s32": {"preset": "quality", "min_seq_len": 2048, "shortlist": 32},
+    "quality_k32": {"preset": "quality", "min_seq_len": 2048, "top_k": 32},
+    "quality_all_leaves": {"preset": "quality", "min_seq_len": 2048, "shortlist": None},
+    "quality_b124": {"preset": "quality", "min_seq_len": 2048, "beam": 124},
+    "quality_b124_pooled_walk": {"preset": "quality", "min_seq_len": 2048, "beam": 124,
+                                 "bound_block": None},
+    "quality_pooled_walk": {"preset": "quality", "min_seq_len": 2048, "bound_block": None},
 }
 
 
@@ -112,6 +120,8 @@ def candidate_config(name: str) -> PisaConfig:
 CEILINGS: dict[str, dict] = {
     "flat_exact_tile64": {"query_tile": 64},
     "flat_exact_query": {"query_tile": 1},
+    "flat_exact_tile16": {"query_tile": 16},
+    "flat_exact_tile16_k32": {"query_tile": 16, "top_k": 32},
     "flat_meanq32_tile64": {"query_tile": 64, "mean_query_shortlist": 32},
     "flat_meanq64_tile64": {"query_tile": 64, "mean_query_shortlist": 64},
     "flat_sub8_tile64": {"query_tile": 64, "sub_block": 8},

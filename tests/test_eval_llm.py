@@ -227,3 +227,17 @@ def test_sub_block_bound_is_above_the_exact_leaf_score():
     exact = torch.logsumexp(s.view(1, 2, 3, 40, 13, 8), -1)
     seen = torch.isfinite(exact)
     assert (bound[seen] >= exact[seen] - 1e-4).all()
+
+
+def test_every_option_set_and_ceiling_builds_a_valid_config():
+    """The names eval_llm and bench_options/bench_stages take: each candidate resolves over its
+    preset, and each ceiling splits into PisaConfig fields and oracle keywords."""
+    from benchmarks.eval_llm import CANDIDATES, CEILINGS, ORACLE_KEYS, candidate_config
+
+    for name in CANDIDATES:
+        assert isinstance(candidate_config(name), PisaConfig), name
+    assert candidate_config("defaults") == PisaConfig()
+    assert candidate_config("quality_k32") == PisaConfig(min_seq_len=2048, top_k=32)
+    for name, opts in CEILINGS.items():
+        fields = {k: v for k, v in opts.items() if k not in ORACLE_KEYS}
+        PisaConfig.preset("fast", **fields)  # raises on an unknown or bad field

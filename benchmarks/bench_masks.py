@@ -14,6 +14,16 @@ dense (whose own difference is the bf16 tolerance).
 
     python -m benchmarks.bench_masks --json profiles/bench_masks.json
     python -m benchmarks.bench_masks --left-padding --json profiles/bench_masks_padding.json
+    python -m benchmarks.bench_masks --window 4096 --json profiles/bench_masks_window.json
+    python -m benchmarks.bench_masks --nanogpt --json profiles/bench_masks_nanogpt.json
+
+With ``--nanogpt``: one nanoGPT-style attention layer (the stack's sizes, hand-written
+attention masked by a registered ``tril`` buffer) against the same layer calling SDPA with
+``is_causal=True``, both under ``backend="pisa"``: the buffer's per-call check is the
+difference.
+
+With ``--window W`` the stack is Mistral-shaped instead (the same sizes, ``sliding_window=W``):
+PISA hands its window sites to FlexAttention over the window's blocks.
 """
 
 from __future__ import annotations
@@ -24,14 +34,69 @@ import json
 import torch
 
 
-def _model():
-    from transformers import LlamaConfig, LlamaForCausalLM
-    cfg = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=8192,
-                      num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=8,
-                      head_dim=64, max_position_embeddings=140000)
+def _model(window=None):
+    import transformers
+    shape = dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192,
+                 num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=8,
+                 head_dim=64, max_position_embeddings=140000)
+    if window is None:
+        cfg, cls = transformers.LlamaConfig(**shape), transformers.LlamaForCausalLM
+    else:
+        cfg = transformers.MistralConfig(sliding_window=window, **shape)
+        cls = transformers.MistralForCausalLM
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    return LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
+    return cls(cfg).to("cuda", torch.bfloat16).eval()
+
+
+class _NanoAttention(torch.nn.Module):
+    """nanoGPT's CausalSelfAttention (slow path with ``buffer=True``, else SDPA causal)."""
+
+    def __init__(self, d: int, heads: int, block: int, buffer: bool):
+        super().__init__()
+        self.qkv, self.proj, self.heads, self.buffer = (torch.nn.Linear(d, 3 * d),
+                                                        torch.nn.Linear(d, d), heads, buffer)
+        if buffer:
+            self.register_buffer("bias", torch.tril(torch.ones(block, block)).view(
+                1, 1, block, block))
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2)
+                   for z in self.qkv(x).split(c, 2))
+        if self.buffer:
+            att = (q @ k.transpose(-2, -1)) * (k.size(-1) ** -0.5)
+            att = att.masked_fill(self.bias[:, :, :t, :t] == 0, float("-inf"))
+            y = att.softmax(-1) @ v
+        else:
+            y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+
+
+def nanogpt(n: int, reps: int) -> list[dict]:
+    """Rows of the ``--nanogpt`` bench (see the module docstring)."""
+    from torch._dynamo.utils import counters
+
+    from pisa_compile.backend import pisa_backend
+    x = torch.randn(1, n, 2048, device="cuda", dtype=torch.bfloat16)
+    rows = []
+    for buffer in (False, True):
+        torch.manual_seed(0)
+        layer = _NanoAttention(2048, 32, n, buffer).to("cuda", torch.bfloat16).eval()
+        torch._dynamo.reset()
+        counters.clear()
+        f = torch.compile(layer, backend=pisa_backend)
+        with torch.no_grad():
+            torch.cuda.reset_peak_memory_stats()
+            ms = _time(lambda: f(x), reps)
+            peak = torch.cuda.max_memory_allocated() / 2**30
+        rows.append(dict(n=n, call="registered tril buffer" if buffer else "is_causal",
+                         ms=round(ms, 2), peak_gib=round(peak, 2),
+                         reference_stages=_reference_stages(counters)))
+        print(rows[-1], flush=True)
+        del layer, f
+        torch.cuda.empty_cache()
+    return rows
 
 
 def _time(f, reps):
@@ -95,9 +160,20 @@ def main(argv=None):
     ap.add_argument("--lengths", default="32768", help="comma-separated sequence lengths")
     ap.add_argument("--left-padding", action="store_true",
                     help="the batch-of-4 left-padding bench at 16K instead")
+    ap.add_argument("--window", type=int, default=None,
+                    help="a Mistral-shaped stack with this sliding window")
+    ap.add_argument("--nanogpt", action="store_true",
+                    help="a nanoGPT-style layer: registered tril buffer against is_causal")
     args = ap.parse_args(argv)
     from torch._dynamo.utils import counters
-    model = _model()
+    if args.nanogpt:
+        rows = [r for n in args.lengths.split(",") for r in nanogpt(int(n), args.reps)]
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                               rows=rows), fh, indent=1)
+        return
+    model = _model(args.window)
     body = model.model  # hidden states: the LM head's logits would dominate memory
     if args.left_padding:
         rows = left_padding(body, 16384, [0, 1024, 3072, 7168], args.reps)
@@ -121,7 +197,8 @@ def main(argv=None):
                     torch.cuda.reset_peak_memory_stats()
                     ms = _time(lambda: f(ids, **kw), args.reps)
                     peak = torch.cuda.max_memory_allocated() / 2**30
-                rows.append(dict(n=n, backend=backend, call=call, ms=round(ms, 2),
+                rows.append(dict(n=n, backend=backend, call=call, window=args.window,
+                                 ms=round(ms, 2),
                                  peak_gib=round(peak, 2),
                                  reference_stages=_reference_stages(counters)))
                 print(rows[-1], flush=True)

@@ -26,6 +26,7 @@ log = logging.getLogger("pisa_compile")
 
 # The inserted call_function target, as AOTAutograd's cache names it.
 _OP_QUALNAME = "pisa_compile.ops.pisa_attention"
+_CHECK_QUALNAME = "pisa_compile.ops.check_causal_buffer"
 _warned_pass_failure = False
 
 
@@ -101,7 +102,10 @@ def pisa_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
         # Rewrite a copy (nodes and per-node meta copied), so a failure midway leaves the
         # original graph intact to fall back on.
         gm.graph = _copy_graph(original)
-        sites = rewrite_graph(gm, config)
+        # Under the Inductor options the graph will compile with: whether device-side
+        # asserts survive decides if a buffer mask may be checked per call (lowering).
+        with torch._inductor.config.patch(patches):
+            sites = rewrite_graph(gm, config)
     except Exception as err:  # never fail a user's model because of the pass
         gm.graph = original
         gm.recompile()
@@ -113,6 +117,6 @@ def pisa_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
         # keyed by a fingerprint of the sources behind it, so the caches are not bypassed.
         marked = dict(torch._inductor.config.unsafe_marked_cacheable_functions)
         marked.update(patches.get("unsafe_marked_cacheable_functions") or {})
-        marked[_OP_QUALNAME] = _source_fingerprint()
+        marked[_OP_QUALNAME] = marked[_CHECK_QUALNAME] = _source_fingerprint()
         patches["unsafe_marked_cacheable_functions"] = marked
     return compile_fx(gm, example_inputs, config_patches=patches or None)

@@ -11,6 +11,7 @@ at trace time, and is visible in the graph.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Optional
 
 import torch
@@ -22,7 +23,7 @@ from .kernels import dispatch
 from .kernels.dispatch import Plan
 from .kernels.geometry import block_width, cdiv, dense_mask
 
-__all__ = ["pisa_attention", "select_blocks", "plan", "Plan"]
+__all__ = ["pisa_attention", "select_blocks", "plan", "Plan", "check_causal_buffer"]
 
 
 # -- ops ------------------------------------------------------------------------------------
@@ -184,6 +185,30 @@ def _check_inputs(q: Tensor, k: Tensor, v: Optional[Tensor], attn_mask: Optional
         raise ValueError("is_causal=True needs PisaConfig.local_blocks >= 1")
 
 
+def _check_window(window, is_causal: bool, attn_mask: Optional[Tensor]) -> Optional[int]:
+    """``window`` as a Python int (or None); a SymInt is specialised (a guard): the plan and
+    the block lists take it as a constant."""
+    if window is None:
+        return None
+    if isinstance(window, bool) or not isinstance(window, (numbers.Integral, torch.SymInt)):
+        raise TypeError(f"window must be an int or None, got {type(window).__name__}")
+    window = int(window)
+    if window < 1:
+        raise ValueError(f"window must be >= 1 (keys each query sees), got {window}")
+    if not is_causal or attn_mask is not None:
+        raise ValueError("window needs is_causal=True and no attn_mask (a causal sliding "
+                         "window: query i sees keys i + causal_offset - window < j <= "
+                         "i + causal_offset)")
+    return window
+
+
+def _effective_window(window, n_queries: int, n_keys: int, causal_offset) -> Optional[int]:
+    """``window``, or None where it hides nothing: every row's window reaches key 0."""
+    if window is None or n_queries - 1 + causal_offset < window:
+        return None
+    return window
+
+
 def _check_structure(q: Tensor, k: Tensor, attn_mask: Optional[Tensor],
                      key_mask: Optional[Tensor], is_causal: bool, causal_offset) -> Optional[Tensor]:
     """Check the structured mask arguments; returns ``key_mask`` as bool (or None)."""
@@ -231,27 +256,31 @@ def _config(config: Optional[PisaConfig]) -> PisaConfig:
 
 
 def plan(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None,
-         is_causal: bool = False, *, config: Optional[PisaConfig] = None) -> Plan:
+         is_causal: bool = False, *, config: Optional[PisaConfig] = None,
+         window: Optional[int] = None, causal_offset: int = 0) -> Plan:
     """Which implementation runs each stage of ``pisa_attention(q, k, v, ...)``.
 
     Args: as :func:`pisa_attention` (shapes ``[B, H, N, D]``); the inputs are not checked.
 
     Returns:
         A :class:`~pisa_compile.kernels.dispatch.Plan`: ``select`` and ``attention``
-        (``"sdpa"``, ``"triton"``, ``"triton-decode"`` or ``"reference"``) and the ``reason``
+        (``"sdpa"``, ``"triton"``, ``"triton-decode"``, ``"flex-window"`` or
+        ``"reference"``) and the ``reason``
         a stage does not take the fused Triton path. See ``kernels.dispatch.plan``.
     """
     config = _config(config)
     return dispatch.plan(q, k, v, _mask4(attn_mask), is_causal, kernel=config.kernel,
                          min_seq_len=config.min_seq_len, local_blocks=config.local_blocks,
-                         bound_block=config.effective_bound_block)
+                         bound_block=config.effective_bound_block,
+                         window=_effective_window(window, q.shape[2], k.shape[2],
+                                                  causal_offset))
 
 
 def pisa_attention(
     q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None, dropout_p: float = 0.0,
     is_causal: bool = False, scale: Optional[float] = None, enable_gqa: bool = False, *,
     config: Optional[PisaConfig] = None, key_mask: Optional[Tensor] = None,
-    causal_offset: int = 0,
+    causal_offset: int = 0, window: Optional[int] = None,
 ) -> Tensor:
     """Pyramid top-K sparse attention with the semantics of ``F.scaled_dot_product_attention``.
 
@@ -277,6 +306,12 @@ def pisa_attention(
             ``Nq x Nk`` mask. Exclusive with ``attn_mask``.
         causal_offset: int >= 0 (a KV cache's length: bottom-right alignment is
             ``Nk - Nq``); needs ``is_causal=True``.
+        window: None, or a causal sliding window of this many keys (int >= 1;
+            transformers' ``sliding_window``): query ``i`` sees keys ``j`` with
+            ``i + causal_offset - window < j <= i + causal_offset``. Needs ``is_causal``.
+            From ``min_seq_len`` keys on such a call is exact windowed attention through
+            FlexAttention (``O(N * window)``, no selection, no ``Nq x Nk`` mask); below, dense
+            SDPA.
 
     Returns:
         ``[B, Hq, Nq, Dv]`` in ``q.dtype``. Rows with no visible key are zero, as in SDPA.
@@ -290,16 +325,23 @@ def pisa_attention(
         raise ValueError(f"dropout_p must be 0.0 (PISA kernels have no dropout), got {dropout_p}")
     _check_inputs(q, k, v, attn_mask, is_causal, enable_gqa, config)
     key_mask = _check_structure(q, k, attn_mask, key_mask, is_causal, causal_offset)
+    window = _check_window(window, is_causal, attn_mask)
+    window = _effective_window(window, q.shape[2], k.shape[2], causal_offset)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     if attn_mask is not None and attn_mask.requires_grad:
         raise ValueError("attn_mask must not require grad: PISA gives no gradient for the mask")
-    how = plan(q, k, v, attn_mask, is_causal, config=config)
+    how = plan(q, k, v, attn_mask, is_causal, config=config, window=window,
+               causal_offset=causal_offset)
+    if how.attention == dispatch.WINDOW:
+        from .kernels.window import window_attention
+        return window_attention(q, k, v, window=window, causal_offset=causal_offset,
+                                key_mask=key_mask, scale=float(scale), enable_gqa=enable_gqa)
     if how.attention == dispatch.SDPA:
-        if key_mask is not None or (is_causal and causal_offset != 0):
+        if key_mask is not None or (is_causal and causal_offset != 0) or window is not None:
             # Short sequences: the dense mask the structure stands for, on the dense path.
             attn_mask = dense_mask(q.shape[0], q.shape[2], k.shape[2], is_causal, causal_offset,
-                                   key_mask, q.device)
+                                   key_mask, q.device, window=window)
             is_causal = False
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
                                               scale=scale, enable_gqa=enable_gqa)
@@ -312,6 +354,42 @@ def pisa_attention(
                                  is_causal, causal_offset, scale, config.block_size,
                                  config.query_tile, how.attention)
     return out
+
+
+def check_causal_buffer(q: Tensor, buffer: Tensor) -> Tensor:
+    """``q`` unchanged, after checking that ``buffer`` still holds a causal mask.
+
+    The pass turns a mask read from a module buffer (nanoGPT's registered
+    ``tril(ones(T, T))``, cut to ``[:T, :T]``) into ``is_causal`` when the buffer is causal
+    at compile time; the buffer may be written later, so every call checks the region the
+    mask reads: one fused pass with no host synchronisation (``torch._assert_async``, kept
+    in the graph as a side effect; the pass keeps the mask where Inductor would compile the
+    assert out: ROCm, or ``assert_indirect_indexing=False``).
+
+    Args:
+        q: any tensor, returned as is (the rewritten site routes its query through here).
+        buffer: ``[1, .., 1, T, T]`` float or bool: must be 1 (True) exactly where ``j <= i``
+            of its last two dims, 0 elsewhere.
+
+    Returns:
+        ``q``.
+
+    Raises:
+        RuntimeError: the buffer is no longer causal. On the CPU at once, with this message;
+            on CUDA as a device-side assert, which poisons the CUDA context (the process
+            must restart; the error reads "device-side assert triggered"). Recompile the
+            model (``torch._dynamo.reset()``) after changing such a buffer on purpose.
+        ValueError: ``buffer`` has fewer than 2 dims or non-square last dims.
+    """
+    if buffer.dim() < 2 or buffer.shape[-2] != buffer.shape[-1]:
+        raise ValueError(f"buffer must be [..., T, T], got shape {tuple(buffer.shape)}")
+    S = buffer.shape[-1]
+    i = torch.arange(S, device=buffer.device)
+    causal = i[None, :] <= i[:, None]
+    ok = (((buffer != 0) == causal) & ((buffer == 0) | (buffer == 1))).all()
+    torch._assert_async(ok, "pisa_compile: a causal mask buffer the compiled graph relies on "
+                            "is no longer causal; recompile after changing it")
+    return q
 
 
 def select_blocks(

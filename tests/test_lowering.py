@@ -261,7 +261,88 @@ def test_nanogpt_module_eval():
     x = torch.randn(2, 24, 64)
     check(model, x)
     (site,) = pisa_compile.explain(model, x).sites
-    assert site.rewritten and site.mask == "bool"
+    assert site.rewritten and site.mask == "bool->is_causal(buffer checked per call)"
+
+
+def test_nanogpt_buffer_training_step_matches_eager():
+    """With the buffer as structure the backward is the causal one: equal gradients."""
+    torch.manual_seed(0)
+    model = NanoGPTAttention()
+    model.attn_dropout.p = 0.0
+    x = torch.randn(2, 40, 64)
+    opts = dict(min_seq_len=0, block_size=16, top_k=64)
+
+    def grads(run):
+        model.zero_grad(set_to_none=True)
+        run(x).square().mean().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    want = grads(model)
+    got = grads(torch.compile(model, backend="pisa", options=opts))
+    for name, g in want.items():
+        torch.testing.assert_close(got[name], g, atol=1e-5, rtol=1e-4, msg=name)
+    (site,) = pisa_compile.explain(model, x, options=opts).sites
+    assert site.mask.endswith("(buffer checked per call)")
+
+
+def test_nanogpt_buffer_runs_causal_and_a_changed_buffer_fails_loudly():
+    """The registered tril buffer becomes ``is_causal`` (the sparse path, equal to eager).
+    Every call checks the ``[:T, :T]`` region the mask reads: a write past it (which eager
+    ignores too) changes nothing, a write inside makes the call raise, never answer wrongly.
+    With device asserts compiled out (``assert_indirect_indexing=False``) the buffer stays an
+    explicit mask."""
+    torch.manual_seed(0)
+    model = NanoGPTAttention().eval()
+    x = torch.randn(2, 40, 64)
+    opts = dict(min_seq_len=0, block_size=16, top_k=64)
+    with torch.no_grad():
+        f = torch.compile(model, backend="pisa", options=opts)
+        torch.testing.assert_close(f(x), model(x), atol=1e-5, rtol=1e-4)
+        model.bias[..., 45, 50] = 1.0  # past the 40 x 40 cut
+        torch.testing.assert_close(f(x), model(x), atol=1e-5, rtol=1e-4)
+        model.bias[..., 3, 10] = 1.0  # key 10 visible to query 3: no longer causal
+        with pytest.raises(RuntimeError, match="no longer causal"):
+            f(x)
+    fresh = NanoGPTAttention().eval()
+    (site,) = pisa_compile.explain(fresh, x, options={**opts, "assert_indirect_indexing":
+                                                       False}).sites
+    assert "buffer checked" not in site.mask and "device-side checks are off" in site.mask
+
+
+def test_an_argument_named_like_a_buffer_is_not_one():
+    def fn(q, k, v, attn_buffers):
+        s = (q @ k.mT * 0.25).masked_fill(attn_buffers == 0, float("-inf"))
+        return s.softmax(-1) @ v
+    q, k, v = _qkv()
+    m = torch.tril(torch.ones(q.shape[-2], q.shape[-2]))
+    (site,) = pisa_compile.explain(fn, q, k, v, m).sites
+    assert "buffer" not in site.mask and "is_causal" not in site.mask
+
+
+@pytest.mark.parametrize("pattern", ["triu", "band", "input"])
+def test_other_buffers_and_mask_inputs_are_not_assumed_causal(pattern):
+    """Only a buffer that is causal when compiled is read as structure: another pattern (or
+    a causal mask passed as an argument, which may differ per call) stays an explicit mask."""
+    torch.manual_seed(0)
+    model = NanoGPTAttention().eval()
+    block = model.bias.shape[-1]
+    if pattern == "triu":
+        model.bias.copy_(torch.triu(torch.ones(block, block)))
+    elif pattern == "band":
+        i = torch.arange(block)
+        model.bias.copy_(((i[None] <= i[:, None]) & (i[None] > i[:, None] - 8)).float())
+    x = torch.randn(2, 24, 64)
+    if pattern == "input":
+        def fn(q, k, v, m):
+            s = (q @ k.mT * 0.25).masked_fill(m == 0, float("-inf"))
+            return s.softmax(-1) @ v
+        q, k, v = _qkv()
+        m = torch.tril(torch.ones(q.shape[-2], q.shape[-2]))
+        (site,) = pisa_compile.explain(fn, q, k, v, m).sites
+    else:
+        (site,) = pisa_compile.explain(model, x).sites
+        check(model, x)
+    assert site.rewritten and "buffer" not in site.mask and "is_causal" not in site.mask
 
 
 def test_graph_has_pisa_call_and_no_softmax():

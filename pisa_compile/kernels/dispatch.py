@@ -24,6 +24,7 @@ __all__ = ["Plan", "plan", "select_blocks", "attention_forward", "attention_back
 
 KERNELS = ("auto", "triton", "reference")
 SDPA, TRITON, DECODE, REFERENCE = "sdpa", "triton", "triton-decode", "reference"
+WINDOW = "flex-window"
 
 
 class Plan(NamedTuple):
@@ -32,8 +33,9 @@ class Plan(NamedTuple):
     Attributes:
         select: ``"triton"`` or ``"reference"`` (``None`` when ``attention`` is ``"sdpa"``).
         attention: ``"sdpa"`` (plain dense SDPA: the exact regime by shape), ``"triton"``,
-            ``"triton-decode"`` (split-K over the blocks, for a few queries) or
-            ``"reference"``.
+            ``"triton-decode"`` (split-K over the blocks, for a few queries),
+            ``"flex-window"`` (a sliding window: exact windowed attention through
+            FlexAttention, no selection, :mod:`.window`) or ``"reference"``.
         reason: why a stage does not run the fused Triton path; empty when everything does.
     """
 
@@ -93,9 +95,29 @@ def _triton_refusal(q: Tensor, v: Tensor, kernel: str) -> Optional[str]:
     return None
 
 
+def _flex_refusal(q: Tensor, k: Tensor, v: Tensor, kernel: str) -> Optional[str]:
+    """Why FlexAttention (the sliding-window path) cannot take these inputs, or None."""
+    if kernel == "reference":
+        return "kernel='reference'"
+    # Its CPU path has no backward and does not lower these block masks under Inductor.
+    if q.device.type != "cuda":
+        return f"{q.device.type} tensors"
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"{q.dtype} inputs"
+    if not triton_available():
+        return "Triton is not installed"
+    D = max(q.shape[-1], v.shape[-1])
+    if D < 16 or D > 256:
+        return f"head dim {D} (FlexAttention compiles 16..256)"
+    G = q.shape[1] // max(k.shape[1], 1)
+    if G & (G - 1):  # its decoding kernel packs a GQA group into a power-of-two tile
+        return f"{G} query heads per KV head (not a power of two)"
+    return None
+
+
 def plan(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal: bool, *,
          kernel: str = "auto", min_seq_len: int = 0, local_blocks: int = 1,
-         bound_block: int = 0) -> Plan:
+         bound_block: int = 0, window: Optional[int] = None) -> Plan:
     """Decide which implementation runs selection and attention for one call.
 
     Args:
@@ -107,6 +129,9 @@ def plan(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal
         local_blocks: the PISA option; a causal selection with none needs the reference.
         bound_block: the PISA option (0 for None); both selections take it (kept so the
             call sites need not change).
+        window: a causal sliding window's width (keys per query), or None. From
+            ``min_seq_len`` keys on, such a call is exact windowed attention: ``O(N * window)``
+            already, and a query sees fewer keys than the sparse path starts at.
 
     Returns:
         A :class:`Plan`. Falling back to the reference on CUDA warns once per reason.
@@ -121,6 +146,15 @@ def plan(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal
         return Plan(None, SDPA, f"Nk={n_keys} < min_seq_len={min_seq_len}")
     if q.numel() == 0 or k.numel() == 0 or v.numel() == 0:
         return Plan(None, SDPA, "empty input")
+    if window is not None:
+        why = _flex_refusal(q, k, v, kernel)
+        if why is not None:
+            return Plan(None, SDPA, f"sliding window({window}): dense SDPA with the window's "
+                                    f"mask ({why})")
+        from torch._dynamo.utils import counters
+        counters["pisa"]["flex_window"] += 1  # tests: the window path really ran
+        return Plan(None, WINDOW, f"sliding window({window}): exact windowed attention "
+                                  "(FlexAttention), no selection")
     why = _triton_refusal(q, v, kernel)
     if why is not None:
         if kernel == "triton" or (kernel == "auto" and q.device.type == "cuda"):

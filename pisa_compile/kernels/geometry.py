@@ -97,16 +97,20 @@ def level_sizes(n_keys: int, block_size: int, branching: int, beam: int) -> list
 
 
 def dense_mask(batch: int, n_queries: int, n_keys: int, is_causal: bool, causal_offset=0,
-               key_mask: Optional[Tensor] = None, device=None) -> Tensor:
+               key_mask: Optional[Tensor] = None, device=None,
+               window: Optional[int] = None) -> Tensor:
     """The bool mask ``[batch, 1, Nq, Nk]`` (True = attend) that the structured arguments
-    stand for: query ``i`` sees key ``j`` iff ``j <= i + causal_offset`` (when causal) and
-    ``key_mask[b, j]``. O(Nq * Nk): for plain-SDPA fallbacks and tests, never the fast path."""
+    stand for: query ``i`` sees key ``j`` iff ``j <= i + causal_offset`` (when causal),
+    ``j > i + causal_offset - window`` (a sliding window) and ``key_mask[b, j]``.
+    O(Nq * Nk): for plain-SDPA fallbacks and tests, never the fast path."""
     if key_mask is not None:
         device = key_mask.device
     q = torch.arange(n_queries, device=device)[:, None]
     j = torch.arange(n_keys, device=device)[None, :]
     m = (j <= q + causal_offset) if is_causal else torch.ones(
         n_queries, n_keys, dtype=torch.bool, device=device)
+    if window is not None:
+        m = m & (j > q + causal_offset - window)
     m = m[None, None].expand(batch, 1, n_queries, n_keys)
     if key_mask is not None:
         m = m & key_mask[:, None, None, :].bool()

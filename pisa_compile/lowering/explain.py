@@ -34,13 +34,14 @@ def explain(model_or_fn, *args, options=None, **kwargs) -> Report:
     Note: Dynamo's caches are reset before and after (``torch._dynamo.reset()``), so the
     report is fresh and nothing stays compiled; the model itself is not modified.
     """
-    config, _ = split_options(options)
+    config, patches = split_options(options)
     report = Report()
 
     def analyse(gm, example_inputs):
         index = report.graphs
         report.graphs += 1
-        sites = rewrite_graph(gm, config, apply=False)
+        with torch._inductor.config.patch(patches):  # as the backend runs the pass
+            sites = rewrite_graph(gm, config, apply=False)
         for s in sites:
             s.graph = index
         record(sites, count=False)

@@ -76,6 +76,9 @@ class Struct:
     lower: Optional[tuple] = None
     key: Optional[Node] = None
     key_cut: bool = False  # read key[:, :n_keys] (its length is not provably n_keys)
+    # Module buffers whose values this structure was read from (a registered causal mask):
+    # true when the graph was compiled, so the op must check them on every call.
+    checked: tuple = ()
 
     def negated(self) -> "Struct":
         """The negation; one bound alone flips to the other bound (``j - i > u`` is
@@ -83,11 +86,13 @@ class Struct:
         if self.key is None and (self.upper is None) != (self.lower is None):
             if self.upper is not None:
                 c, t = self.upper
-                return Struct(self.attend, self.n_queries, self.n_keys, lower=(c + 1, t))
+                return Struct(self.attend, self.n_queries, self.n_keys, lower=(c + 1, t),
+                              checked=self.checked)
             c, t = self.lower
-            return Struct(self.attend, self.n_queries, self.n_keys, upper=(c - 1, t))
+            return Struct(self.attend, self.n_queries, self.n_keys, upper=(c - 1, t),
+                          checked=self.checked)
         return Struct(not self.attend, self.n_queries, self.n_keys, self.upper, self.lower,
-                      self.key, self.key_cut)
+                      self.key, self.key_cut, self.checked)
 
 
 ONES = "ones"
@@ -238,7 +243,8 @@ def both(x: Any, y: Any) -> Any:
         return None
     kx = x if x.key is not None else y
     return Struct(True, x.n_queries if x.n_queries is not None else y.n_queries, x.n_keys,
-                  upper, lower, kx.key, kx.key_cut)
+                  upper, lower, kx.key, kx.key_cut,
+                  x.checked + tuple(n for n in y.checked if n not in x.checked))
 
 
 def _index_axis(index: Any) -> Optional[int]:
@@ -398,7 +404,11 @@ def _evaluate(node: Node, ev) -> Any:
         if isinstance(x, Struct) and x.key is None and _keeps_last_two(node.args[1]):
             v = P.val(node)  # a top-left cut keeps j - i: same bounds, the cut's shape
             if isinstance(v, torch.Tensor) and v.dim() >= 2:
-                return Struct(x.attend, v.shape[-2], v.shape[-1], x.upper, x.lower)
+                # The cut of a causal buffer itself: the op checks the region the mask reads
+                # (the check wants 1 exactly on j <= i), not the whole buffer.
+                cut = x.checked and x.attend and x.upper == (0, ()) and x.lower is None
+                return Struct(x.attend, v.shape[-2], v.shape[-1], x.upper, x.lower,
+                              checked=(node,) if cut else x.checked)
             return None
         return _key_gather(node, ev)
     if P._fn(node, torch.unsqueeze) or P._meth(node, "unsqueeze"):
@@ -440,6 +450,8 @@ def _evaluate(node: Node, ev) -> Any:
         return Struct(True, v.shape[-2], v.shape[-1], **{bound: (diag, ())})
     if _is_ones_call(node):
         return ONES
+    if node.op == "placeholder":
+        return _causal_buffer(node)
     if node.op == "call_method" and node.target in _PASS_METHODS:
         x = ev(node.args[0])
         if isinstance(x, Index):
@@ -447,6 +459,37 @@ def _evaluate(node: Node, ev) -> Any:
                 "to", "int", "long", "contiguous", "clone", "detach") else None
         return x
     return None
+
+
+def _causal_buffer(node: Node) -> Optional[Struct]:
+    """A module buffer that holds a causal mask now (nanoGPT's ``register_buffer("bias",
+    torch.tril(torch.ones(T, T)).view(1, 1, T, T))``): 1 (or True) exactly on ``j <= i`` of
+    its last two dims, size-1 leading dims. Dynamo passes the buffer's current value with
+    the graph; the value may change later (an in-place write, ``load_state_dict``), so the
+    structure names the buffer in ``checked`` and the op checks it on every call. Inputs
+    other than module buffers are never assumed (a mask argument may differ per call)."""
+    ga = node.meta.get("grapharg")
+    source = getattr(ga, "source", None)
+    # Dynamo lifts a buffer as `<module>._buffers[name]`: an item of an attribute source
+    # whose member is `_buffers` (a name that merely contains "_buffers" is not one).
+    if getattr(getattr(source, "base", None), "member", None) != "_buffers":
+        return None
+    example = getattr(ga, "example", None)
+    if not isinstance(example, torch.Tensor):
+        return None
+    from torch._subclasses.fake_tensor import is_fake
+    if is_fake(example) or example.dim() < 2 or any(d != 1 for d in example.shape[:-2]):
+        return None
+    S, S2 = example.shape[-2:]
+    if S != S2 or not (example.dtype == torch.bool or example.is_floating_point()):
+        return None
+    v = example.detach().reshape(S, S)
+    if not bool(((v == 0) | (v == 1)).all()):
+        return None
+    causal = torch.ones(S, S, dtype=torch.bool, device=v.device).tril()
+    if not torch.equal(v != 0, causal):
+        return None
+    return Struct(True, S, S, upper=(0, ()), checked=(node,))
 
 
 def _attend_set(v: Any, attend_if: bool) -> Optional[Struct]:

@@ -22,7 +22,7 @@ from torch.fx import GraphModule, Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..config import PisaConfig
-from ..ops import pisa_attention
+from ..ops import check_causal_buffer, pisa_attention
 from . import masks as M
 from . import patterns as P
 from .mha import (ENCODER_LAYER_TARGET, MHA_SIGNATURE, MHA_TARGET,
@@ -66,6 +66,8 @@ class _Plan:
     causal_offset: Any = None        # (const, terms) offset of the causal diagonal (masks.Struct)
     key_mask: Optional[Node] = None  # [B, Nk] bool key mask proved from the graph
     key_cut: bool = False            # pass key_mask[:, :Nk] (masks.Struct.key_cut)
+    window: Optional[int] = None     # causal sliding window: keys per query
+    checked: tuple = ()              # buffers the structure was read from (checked per call)
     scale: Any = None                # None: SDPA's default 1/sqrt(D); else list of factors
     enable_gqa: bool = False
     rank3: bool = False              # [B*H, N, D] inputs: run as [1, B*H, N, D]
@@ -128,18 +130,39 @@ def _fmt_offset(off: tuple) -> str:
     return (text + (f"{c:+d}" if c else "")) if text else str(c)
 
 
+def _asserts_enforced() -> bool:
+    """Whether Inductor keeps ``torch._assert_async`` (what :func:`check_causal_buffer` relies
+    on): Triton compiles device asserts only in debug mode, which Inductor turns on with
+    ``assert_indirect_indexing``, and never on ROCm."""
+    import torch._inductor.config as inductor_config
+    return torch.version.hip is None and bool(inductor_config.assert_indirect_indexing)
+
+
 def _take_structure(graph, plan: _Plan, s: M.Struct, qv: Any, kv: Any, site: Site) -> bool:
-    """Hand ``s`` to the op as ``is_causal``/``causal_offset``/``key_mask`` when the kernels
-    take it; records what was found in ``site.mask`` either way. False: keep the mask."""
+    """Hand ``s`` to the op as ``is_causal``/``causal_offset``/``key_mask``/``window`` when
+    the op takes it; records what was found in ``site.mask`` either way. False: keep the
+    mask."""
     if s.lower is not None and s.n_queries is not None:
         # A window wider than every row's reach is no window: j - i >= -(Nq - 1) >= lower.
         low = M.offset_value(s.lower, graph)
         if low is not None and statically_known_true(low + s.n_queries - 1 <= 0):
             s = dataclasses.replace(s, lower=None)
-    if s.lower is not None:  # a sliding window
+    window = None
+    if s.lower is not None:  # a sliding window: the op takes a causal one of fixed width
         width = (s.upper[0] - s.lower[0] + 1
-                 if s.upper is not None and s.upper[1] == s.lower[1] else "?")
-        site.mask += f"(window={width}: no window in the kernels yet)"
+                 if s.upper is not None and s.upper[1] == s.lower[1] else None)
+        if s.upper is None:
+            site.mask += "(keys j >= i + c only, no causal bound: kept as a mask)"
+            return False
+        if width is None:
+            site.mask += "(a window whose width is not a constant: kept as a mask)"
+            return False
+        if width < 1:
+            site.mask += "(an empty band: kept as a mask)"
+            return False
+        window = width
+    if s.checked and not _asserts_enforced():
+        site.mask += "(a buffer: kept as a mask, device-side checks are off)"
         return False
     if s.key is not None:
         km = P.val(s.key)
@@ -157,13 +180,19 @@ def _take_structure(graph, plan: _Plan, s: M.Struct, qv: Any, kv: Any, site: Sit
     plan.is_causal = s.upper is not None
     plan.causal_offset = s.upper if s.upper is not None and s.upper != (0, ()) else None
     plan.key_mask, plan.key_cut = s.key, s.key_cut
+    plan.window = window
+    plan.checked = s.checked
     found = []
     if s.upper is not None:
         found.append("is_causal" if plan.causal_offset is None
                      else f"causal(offset={_fmt_offset(s.upper)})")
+    if window is not None:
+        found.append(f"window({window})")
     if s.key is not None:
         found.append("padding")
     site.mask += "->" + ("+".join(found) or "none")
+    if s.checked:
+        site.mask += "(buffer checked per call)"
     return True
 
 
@@ -687,6 +716,8 @@ def _apply(gm: GraphModule, plan: _Plan, config: PisaConfig) -> Node:
         scale = num
         for f, div in sym:
             scale = emit("call_function", operator.truediv if div else operator.mul, (scale, f))
+    for buf in plan.checked:  # q passes through the check, so the check stays in the graph
+        q = emit("call_function", check_causal_buffer, (q, buf))
     if plan.rank3:
         q, k, v = (emit("call_method", "unsqueeze", (t, 0)) for t in (q, k, v))
     structure = {}
@@ -697,6 +728,8 @@ def _apply(gm: GraphModule, plan: _Plan, config: PisaConfig) -> Node:
         structure["key_mask"] = km
     if plan.causal_offset is not None:
         structure["causal_offset"] = _emit_offset(emit, gm.graph, plan.causal_offset)
+    if plan.window is not None:
+        structure["window"] = plan.window
     out = emit("call_function", pisa_attention, (q, k, v),
                dict(attn_mask=mask, dropout_p=0.0, is_causal=plan.is_causal, scale=scale,
                     enable_gqa=plan.enable_gqa, config=config, **structure))

@@ -85,3 +85,65 @@ def test_generate_runs_no_reference_stage(llama):
     # bf16 greedy decoding may flip a near-tied token; most must agree.
     new = out[:, N:] == ref[:, N:]
     assert new.float().mean() >= 0.75, (out[:, N:], ref[:, N:])
+
+
+@pytest.mark.parametrize("form", ["ones", "left_padding"])
+def test_sliding_window_runs_flex_attention(form):
+    """A Mistral-shaped stack with a 512-token window at 2048: every site is rewritten with
+    the window as structure, runs FlexAttention (no reference stage), and equals dense."""
+    from transformers import MistralConfig, MistralForCausalLM
+    cfg = MistralConfig(vocab_size=1000, hidden_size=256, intermediate_size=512,
+                        num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+                        max_position_embeddings=N + 64, sliding_window=512,
+                        attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = MistralForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
+    B = 2
+    ids = torch.randint(0, 1000, (B, N), device="cuda", generator=torch.Generator(
+        device="cuda").manual_seed(3))
+    am = torch.ones(B, N, dtype=torch.long, device="cuda")
+    if form == "left_padding":
+        am[1, :700] = 0
+    with torch.no_grad():
+        dense = model(ids, attention_mask=am).logits
+        out = _pisa(model)(ids, attention_mask=am).logits
+    assert counters["pisa"]["rewritten"] == 2 and counters["pisa"]["left_dense"] == 0, \
+        dict(counters["pisa"])
+    assert counters["pisa"]["flex_window"] == 2, dict(counters["pisa"])  # not dense SDPA
+    assert _stages() == {}, _stages()
+    real = am.bool()
+    assert _close(out[real], dense[real]) < 2e-2
+
+
+def test_window_op_eager_matches_dense():
+    """``pisa_attention(window=...)`` called eagerly on CUDA (compiled FlexAttention) against
+    SDPA under the window's mask, with a KV-cache offset and padding, bf16."""
+    from pisa_compile import PisaConfig, pisa_attention
+    from pisa_compile.kernels.geometry import dense_mask
+    g = torch.Generator(device="cuda").manual_seed(4)
+    q = torch.randn(2, 8, 1000, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(2, 2, 3000, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(2, 2, 3000, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+    km = torch.ones(2, 3000, dtype=torch.bool, device="cuda")
+    km[1, :250] = False
+    out = pisa_attention(q, k, v, is_causal=True, causal_offset=2000, window=700, key_mask=km,
+                         enable_gqa=True, config=PisaConfig(min_seq_len=0))
+    m = dense_mask(2, 1000, 3000, True, 2000, km, window=700)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=m,
+                                                            enable_gqa=True)
+    assert _close(out, want) < 1e-2
+
+
+def test_nanogpt_buffer_runs_no_reference_stage():
+    """nanoGPT's registered ``tril`` buffer becomes ``is_causal`` (checked per call on the
+    device): no reference stage, output equal to eager dense."""
+    from tests.test_lowering import NanoGPTAttention
+    torch.manual_seed(0)
+    model = NanoGPTAttention(d_model=256, n_head=4, block=N).to("cuda", torch.bfloat16).eval()
+    x = torch.randn(2, N, 256, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        dense = model(x)
+        out = _pisa(model)(x)
+    assert counters["pisa"]["rewritten"] == 1, dict(counters["pisa"])
+    assert _stages() == {}, _stages()
+    assert _close(out, dense) < 2e-2

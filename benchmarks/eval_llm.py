@@ -46,6 +46,7 @@ from pisa_compile import PisaConfig, pisa_attention
 from pisa_compile.samples import stdlib_files
 
 __all__ = ["CANDIDATES", "candidate_config", "Case", "needle_cases", "loss_windows", "evaluate",
+           "flat_exact_kernel_attention",
            "main"]
 
 # Option sets compared against dense: PisaConfig keys over the "fast" preset (the defaults
@@ -122,6 +123,11 @@ CEILINGS: dict[str, dict] = {
     "flat_exact_query": {"query_tile": 1},
     "flat_exact_tile16": {"query_tile": 16},
     "flat_exact_tile16_k32": {"query_tile": 16, "top_k": 32},
+    # The same ceilings through PISA's kernels (flat_exact_kernel_attention; GPU): fast enough
+    # for 45 cases at 30K, where the PyTorch oracle is not.
+    "flat_kernel_tile16": {"query_tile": 16, "kernel": True},
+    "flat_kernel_tile16_k32": {"query_tile": 16, "top_k": 32, "kernel": True},
+    "flat_kernel_tile64": {"query_tile": 64, "kernel": True},
     "flat_meanq32_tile64": {"query_tile": 64, "mean_query_shortlist": 32},
     "flat_meanq64_tile64": {"query_tile": 64, "mean_query_shortlist": 64},
     "flat_sub8_tile64": {"query_tile": 64, "sub_block": 8},
@@ -136,7 +142,8 @@ CEILINGS: dict[str, dict] = {
 }
 
 # The keys of a CEILINGS entry that go to flat_exact_attention (the rest: PisaConfig).
-ORACLE_KEYS = ("mean_query_shortlist", "sub_block", "sub_block_bound", "sub_block_shortlist")
+ORACLE_KEYS = ("mean_query_shortlist", "sub_block", "sub_block_bound", "sub_block_shortlist",
+               "kernel")
 
 DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 TASKS = ("code", "multikey", "prose")
@@ -427,6 +434,97 @@ def flat_exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scal
     return out
 
 
+# -- the same ceiling on PISA's kernels (GPU; the interpreter in tests) ---------------------
+# The PyTorch oracle above builds fp32 [tile rows, Nk] tensors and passes over them several
+# times: more than 430 s for 45 cases at 30K on the H200. Here the selection runs through the
+# exact rescoring kernel, fed every candidate leaf as its shortlist, and the attention through
+# PISA's block-sparse kernel. Causal self-attention or a KV cache only, no key mask, no check
+# for non-finite keys.
+
+def _ascending(sel: torch.Tensor, width: int) -> torch.Tensor:
+    """The columns where ``sel [T, L]`` holds, ascending, -1 padded to ``width``: int32."""
+    L = sel.shape[-1]
+    leaf = torch.arange(L, device=sel.device)
+    order = torch.sort(torch.where(sel, leaf, L + leaf), dim=-1).values[..., :width]
+    out = torch.where(order < L, order, -1)
+    if out.shape[-1] < width:
+        out = torch.nn.functional.pad(out, (0, width - out.shape[-1]), value=-1)
+    return out.to(torch.int32)
+
+
+def flat_exact_select(q: torch.Tensor, k: torch.Tensor, scale: float, config: PisaConfig,
+                      causal_offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per query tile: the forced leaves plus the ``top_k`` of every visible leaf by the tile
+    vote of exact leaf scores (``reference.tile_scores`` over per-row LSEs), causal.
+
+    Args:
+        q: ``[B, Hq, Nq, D]`` fp16/bf16/fp32 (CUDA, or the Triton interpreter); k:
+            ``[B, Hkv, Nk, D]``; scale: softmax scale; config: ``block_size``, ``top_k``,
+            ``query_tile``, ``sink_blocks``, ``local_blocks`` (>= 1) are read;
+            causal_offset: query ``i`` sees keys ``j <= i + causal_offset``.
+
+    Returns:
+        ``block_indices`` int32 ``[B, Hkv, T, M]`` (ascending, -1 padded) and
+        ``block_counts`` int32 ``[B, Hkv, T]``, as ``pisa_compile.select_blocks``.
+    """
+    import triton
+
+    from pisa_compile.kernels import triton_select
+    from pisa_compile.kernels.geometry import block_width, cdiv, forced_ranges
+    from pisa_compile.kernels.runtime import launcher
+
+    B, Hq, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    C, Tq = config.block_size, config.query_tile
+    L, T = cdiv(Nk, C), cdiv(Nq, Tq)
+    dev = q.device
+    t = torch.arange(T, device=dev)
+    n_sink, lo, hi = forced_ranges(t, Nq, Nk, causal_offset, C, Tq, config.sink_blocks,
+                                   config.local_blocks)
+    leaf = torch.arange(L, device=dev)[None, :]
+    last = torch.clamp((t + 1) * Tq, max=Nq) - 1 + causal_offset  # the tile's last position
+    forced = (leaf < n_sink) | ((leaf >= lo[:, None]) & (leaf <= hi[:, None]))
+    cand = (leaf * C <= last[:, None]) & ~forced
+    W = max(16, triton.next_power_of_2(max(1, int(cand.sum(-1).max()))))
+    M = block_width(Nk, C, config.top_k, config.sink_blocks, config.local_blocks, Tq)
+
+    def per_head(x: torch.Tensor) -> torch.Tensor:
+        return x.expand(B, Hkv, *x.shape).contiguous()
+
+    short = per_head(_ascending(cand, W))
+    fidx = per_head(_ascending(forced, M))
+    fcnt = per_head(forced.sum(-1).to(torch.int32))
+    idx = torch.empty(B, Hkv, T, M, dtype=torch.int32, device=dev)
+    counts = torch.empty(B, Hkv, T, dtype=torch.int32, device=dev)
+    lcnt = torch.zeros(B * Hkv * L, dtype=torch.float32, device=dev)  # no non-finite leaves
+    G = Hq // Hkv
+    rows = G * Tq
+    RB = min(64, max(16, 8192 // W), max(16, triton.next_power_of_2(min(rows, G * Nq))))
+    launcher(triton_select._rescore_kernel, q)[(T, B * Hkv)](
+        q, k, q, lcnt, short, fidx, fcnt, idx, counts, counts,
+        *q.stride(), *k.stride(), 0, 0,
+        Hkv, Nq, Nk, L, T, M, causal_offset, float(scale), 0,
+        D=D, G=G, TQ=Tq, C=C, KC=max(16, min(C, 64)), BD=max(16, triton.next_power_of_2(D)),
+        TOPK=config.top_k, W=W, RB=RB, MP=max(16, triton.next_power_of_2(M)), TW=16,
+        CAUSAL=True, HAS_KEY_MASK=False, LOWP=q.dtype != torch.float32, TRACE=False,
+        num_warps=4)
+    return idx, counts
+
+
+def flat_exact_kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                scale: float, config: PisaConfig) -> torch.Tensor:
+    """Causal attention over :func:`flat_exact_select`'s blocks (queries at the last ``Nq``
+    positions, as ``eval_llm.flat_exact_attention``): ``[B, Hq, Nq, Dv]`` in q's dtype."""
+    from pisa_compile.kernels import dispatch
+
+    off = k.shape[2] - q.shape[2]
+    idx, counts = flat_exact_select(q, k, scale, config, off)
+    out, _ = dispatch.attention_forward(q, k, v, None, True, float(scale), idx, counts,
+                                        dispatch.TRITON, block_size=config.block_size,
+                                        query_tile=config.query_tile, causal_offset=off)
+    return out
+
+
 def _top_votes(lse, cand, tile_of, nt, n_keep):
     """The tile vote (the sum over a tile's rows of each row's softmax over its candidate
     leaves) and its ``n_keep`` best candidates: bool ``[B, Hkv, nt, L]``.
@@ -514,8 +612,12 @@ def use_attention(model, name: str, config: Optional[PisaConfig],
             if attention_mask is not None:
                 raise ValueError("the ceiling takes unpadded causal prompts only")
             scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-            return flat_exact_attention(query, key_, value, scale, config, **ceiling).transpose(
-                1, 2).contiguous(), None
+            opts = dict(ceiling)
+            if opts.pop("kernel", False):
+                out = flat_exact_kernel_attention(query, key_, value, scale, config)
+            else:
+                out = flat_exact_attention(query, key_, value, scale, config, **opts)
+            return out.transpose(1, 2).contiguous(), None
         AttentionInterface.register(key, fn)
     else:
         AttentionInterface.register(key, attention_function(config))
@@ -526,12 +628,14 @@ def use_attention(model, name: str, config: Optional[PisaConfig],
 
 
 @torch.no_grad()
-def _retrieved(model, case: Case, device) -> tuple[bool, float]:
+def _retrieved(model, case: Case, device) -> tuple[bool, float, int]:
     """Whether greedy decoding after the prompt gives every answer token, as ``generate()``
     would: the prompt (the case without its answer) is prefilled, then each answer token is
     fed back through the KV cache (one query per step). Teacher forcing the answer inside the
     prefill would let the answer's own queries vote in the last query tile's selection.
-    Also returns the prefill's wall time (ms)."""
+    Also returns the prefill's wall time (ms), and the first answer token predicted wrong
+    (-1: none; 0 is the prefill's own prediction, later ones decode steps, each fed the true
+    answer so far)."""
     ids = case.input_ids.to(device)[None]
     prompt, answer = ids[:, :-case.n_answer], ids[0, -case.n_answer:]
     if device.type == "cuda":
@@ -545,7 +649,9 @@ def _retrieved(model, case: Case, device) -> tuple[bool, float]:
     for tok in answer[:-1]:
         out = model(tok.view(1, 1), past_key_values=out.past_key_values, use_cache=True)
         preds.append(out.logits[0, -1].argmax())
-    return bool((torch.stack(preds) == answer).all()), ms
+    right = torch.stack(preds) == answer
+    miss = int((~right).nonzero()[0, 0]) if not bool(right.all()) else -1
+    return miss < 0, ms, miss
 
 
 @torch.no_grad()
@@ -580,10 +686,12 @@ def evaluate(model, tokenizer, lengths: Sequence[int], configs: dict, *, repeats
 
     Returns:
         ``{"lengths": [...], "results": {config: {str(N): {"retrieval", "cases", "by_task",
-        "loss", "loss_windows", "loss_vs_dense", "prefill_ms", "hits"}}}}``; ``prefill_ms``
-        is the median prefill time over the cases (ms), ``loss_vs_dense`` a relative change,
+        "loss", "loss_windows", "loss_vs_dense", "prefill_ms", "hits", "first_miss"}}}}``;
+        ``prefill_ms`` is the median prefill time over the cases (ms), ``loss_vs_dense`` a
+        relative change,
         ``hits`` the per-case outcomes (1/0, in case order), so runs can be paired case by
-        case.
+        case, and ``first_miss`` per case the first answer token predicted wrong (-1: none;
+        0: by the prefill, later: by a decode step).
     """
     device = next(model.parameters()).device
     ceilings = ceilings or {}
@@ -599,10 +707,11 @@ def evaluate(model, tokenizer, lengths: Sequence[int], configs: dict, *, repeats
             use_attention(model, name, cfg,
                           ceiling=ceilings[name][1] if name in ceilings else None)
             _retrieved(model, cases[0], device)  # warm-up: kernels compile once
-            oks, times, by_task = [], [], {}
+            oks, times, by_task, misses = [], [], {}, []
             for case in cases:
-                ok, ms = _retrieved(model, case, device)
+                ok, ms, miss = _retrieved(model, case, device)
                 oks.append(ok)
+                misses.append(miss)
                 times.append(ms)
                 by_task.setdefault(case.task, []).append(ok)
             losses = [_tail_loss(model, w, device) for w in windows]
@@ -610,7 +719,7 @@ def evaluate(model, tokenizer, lengths: Sequence[int], configs: dict, *, repeats
                    "by_task": {t: sum(v) / len(v) for t, v in by_task.items()},
                    "loss": sum(losses) / len(losses), "loss_windows": len(losses),
                    "prefill_ms": sorted(times)[len(times) // 2],
-                   "hits": [int(o) for o in oks]}
+                   "hits": [int(o) for o in oks], "first_miss": misses}
             results[name][str(n)] = row
             row["loss_vs_dense"] = row["loss"] / results["dense"][str(n)]["loss"] - 1.0
             progress(f"N={n} {name}: retrieval {row['retrieval']:.3f} ({len(oks)} cases), "

@@ -69,8 +69,9 @@ def test_retrieval_and_loss_read_the_right_positions():
     case = eval_llm.needle_cases(ByteTokenizer(), 512, repeats=1, tasks=("code",))[0]
     right, wrong = OracleLM(case.input_ids), OracleLM(case.input_ids, shift=1)
     cpu = torch.device("cpu")
-    assert eval_llm._retrieved(right, case, cpu)[0]
-    assert not eval_llm._retrieved(wrong, case, cpu)[0]
+    assert eval_llm._retrieved(right, case, cpu)[::2] == (True, -1)
+    ok, _, miss = eval_llm._retrieved(wrong, case, cpu)
+    assert not ok and 0 <= miss < case.n_answer
     assert eval_llm._tail_loss(right, case.input_ids, cpu) < 1e-6
     assert eval_llm._tail_loss(wrong, case.input_ids, cpu) > 1.0
 
@@ -241,3 +242,23 @@ def test_every_option_set_and_ceiling_builds_a_valid_config():
     for name, opts in CEILINGS.items():
         fields = {k: v for k, v in opts.items() if k not in ORACLE_KEYS}
         PisaConfig.preset("fast", **fields)  # raises on an unknown or bad field
+
+
+@pytest.mark.parametrize("B,Hkv,G,Nq,Nk,C,Tq,top_k", [(1, 1, 2, 100, 100, 8, 4, 3),
+                                                     (1, 2, 3, 1, 150, 8, 16, 4),
+                                                     (2, 1, 7, 40, 130, 16, 16, 2)])
+def test_kernel_ceiling_equals_the_pytorch_ceiling(B, Hkv, G, Nq, Nk, C, Tq, top_k):
+    """The ceiling through the rescoring and attention kernels (Triton's interpreter here)
+    equals the PyTorch oracle: prefill, decode (one query over a cache) and G = 7."""
+    cfg = PisaConfig.preset("fast", block_size=C, query_tile=Tq, top_k=top_k, min_seq_len=0)
+    g = torch.Generator().manual_seed(Nk)
+    q = torch.randn(B, Hkv * G, Nq, 16, generator=g)
+    k, v = torch.randn(B, Hkv, Nk, 16, generator=g), torch.randn(B, Hkv, Nk, 16, generator=g)
+    got = eval_llm.flat_exact_kernel_attention(q, k, v, 0.3, cfg)
+    want = eval_llm.flat_exact_attention(q, k, v, 0.3, cfg)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+    # Not the whole causal attention: the budget of blocks binds.
+    dense = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(G, 1), v.repeat_interleave(G, 1),
+        attn_mask=torch.ones(Nq, Nk, dtype=torch.bool).tril(Nk - Nq))
+    assert (got - dense).abs().max() > 1e-3

@@ -23,29 +23,41 @@ from pisa_compile import pisa_attention
 OPTIONS = CANDIDATES
 
 
+def add_options_arg(ap: argparse.ArgumentParser, default: list) -> None:
+    """``--options NAME ...``: option sets among ``eval_llm.CANDIDATES``."""
+    ap.add_argument("--options", nargs="*", default=default,
+                    help=f"option sets among {list(OPTIONS)}")
+
+
+def option_calls(ap: argparse.ArgumentParser, names: list, q, k, v) -> dict:
+    """Dense SDPA (its default backend, ``enable_gqa``) and ``pisa_attention`` under each
+    option set in ``names`` (``min_seq_len`` 0), as callables by name; an unknown name is a
+    usage error."""
+    unknown = [o for o in names if o not in OPTIONS]
+    if unknown:
+        ap.error(f"--options: unknown {unknown}; expected some of {list(OPTIONS)}")
+    fns = {"dense SDPA (default backend)": lambda: F.scaled_dot_product_attention(
+        q, k, v, is_causal=True, enable_gqa=True)}
+    for name in names:
+        cfg = candidate_config(name).replace(min_seq_len=0)
+        fns[name] = lambda cfg=cfg: pisa_attention(q, k, v, is_causal=True, enable_gqa=True,
+                                                   config=cfg)
+    return fns
+
+
 def main(argv=None) -> int:
     import triton.testing
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", type=int, nargs="*", default=[16384, 32768, 65536])
-    ap.add_argument("--options", nargs="*", default=list(OPTIONS),
-                    help=f"option sets among {list(OPTIONS)}")
+    add_options_arg(ap, list(OPTIONS))
     ap.add_argument("--json")
     args = ap.parse_args(argv)
-    unknown = [o for o in args.options if o not in OPTIONS]
-    if unknown:
-        ap.error(f"--options: unknown {unknown}; expected some of {list(OPTIONS)}")
     ms: dict = {}
     for n in args.sizes:
         q, k, v = inputs(n, grad=True)
         do = torch.randn_like(q)
-        fns = {"dense SDPA (default backend)": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                                                    enable_gqa=True)}
-        for name in args.options:
-            cfg = candidate_config(name).replace(min_seq_len=0)
-            fns[name] = lambda cfg=cfg: pisa_attention(q, k, v, is_causal=True, enable_gqa=True,
-                                                       config=cfg)
-        for name, f in fns.items():
+        for name, f in option_calls(ap, args.options, q, k, v).items():
             row = {}
             try:
                 with torch.no_grad():

@@ -17,12 +17,10 @@ import json
 from collections import defaultdict
 
 import torch
-import torch.nn.functional as F
+from benchmarks.bench_options import add_options_arg, option_calls
 from benchmarks.bench_pisa import HKV, HQ, D, inputs
-from benchmarks.eval_llm import CANDIDATES, candidate_config
+from benchmarks.eval_llm import CANDIDATES
 from torch.profiler import ProfilerActivity, profile
-
-from pisa_compile import pisa_attention
 
 
 def kernel_ms(fn, iters: int) -> dict[str, float]:
@@ -44,26 +42,16 @@ def kernel_ms(fn, iters: int) -> dict[str, float]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", type=int, nargs="*", default=[32768, 131072])
-    ap.add_argument("--options", nargs="*", default=["defaults", "fast"],
-                    help=f"option sets among {list(CANDIDATES)}")
+    add_options_arg(ap, ["defaults", "fast"])
     ap.add_argument("--backward", action="store_true", help="profile forward+backward")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--json")
     args = ap.parse_args(argv)
-    unknown = [o for o in args.options if o not in CANDIDATES]
-    if unknown:
-        ap.error(f"--options: unknown {unknown}; expected some of {list(CANDIDATES)}")
     rows: dict = {}
     for n in args.sizes:
         q, k, v = inputs(n, grad=args.backward)
         do = torch.randn_like(q)
-        fns = {"dense SDPA": lambda: F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=True)}
-        for name in args.options:
-            cfg = candidate_config(name).replace(min_seq_len=0)
-            fns[name] = lambda cfg=cfg: pisa_attention(q, k, v, is_causal=True,
-                                                       enable_gqa=True, config=cfg)
-        for name, f in fns.items():
+        for name, f in option_calls(ap, args.options, q, k, v).items():
             if args.backward:
                 call = lambda f=f: f().backward(do)  # noqa: E731
             else:

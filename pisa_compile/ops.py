@@ -202,7 +202,7 @@ def _check_window(window, is_causal: bool, attn_mask: Optional[Tensor]) -> Optio
     return window
 
 
-def _effective_window(window, n_queries: int, n_keys: int, causal_offset) -> Optional[int]:
+def _effective_window(window, n_queries: int, causal_offset) -> Optional[int]:
     """``window``, or None where it hides nothing: every row's window reaches key 0."""
     if window is None or n_queries - 1 + causal_offset < window:
         return None
@@ -272,8 +272,7 @@ def plan(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None,
     return dispatch.plan(q, k, v, _mask4(attn_mask), is_causal, kernel=config.kernel,
                          min_seq_len=config.min_seq_len, local_blocks=config.local_blocks,
                          bound_block=config.effective_bound_block,
-                         window=_effective_window(window, q.shape[2], k.shape[2],
-                                                  causal_offset))
+                         window=_effective_window(window, q.shape[2], causal_offset))
 
 
 def pisa_attention(
@@ -309,9 +308,11 @@ def pisa_attention(
         window: None, or a causal sliding window of this many keys (int >= 1;
             transformers' ``sliding_window``): query ``i`` sees keys ``j`` with
             ``i + causal_offset - window < j <= i + causal_offset``. Needs ``is_causal``.
-            From ``min_seq_len`` keys on such a call is exact windowed attention through
-            FlexAttention (``O(N * window)``, no selection, no ``Nq x Nk`` mask); below, dense
-            SDPA.
+            From ``min_seq_len`` keys on, on CUDA (fp16/bf16/fp32, head dims 16..256, GQA
+            groups a power of two), such a call is exact windowed attention through
+            FlexAttention (``O(N * window)``, no selection, no ``Nq x Nk`` mask); otherwise
+            dense SDPA under the window's mask (which builds that mask). The selection
+            options of ``config`` do not apply to it.
 
     Returns:
         ``[B, Hq, Nq, Dv]`` in ``q.dtype``. Rows with no visible key are zero, as in SDPA.
@@ -326,7 +327,7 @@ def pisa_attention(
     _check_inputs(q, k, v, attn_mask, is_causal, enable_gqa, config)
     key_mask = _check_structure(q, k, attn_mask, key_mask, is_causal, causal_offset)
     window = _check_window(window, is_causal, attn_mask)
-    window = _effective_window(window, q.shape[2], k.shape[2], causal_offset)
+    window = _effective_window(window, q.shape[2], causal_offset)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     if attn_mask is not None and attn_mask.requires_grad:

@@ -384,13 +384,20 @@ def check_causal_buffer(q: Tensor, buffer: Tensor) -> Tensor:
     """
     if buffer.dim() < 2 or buffer.shape[-2] != buffer.shape[-1]:
         raise ValueError(f"buffer must be [..., T, T], got shape {tuple(buffer.shape)}")
-    S = buffer.shape[-1]
-    i = torch.arange(S, device=buffer.device)
-    causal = i[None, :] <= i[:, None]
-    ok = (((buffer != 0) == causal) & ((buffer == 0) | (buffer == 1))).all()
-    torch._assert_async(ok, "pisa_compile: a causal mask buffer the compiled graph relies on "
-                            "is no longer causal; recompile after changing it")
+    torch._assert_async(holds_causal_mask(buffer),
+                        "pisa_compile: a causal mask buffer the compiled graph relies on "
+                        "is no longer causal; recompile after changing it")
     return q
+
+
+def holds_causal_mask(buffer: Tensor) -> Tensor:
+    """Whether ``buffer [..., T, T]`` (float or bool) is 1 (True) exactly where ``j <= i`` of
+    its last two dims and 0 elsewhere: a bool 0-d tensor, computed on the buffer's device
+    without a host sync. The pass's compile-time test and :func:`check_causal_buffer`'s
+    per-call check."""
+    i = torch.arange(buffer.shape[-1], device=buffer.device)
+    causal = i[None, :] <= i[:, None]
+    return (((buffer != 0) == causal) & ((buffer == 0) | (buffer == 1))).all()
 
 
 def select_blocks(

@@ -105,6 +105,18 @@ CANDIDATES: dict[str, dict] = {
     "quality_b124_pooled_walk": {"preset": "quality", "min_seq_len": 2048, "beam": 124,
                                  "bound_block": None},
     "quality_pooled_walk": {"preset": "quality", "min_seq_len": 2048, "bound_block": None},
+    # Smaller query tiles: fewer rows share one selection (a single row's need weighs more).
+    "quality_tq4": {"preset": "quality", "min_seq_len": 2048, "query_tile": 4},
+    "quality_tq1": {"preset": "quality", "min_seq_len": 2048, "query_tile": 1},
+    "quality_b124_all_k32": {"preset": "quality", "min_seq_len": 2048, "beam": 124,
+                             "shortlist": None, "top_k": 32},
+    "quality_b124_all_k64": {"preset": "quality", "min_seq_len": 2048, "beam": 124,
+                             "shortlist": None, "top_k": 64},
+    "quality_b124_s128_k64": {"preset": "quality", "min_seq_len": 2048, "beam": 124,
+                              "shortlist": 128, "top_k": 64},
+    # Finer leaves, the same keys: 32-key leaves, twice the blocks.
+    "quality_c32_k32": {"preset": "quality", "min_seq_len": 2048, "block_size": 32,
+                        "top_k": 32},
 }
 
 
@@ -128,6 +140,11 @@ CEILINGS: dict[str, dict] = {
     "flat_kernel_tile16": {"query_tile": 16, "kernel": True},
     "flat_kernel_tile16_k32": {"query_tile": 16, "top_k": 32, "kernel": True},
     "flat_kernel_tile64": {"query_tile": 64, "kernel": True},
+    "flat_kernel_query": {"query_tile": 1, "kernel": True},
+    "flat_kernel_tile16_k64": {"query_tile": 16, "top_k": 64, "kernel": True},
+    # Finer leaves at the same budget of keys as 16 and 32 blocks of 64.
+    "flat_kernel_c32_k32": {"query_tile": 16, "block_size": 32, "top_k": 32, "kernel": True},
+    "flat_kernel_c32_k64": {"query_tile": 16, "block_size": 32, "top_k": 64, "kernel": True},
     "flat_meanq32_tile64": {"query_tile": 64, "mean_query_shortlist": 32},
     "flat_meanq64_tile64": {"query_tile": 64, "mean_query_shortlist": 64},
     "flat_sub8_tile64": {"query_tile": 64, "sub_block": 8},

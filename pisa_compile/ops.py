@@ -425,7 +425,9 @@ def select_blocks(
     key_mask = _check_structure(q, k, attn_mask, key_mask, is_causal, causal_offset)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    how = plan(q, k, k, attn_mask, is_causal, config=config)
+    how = dispatch.plan(q, k, k, _mask4(attn_mask), is_causal, kernel=config.kernel,
+                        local_blocks=config.local_blocks,
+                        bound_block=config.effective_bound_block, selection_only=True)
     if how.select is None:  # empty: nothing to select
         B, Hkv, Nq, Nk = q.shape[0], k.shape[1], q.shape[2], k.shape[2]
         M = block_width(Nk, config.block_size, config.top_k, config.sink_blocks,

@@ -246,10 +246,11 @@ def test_every_option_set_and_ceiling_builds_a_valid_config():
 
 @pytest.mark.parametrize("B,Hkv,G,Nq,Nk,C,Tq,top_k", [(1, 1, 2, 100, 100, 8, 4, 3),
                                                      (1, 2, 3, 1, 150, 8, 16, 4),
-                                                     (2, 1, 7, 40, 130, 16, 16, 2)])
+                                                     (2, 1, 7, 40, 130, 16, 16, 2),
+                                                     (1, 2, 7, 24, 90, 8, 1, 3)])
 def test_kernel_ceiling_equals_the_pytorch_ceiling(B, Hkv, G, Nq, Nk, C, Tq, top_k):
     """The ceiling through the rescoring and attention kernels (Triton's interpreter here)
-    equals the PyTorch oracle: prefill, decode (one query over a cache) and G = 7."""
+    equals the PyTorch oracle: prefill, decode (one query over a cache), G = 7, per query (Tq = 1)."""
     cfg = PisaConfig.preset("fast", block_size=C, query_tile=Tq, top_k=top_k, min_seq_len=0)
     g = torch.Generator().manual_seed(Nk)
     q = torch.randn(B, Hkv * G, Nq, 16, generator=g)

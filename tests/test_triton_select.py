@@ -266,6 +266,43 @@ def test_explicit_mask_plans_the_reference_selection():
     assert plan(q, k, k, None, False, config=cfg) == ("triton", "triton", "")
 
 
+def test_explicit_mask_on_cuda_plans_dense_sdpa(monkeypatch):
+    """On CUDA (fake tensors here) with ``kernel="auto"`` an explicit mask plans dense SDPA
+    under the mask, warned once and counted as no reference stage; ``select_blocks``' plan
+    keeps the reference selection, the only one that reads such a mask. The rewrite's note
+    says the same."""
+    import warnings
+
+    from torch._dynamo.utils import counters
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from pisa_compile.kernels import dispatch
+    from pisa_compile.lowering.rewrite import _note
+    monkeypatch.setattr(dispatch, "triton_targets_gpu", lambda index: True)
+    dispatch._warned.clear()
+    counters.clear()
+    with FakeTensorMode():
+        q = torch.empty(1, 4, 64, 16, device="cuda", dtype=torch.float16)
+        k = torch.empty(1, 2, 64, 16, device="cuda", dtype=torch.float16)
+        mask = torch.empty(1, 1, 64, 64, device="cuda", dtype=torch.bool)
+        with pytest.warns(UserWarning, match="dense SDPA runs under the mask"):
+            how = dispatch.plan(q, k, k, mask, False)
+        assert (how.select, how.attention) == (None, "sdpa") and "attn_mask" in how.reason
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert dispatch.plan(q, k, k, mask, False) == how  # warned once only
+        with pytest.warns(UserWarning, match="PyTorch reference runs instead"):
+            sel = dispatch.plan(q, k, k, mask, False, selection_only=True)
+        assert (sel.select, sel.attention) == ("reference", "triton")
+        assert dispatch.plan(q, k, k, mask, False, kernel="triton").select == "reference"
+        assert dispatch.plan(q, k, k, None, True) == ("triton", "triton", "")
+    assert counters["pisa"]["reference_attention"] == 0
+    cfg = PisaConfig(min_seq_len=0)
+    assert "dense SDPA under the mask" in _note(64, True, cfg, torch.device("cuda"))
+    assert "PyTorch reference" in _note(64, True, cfg, torch.device("cpu"))
+    assert _note(64, False, cfg, torch.device("cuda")) == ""
+
+
 def test_pool_bound_holds_without_mask():
     # Every expanded node is a forced ancestor, so the pool never drops one: the kernel's pool
     # width is g * (beam + n_forced) rounded up: 2 * (16 + 1 + 3) -> 64.

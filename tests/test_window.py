@@ -128,8 +128,12 @@ def test_op_on_the_cpu_is_dense_sdpa_under_the_window():
     km = torch.ones(2, 90, dtype=torch.bool)
     km[0, :11] = False
     cfg = PisaConfig(min_seq_len=0)
+    from torch._dynamo.utils import counters
+    counters.clear()
     how = plan(q, k, v, None, True, config=cfg, window=20, causal_offset=40)
     assert how.attention == "sdpa" and "sliding window(20)" in how.reason
+    # Counted, so GPU tests can assert that no window site fell back.
+    assert counters["pisa"]["window_sdpa"] == 1 and counters["pisa"]["flex_window"] == 0
     got = pisa_attention(q, k, v, is_causal=True, causal_offset=40, window=20, key_mask=km,
                          enable_gqa=True, config=cfg)
     want = _dense_window(q, k, v, 20, 40, km, 16 ** -0.5)

@@ -59,15 +59,15 @@ def _count_reference(q: Tensor, how: Plan) -> Plan:
     return how
 
 
-def _warn_once(reason: str) -> None:
+def _warn_once(reason: str,
+               instead: str = "the PyTorch reference runs instead (exact, slower)") -> None:
     # Dynamo cannot trace warnings.warn; a plan made while it traces user code is reported by
     # the rewrite's notes (explain) instead.
     if torch.compiler.is_dynamo_compiling():
         return
     if reason not in _warned:
         _warned.add(reason)
-        warnings.warn(f"pisa_compile: {reason}; the PyTorch reference runs instead (exact, "
-                      "slower)", stacklevel=4)
+        warnings.warn(f"pisa_compile: {reason}; {instead}", stacklevel=4)
 
 
 def _triton_refusal(q: Tensor, v: Tensor, kernel: str) -> Optional[str]:
@@ -117,7 +117,8 @@ def _flex_refusal(q: Tensor, k: Tensor, v: Tensor, kernel: str) -> Optional[str]
 
 def plan(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal: bool, *,
          kernel: str = "auto", min_seq_len: int = 0, local_blocks: int = 1,
-         bound_block: int = 0, window: Optional[int] = None) -> Plan:
+         bound_block: int = 0, window: Optional[int] = None,
+         selection_only: bool = False) -> Plan:
     """Decide which implementation runs selection and attention for one call.
 
     Args:
@@ -132,9 +133,15 @@ def plan(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal
         window: a causal sliding window's width (keys per query), or None. From
             ``min_seq_len`` keys on, such a call is exact windowed attention: ``O(N * window)``
             already, and a query sees fewer keys than the sparse path starts at.
+        selection_only: the plan of ``select_blocks`` (a selection is wanted whatever the
+            attention would run). Otherwise an explicit ``attn_mask`` on CUDA with
+            ``kernel="auto"`` plans dense SDPA under the mask: exact, at dense speed, where
+            the reference selection (the only one that reads an arbitrary mask) would be
+            many times slower than dense.
 
     Returns:
-        A :class:`Plan`. Falling back to the reference on CUDA warns once per reason.
+        A :class:`Plan`. Falling back to the reference or to dense SDPA on CUDA warns once
+        per reason.
 
     Raises:
         ValueError: an unknown ``kernel``.
@@ -147,11 +154,13 @@ def plan(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal
     if q.numel() == 0 or k.numel() == 0 or v.numel() == 0:
         return Plan(None, SDPA, "empty input")
     if window is not None:
+        from torch._dynamo.utils import counters
         why = _flex_refusal(q, k, v, kernel)
         if why is not None:
+            # Counted per plan (each trace plans once): GPU tests assert it stays 0 on CUDA.
+            counters["pisa"]["window_sdpa"] += 1
             return Plan(None, SDPA, f"sliding window({window}): dense SDPA with the window's "
                                     f"mask ({why})")
-        from torch._dynamo.utils import counters
         counters["pisa"]["flex_window"] += 1  # tests: the window path really ran
         return Plan(None, WINDOW, f"sliding window({window}): exact windowed attention "
                                   "(FlexAttention), no selection")
@@ -161,6 +170,11 @@ def plan(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal
             _warn_once(why)  # not what was asked for: say so
         return _count_reference(q, Plan(REFERENCE, REFERENCE, why))
     attention = DECODE if q.shape[2] <= DECODE_MAX_QUERIES else TRITON
+    if attn_mask is not None and kernel == "auto" and q.device.type == "cuda" and (
+            not selection_only):
+        why = "explicit attn_mask (the fused selection reads no mask yet)"
+        _warn_once(why, "dense SDPA runs under the mask instead (exact, dense speed)")
+        return Plan(None, SDPA, f"{why}: dense SDPA under the mask")
     if attn_mask is not None:
         why = "explicit attn_mask (the fused selection reads no mask yet)"
     elif q.dtype == torch.float64:

@@ -917,7 +917,8 @@ def rewrite_graph(gm: GraphModule, config: PisaConfig, apply: bool = True) -> li
                 site.decision, site.reason = REWRITTEN, ""
                 key = bound["key"] if is_mha else bound["src"]
                 has_mask = _mha_has_mask(bound, is_layer, site)
-                site.note = _note(P.val(key).shape[-3 if is_mha else -2], has_mask, config)
+                site.note = _note(P.val(key).shape[-3 if is_mha else -2], has_mask, config,
+                                  P.val(key).device)
                 sites.append(site)
                 continue
             if is_sdpa:
@@ -932,7 +933,8 @@ def rewrite_graph(gm: GraphModule, config: PisaConfig, apply: bool = True) -> li
             if apply:
                 _apply(gm, plan, config)
             site.decision, site.reason = REWRITTEN, ""
-            site.note = _note(k.shape[-2], plan.mask is not None or bool(plan.masks), config)
+            site.note = _note(k.shape[-2], plan.mask is not None or bool(plan.masks), config,
+                              k.device)
         except LeaveDense as why:
             site.decision, site.reason = LEFT_DENSE, str(why)
             if site.q_shape == "?" and not (is_mha or is_layer):
@@ -965,14 +967,18 @@ def _mha_has_mask(bound: dict, is_layer: bool, site: Site) -> bool:
     return has
 
 
-def _note(n_keys, has_mask: bool, config: PisaConfig) -> str:
-    """What a rewritten site will run where it is not the fused sparse path."""
+def _note(n_keys, has_mask: bool, config: PisaConfig, device: torch.device) -> str:
+    """What a rewritten site will run where it is not the fused sparse path (as
+    ``kernels.dispatch.plan`` decides it at run time)."""
     if statically_known_true(n_keys < config.min_seq_len):
         return f"runs plain SDPA: Nk={n_keys} < min_seq_len={config.min_seq_len}"
     notes = []
     if not statically_known_true(n_keys >= config.min_seq_len):
         notes.append(f"plain SDPA while Nk={n_keys} < min_seq_len={config.min_seq_len}")
-    if has_mask:
+    if has_mask and config.kernel == "auto" and device.type == "cuda":
+        notes.append("explicit mask: dense SDPA under the mask (the fused selection reads "
+                     "no mask yet)")
+    elif has_mask:
         notes.append("explicit mask: the selection runs the PyTorch reference")
     return "; ".join(notes)
 

@@ -109,7 +109,9 @@ def test_sliding_window_runs_flex_attention(form):
         out = _pisa(model)(ids, attention_mask=am).logits
     assert counters["pisa"]["rewritten"] == 2 and counters["pisa"]["left_dense"] == 0, \
         dict(counters["pisa"])
-    assert counters["pisa"]["flex_window"] == 2, dict(counters["pisa"])  # not dense SDPA
+    # Plans are counted per trace (several per site): every one took FlexAttention.
+    assert counters["pisa"]["flex_window"] >= 2 and counters["pisa"]["window_sdpa"] == 0, \
+        dict(counters["pisa"])
     assert _stages() == {}, _stages()
     real = am.bool()
     assert _close(out[real], dense[real]) < 2e-2

@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .config import PisaConfig
 from .kernels import dispatch
@@ -287,6 +288,9 @@ def pisa_attention(
     head) attends to its forced blocks plus the ``top_k`` leaf blocks chosen coarse-to-fine
     over a key pyramid (PISA; DESIGN.md "The algorithm"). In the exact regime (every visible
     leaf selected, or ``Nk < min_seq_len``) the result equals SDPA within dtype tolerance.
+    An explicit ``attn_mask`` on CUDA with ``kernel="auto"`` runs dense SDPA under it (the
+    fused selection reads no mask yet; :func:`plan` gives the reason); ``kernel="triton"``
+    keeps it sparse, with the reference selection.
 
     Args:
         q: ``[B, Hq, Nq, D]`` float16, bfloat16, float32 or float64.
@@ -339,13 +343,17 @@ def pisa_attention(
         return window_attention(q, k, v, window=window, causal_offset=causal_offset,
                                 key_mask=key_mask, scale=float(scale), enable_gqa=enable_gqa)
     if how.attention == dispatch.SDPA:
+        if (is_causal and key_mask is None and window is None
+                and statically_known_true(causal_offset >= k.shape[2] - 1)):
+            # Every query sees every key (a decode step over its cache): no mask, so SDPA
+            # keeps its fused GQA kernels.
+            is_causal = False
         if key_mask is not None or (is_causal and causal_offset != 0) or window is not None:
             # Short sequences: the dense mask the structure stands for, on the dense path.
             attn_mask = dense_mask(q.shape[0], q.shape[2], k.shape[2], is_causal, causal_offset,
                                    key_mask, q.device, window=window)
             is_causal = False
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
-                                              scale=scale, enable_gqa=enable_gqa)
+        return _dense_sdpa(q, k, v, attn_mask, is_causal, scale, enable_gqa)
     attn_mask, scale = _mask4(attn_mask), float(scale)
     # The selection has no gradient: detached inputs keep it out of autograd (and torch.func).
     block_indices, block_counts = _select_blocks_op(
@@ -355,6 +363,29 @@ def pisa_attention(
                                  is_causal, causal_offset, scale, config.block_size,
                                  config.query_tile, how.attention)
     return out
+
+
+def _dense_sdpa(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal: bool,
+                scale: float, enable_gqa: bool) -> Tensor:
+    """Dense SDPA under the op's mask rules, for the calls :func:`plan` sends to it.
+
+    A float mask entry at or below ``finfo.min / 2`` of its dtype is masked (``-inf``, so a
+    row that sees no key is zero, as on the sparse path; SDPA would average such a row),
+    and a float mask SDPA refuses (float64, or a half dtype other than q's) is computed in
+    float32. With a mask, GQA is expanded: SDPA's fused kernels take a mask or GQA, not
+    both, and its math fallback would build the ``Nq x Nk`` scores for every head."""
+    if attn_mask is not None:
+        if attn_mask.dtype != torch.bool:
+            attn_mask = attn_mask.masked_fill(
+                attn_mask <= torch.finfo(attn_mask.dtype).min / 2, float("-inf"))
+            if attn_mask.dtype not in (torch.float32, q.dtype):
+                attn_mask = attn_mask.float()
+        if enable_gqa and k.shape[1] != q.shape[1]:
+            group = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+            enable_gqa = False
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
+                                          scale=scale, enable_gqa=enable_gqa)
 
 
 def check_causal_buffer(q: Tensor, buffer: Tensor) -> Tensor:

@@ -52,11 +52,67 @@ def test_exact_regime_equals_sdpa(p: Problem):
 @settings(max_examples=15)
 @given(p=problems(max_n=120))
 def test_short_sequences_are_sdpa(p: Problem):
-    """``Nk < min_seq_len`` is plain SDPA: bit-identical to it."""
+    """``Nk < min_seq_len`` is plain SDPA under the op's mask rules: equal to SDPA on every
+    row that sees a key, zero on a row that sees none (SDPA itself averages a row masked
+    only by ``finfo.min``), and equal to the float64 oracle."""
     cfg = PisaConfig(min_seq_len=p.k.shape[2] + 1)
+    out = _run(p, cfg)
     sdpa = F.scaled_dot_product_attention(p.q, p.k, p.v, attn_mask=p.attn_mask,
                                           is_causal=p.is_causal, enable_gqa=True)
-    assert torch.equal(_run(p, cfg), sdpa)
+    rows = _has_key(p)
+    torch.testing.assert_close(out[rows], sdpa[rows], **tolerance(p.q.dtype))
+    assert not out[~rows].any()
+    torch.testing.assert_close(out, oracle(p).to(p.q.dtype), **tolerance(p.q.dtype))
+
+
+def test_dense_decode_step_passes_sdpa_no_mask(monkeypatch):
+    """A decode step on the dense path (one query at the end of its cache, no padding) sees
+    every key: SDPA gets no mask and keeps its fused GQA kernels; with padding it gets the
+    mask and expanded heads. Both equal the float64 oracle."""
+    seen = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, **kw):
+        seen.append((attn_mask is not None, kw.get("is_causal"), kw.get("enable_gqa"),
+                     k.shape[1]))
+        return sdpa(q, k, v, attn_mask=attn_mask, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 4, 1, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, 30, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    cfg = PisaConfig(min_seq_len=100)
+    out = pisa_attention(q, k, v, is_causal=True, causal_offset=29, enable_gqa=True, config=cfg)
+    km = torch.ones(2, 30, dtype=torch.bool)
+    km[1, :5] = False
+    padded = pisa_attention(q, k, v, is_causal=True, causal_offset=29, enable_gqa=True,
+                            key_mask=km, config=cfg)
+    assert seen == [(False, False, True, 2), (True, False, False, 4)]
+    kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    torch.testing.assert_close(out, sdpa(q, kk, vv))
+    torch.testing.assert_close(padded, sdpa(q, kk, vv, attn_mask=km[:, None, None, :]))
+
+
+def test_dense_path_takes_masks_sdpa_refuses():
+    """The dense path computes a float64 mask (or a half mask of another dtype than q) in
+    float32, where SDPA would raise, and a GQA call with a mask equals the expanded heads."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 10, 8, generator=g)
+    k, v = torch.randn(1, 2, 10, 8, generator=g), torch.randn(1, 2, 10, 8, generator=g)
+    bias = torch.randn(1, 1, 10, 10, generator=g).double()
+    bias[..., 2, :] = torch.finfo(torch.float64).min
+    cfg = PisaConfig(min_seq_len=100)
+    out = pisa_attention(q, k, v, attn_mask=bias, enable_gqa=True, config=cfg)
+    with pytest.raises(RuntimeError, match="attn_mask dtype"):
+        F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=True)
+    want = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
+                                          attn_mask=bias.float())
+    torch.testing.assert_close(out[:, :, [0, 1, 3, 4, 5, 6, 7, 8, 9]],
+                               want[:, :, [0, 1, 3, 4, 5, 6, 7, 8, 9]])
+    assert not out[:, :, 2].any()  # every key at finfo.min: masked, so zero
+    half = pisa_attention(q.half(), k.half(), v.half(), attn_mask=bias.bfloat16(),
+                          enable_gqa=True, config=cfg)
+    torch.testing.assert_close(half.float(), out, atol=2e-2, rtol=2e-2)
 
 
 # (b) sparse result = SDPA under the selection mask ---------------------------------------

@@ -128,12 +128,8 @@ def test_op_on_the_cpu_is_dense_sdpa_under_the_window():
     km = torch.ones(2, 90, dtype=torch.bool)
     km[0, :11] = False
     cfg = PisaConfig(min_seq_len=0)
-    from torch._dynamo.utils import counters
-    counters.clear()
     how = plan(q, k, v, None, True, config=cfg, window=20, causal_offset=40)
     assert how.attention == "sdpa" and "sliding window(20)" in how.reason
-    # Counted, so GPU tests can assert that no window site fell back.
-    assert counters["pisa"]["window_sdpa"] == 1 and counters["pisa"]["flex_window"] == 0
     got = pisa_attention(q, k, v, is_causal=True, causal_offset=40, window=20, key_mask=km,
                          enable_gqa=True, config=cfg)
     want = _dense_window(q, k, v, 20, 40, km, 16 ** -0.5)
@@ -144,6 +140,27 @@ def test_op_on_the_cpu_is_dense_sdpa_under_the_window():
         torch.testing.assert_close(a, b)
     # The last row sits at key 89: a window of 90 reaches key 0 from every row.
     assert plan(q, k, v, None, True, config=cfg, window=90, causal_offset=40).attention != "sdpa"
+
+
+def test_window_fallback_on_cuda_is_counted():
+    """On CUDA (fake tensors here) a window FlexAttention refuses (a GQA group of 3) plans
+    dense SDPA and is counted in ``window_sdpa``, which GPU tests assert stays 0; a window
+    it takes is counted in ``flex_window``. CPU plans count nothing (models' tests compare
+    the counters)."""
+    from torch._dynamo.utils import counters
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    counters.clear()
+    cfg = PisaConfig(min_seq_len=0)
+    with FakeTensorMode():
+        k = torch.empty(1, 2, 90, 16, device="cuda")
+        for heads, key in ((6, "window_sdpa"), (4, "flex_window")):
+            q = torch.empty(1, heads, 50, 16, device="cuda")
+            how = plan(q, k, k, None, True, config=cfg, window=20, causal_offset=40)
+            assert counters["pisa"][key] == 1, (key, how, dict(counters["pisa"]))
+        assert how.attention == "flex-window"
+    assert plan(torch.empty(1, 6, 50, 16), torch.empty(1, 2, 90, 16), torch.empty(1, 2, 90, 16),
+                None, True, config=cfg, window=20, causal_offset=40).attention == "sdpa"
+    assert dict(counters["pisa"]) == {"window_sdpa": 1, "flex_window": 1}
 
 
 @pytest.mark.parametrize("kwargs,err,match", [

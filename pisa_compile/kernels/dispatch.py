@@ -32,7 +32,8 @@ class Plan(NamedTuple):
 
     Attributes:
         select: ``"triton"`` or ``"reference"`` (``None`` when ``attention`` is ``"sdpa"``).
-        attention: ``"sdpa"`` (plain dense SDPA: the exact regime by shape), ``"triton"``,
+        attention: ``"sdpa"`` (plain dense SDPA: the exact regime by shape, or on CUDA an
+            explicit mask the fused selection cannot read), ``"triton"``,
             ``"triton-decode"`` (split-K over the blocks, for a few queries),
             ``"flex-window"`` (a sliding window: exact windowed attention through
             FlexAttention, no selection, :mod:`.window`) or ``"reference"``.
@@ -157,24 +158,25 @@ def plan(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal
         from torch._dynamo.utils import counters
         why = _flex_refusal(q, k, v, kernel)
         if why is not None:
-            # Counted per plan (each trace plans once): GPU tests assert it stays 0 on CUDA.
-            counters["pisa"]["window_sdpa"] += 1
+            if q.device.type == "cuda":  # per plan (one per trace); GPU tests assert 0
+                counters["pisa"]["window_sdpa"] += 1
             return Plan(None, SDPA, f"sliding window({window}): dense SDPA with the window's "
                                     f"mask ({why})")
         counters["pisa"]["flex_window"] += 1  # tests: the window path really ran
         return Plan(None, WINDOW, f"sliding window({window}): exact windowed attention "
                                   "(FlexAttention), no selection")
+    if attn_mask is not None and kernel == "auto" and q.device.type == "cuda" and (
+            not selection_only):
+        # Before the Triton checks: SDPA takes every dtype and head dim the reference would.
+        why = "explicit attn_mask (the fused selection reads no mask yet)"
+        _warn_once(why, "dense SDPA runs under the mask instead (exact, dense speed)")
+        return Plan(None, SDPA, f"{why}: dense SDPA under the mask")
     why = _triton_refusal(q, v, kernel)
     if why is not None:
         if kernel == "triton" or (kernel == "auto" and q.device.type == "cuda"):
             _warn_once(why)  # not what was asked for: say so
         return _count_reference(q, Plan(REFERENCE, REFERENCE, why))
     attention = DECODE if q.shape[2] <= DECODE_MAX_QUERIES else TRITON
-    if attn_mask is not None and kernel == "auto" and q.device.type == "cuda" and (
-            not selection_only):
-        why = "explicit attn_mask (the fused selection reads no mask yet)"
-        _warn_once(why, "dense SDPA runs under the mask instead (exact, dense speed)")
-        return Plan(None, SDPA, f"{why}: dense SDPA under the mask")
     if attn_mask is not None:
         why = "explicit attn_mask (the fused selection reads no mask yet)"
     elif q.dtype == torch.float64:

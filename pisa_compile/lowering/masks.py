@@ -5,9 +5,9 @@ Libraries hand attention an explicit mask tensor instead of structure: transform
 ``(kv_idx <= q_idx) & attention_mask[batch_idx, kv_idx]`` from ``arange`` tensors under
 ``torch.compile`` (before torch 2.14 it never takes its ``is_causal`` shortcut while tracing),
 with ``q_idx`` offset by the KV cache in decode; hand-written models use
-``torch.tril(torch.ones(n, n))``. A mask *tensor* forces the kernels onto the masked path (an
-``Nq x Nk`` mask read per block, and the reference selection), while structure takes the fast
-analytic one. So the pass proves, symbolically and without running anything, what a mask
+``torch.tril(torch.ones(n, n))``. A mask *tensor* keeps the site off the fused selection
+(dense SDPA under the mask on CUDA, the reference selection elsewhere), while structure takes
+the fast analytic path. So the pass proves, symbolically and without running anything, what a mask
 is, and hands the op the structure instead: ``is_causal`` with a ``causal_offset`` and a
 ``key_mask [B, Nk]``. The dense mask is then dead code.
 

@@ -125,6 +125,28 @@ def test_explicit_mask_under_compile_runs_dense_sdpa():
     assert (bi == bi_c).all(-1).float().mean().item() > 0.9
 
 
+def test_explicit_mask_with_kernel_triton_stays_sparse():
+    """``kernel="triton"`` keeps an explicit mask on the sparse path under compile: the
+    attention kernel reads the mask, the selection goes through the reference's masked
+    path."""
+    from pisa_compile import select_blocks
+    from pisa_compile.kernels import reference
+    torch._dynamo.reset()
+    cfg = CFG.replace(kernel="triton")
+    q, k, v = _qkv(4096)
+    n = q.shape[2]
+    mask = torch.ones(n, n, dtype=torch.bool, device="cuda").tril()[None, None]
+
+    def f(q, k, v, mask):
+        return pisa_attention(q, k, v, attn_mask=mask, enable_gqa=True, config=cfg)
+
+    out = torch.compile(f, fullgraph=True)(q, k, v, mask)
+    bi, bc = select_blocks(q, k, attn_mask=mask, enable_gqa=True, config=cfg)
+    ref, _ = reference.sparse_attention(q.float(), k.float(), v.float(), mask, False,
+                                        q.shape[-1] ** -0.5, bi, bc, **cfg.attention_options())
+    assert _rel(out, ref) < 1e-2
+
+
 @pytest.mark.parametrize("where", ["q", "k", "k_inf"])
 def test_nan_and_inf_reach_the_rows_that_see_them(where):
     """The fused kernels (selection, attention, decode) on the GPU: a NaN in q spoils its row,

@@ -162,6 +162,8 @@ def _check_inputs(q: Tensor, k: Tensor, v: Optional[Tensor], attn_mask: Optional
         raise ValueError(f"q has {Hq} heads but k has {Hkv}: pass enable_gqa=True for GQA")
     if Hkv == 0 and Hq != 0 or Hkv != 0 and Hq % Hkv != 0:
         raise ValueError(f"q heads ({Hq}) must be a multiple of k heads ({Hkv}) for GQA")
+    if not isinstance(is_causal, (bool, torch.SymBool)):  # as SDPA: an int passed one path only
+        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
     if attn_mask is not None:
         if not isinstance(attn_mask, Tensor):
             raise TypeError(f"attn_mask must be a Tensor or None, got {type(attn_mask).__name__}")
@@ -239,6 +241,17 @@ def _check_structure(q: Tensor, k: Tensor, attn_mask: Optional[Tensor],
                              f"{key_mask.dtype}")
         key_mask = key_mask != 0
     return key_mask
+
+
+def _check_scale(scale, q: Tensor):
+    """``scale``, or ``1 / sqrt(D)`` for None: a real number or a 0-d tensor (as SDPA's)."""
+    if scale is None:
+        return 1.0 / math.sqrt(q.shape[-1])
+    if isinstance(scale, bool) or not (
+            isinstance(scale, (numbers.Real, torch.SymFloat, torch.SymInt))
+            or (isinstance(scale, Tensor) and scale.dim() == 0)):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__} {scale!r}")
+    return scale
 
 
 def _mask4(attn_mask: Optional[Tensor]) -> Optional[Tensor]:
@@ -332,8 +345,7 @@ def pisa_attention(
     key_mask = _check_structure(q, k, attn_mask, key_mask, is_causal, causal_offset)
     window = _check_window(window, is_causal, attn_mask)
     window = _effective_window(window, q.shape[2], causal_offset)
-    if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[-1])
+    scale = _check_scale(scale, q)
     if attn_mask is not None and attn_mask.requires_grad:
         raise ValueError("attn_mask must not require grad: PISA gives no gradient for the mask")
     how = plan(q, k, v, attn_mask, is_causal, config=config, window=window,
@@ -353,8 +365,11 @@ def pisa_attention(
             attn_mask = dense_mask(q.shape[0], q.shape[2], k.shape[2], is_causal, causal_offset,
                                    key_mask, q.device, window=window)
             is_causal = False
-        return _dense_sdpa(q, k, v, attn_mask, is_causal, scale, enable_gqa)
+        # 4-D as on the sparse path (SDPA itself refuses a 1-D mask that broadcasts).
+        return _dense_sdpa(q, k, v, _mask4(attn_mask), is_causal, scale, enable_gqa)
     attn_mask, scale = _mask4(attn_mask), float(scale)
+    if attn_mask is not None and attn_mask.dtype == torch.float64 and q.dtype != torch.float64:
+        attn_mask = attn_mask.float()  # the backward's matmuls take one dtype
     # The selection has no gradient: detached inputs keep it out of autograd (and torch.func).
     block_indices, block_counts = _select_blocks_op(
         q.detach(), k.detach(), attn_mask, key_mask, is_causal, causal_offset, scale,
@@ -454,8 +469,7 @@ def select_blocks(
     config = _config(config).replace(min_seq_len=0)
     _check_inputs(q, k, None, attn_mask, is_causal, enable_gqa, config)
     key_mask = _check_structure(q, k, attn_mask, key_mask, is_causal, causal_offset)
-    if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[-1])
+    scale = _check_scale(scale, q)
     how = dispatch.plan(q, k, k, _mask4(attn_mask), is_causal, kernel=config.kernel,
                         local_blocks=config.local_blocks,
                         bound_block=config.effective_bound_block, selection_only=True)

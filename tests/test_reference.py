@@ -237,6 +237,8 @@ def test_gradients_match_masked_dense(p: Problem, cfg: PisaConfig):
     ("dropout", "dropout_p must be 0.0"),
     ("v_len", "v must be"),
     ("config", "config must be a PisaConfig"),
+    ("scale", "scale must be a float or None"),
+    ("causal_int", "is_causal must be a bool"),
 ])
 def test_bad_inputs_name_the_argument(case, match):
     q, k, v = torch.randn(1, 4, 8, 16), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16)
@@ -265,8 +267,34 @@ def test_bad_inputs_name_the_argument(case, match):
         v = torch.randn(1, 2, 9, 16)
     elif case == "config":
         kwargs["config"] = {"top_k": 3}
-    with pytest.raises((ValueError, TypeError), match=match):
-        pisa_attention(q, k, v, **kwargs)
+    elif case == "scale":
+        kwargs["scale"] = "x"
+    elif case == "causal_int":
+        kwargs["is_causal"] = 1
+    for cfg in (PisaConfig(), PisaConfig(min_seq_len=0)):  # the dense and the sparse path
+        with pytest.raises((ValueError, TypeError), match=match):
+            pisa_attention(q, k, v, **{"config": cfg, **kwargs})
+
+
+def test_masks_of_any_rank_and_dtype_on_both_paths():
+    """A 1-D mask that broadcasts, and a float64 mask with float32 inputs, give the same
+    output on the dense and the sparse (exact) path, and the sparse path's backward runs
+    (its matmuls take one dtype)."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 2, 12, 8, generator=g, requires_grad=True)
+    k = torch.randn(1, 2, 12, 8, generator=g, requires_grad=True)
+    v = torch.randn(1, 2, 12, 8, generator=g, requires_grad=True)
+    for mask in (torch.rand(12, generator=g) > 0.3,
+                 torch.randn(1, 1, 12, 12, generator=g, dtype=torch.float64)):
+        want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.expand(1, 2, 12, 12)
+                                              if mask.dtype == torch.bool else mask.float())
+        for cfg in (PisaConfig(), EXACT):
+            out = pisa_attention(q, k, v, attn_mask=mask, config=cfg)
+            torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+            grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+            wants = torch.autograd.grad(want.square().sum(), (q, k, v), retain_graph=True)
+            for a, b in zip(grads, wants):
+                torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("nq, nk", [(8, 0), (0, 8)])

@@ -163,6 +163,16 @@ def test_window_fallback_on_cuda_is_counted():
     assert dict(counters["pisa"]) == {"window_sdpa": 1, "flex_window": 1}
 
 
+def test_report_note_says_where_a_window_runs_dense():
+    """The rewrite's note names the dense fallback of a window site off CUDA, and nothing on
+    CUDA, where FlexAttention runs it."""
+    from pisa_compile.lowering.rewrite import _note
+    cfg = PisaConfig(min_seq_len=0)
+    assert "window's mask" in _note(4096, False, cfg, torch.device("cpu"), window=512)
+    assert _note(4096, False, cfg, torch.device("cuda"), window=512) == ""
+    assert _note(4096, False, cfg, torch.device("cpu")) == ""
+
+
 @pytest.mark.parametrize("kwargs,err,match", [
     (dict(is_causal=True, window=0), ValueError, "window must be >= 1"),
     (dict(is_causal=True, window=True), TypeError, "window must be an int"),

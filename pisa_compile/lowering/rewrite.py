@@ -934,7 +934,7 @@ def rewrite_graph(gm: GraphModule, config: PisaConfig, apply: bool = True) -> li
                 _apply(gm, plan, config)
             site.decision, site.reason = REWRITTEN, ""
             site.note = _note(k.shape[-2], plan.mask is not None or bool(plan.masks), config,
-                              k.device)
+                              k.device, window=plan.window)
         except LeaveDense as why:
             site.decision, site.reason = LEFT_DENSE, str(why)
             if site.q_shape == "?" and not (is_mha or is_layer):
@@ -967,7 +967,8 @@ def _mha_has_mask(bound: dict, is_layer: bool, site: Site) -> bool:
     return has
 
 
-def _note(n_keys, has_mask: bool, config: PisaConfig, device: torch.device) -> str:
+def _note(n_keys, has_mask: bool, config: PisaConfig, device: torch.device,
+          window=None) -> str:
     """What a rewritten site will run where it is not the fused sparse path (as
     ``kernels.dispatch.plan`` decides it at run time)."""
     if statically_known_true(n_keys < config.min_seq_len):
@@ -975,6 +976,8 @@ def _note(n_keys, has_mask: bool, config: PisaConfig, device: torch.device) -> s
     notes = []
     if not statically_known_true(n_keys >= config.min_seq_len):
         notes.append(f"plain SDPA while Nk={n_keys} < min_seq_len={config.min_seq_len}")
+    if window is not None and (device.type != "cuda" or config.kernel == "reference"):
+        notes.append("window: dense SDPA under the window's mask (FlexAttention runs on CUDA)")
     if has_mask and config.kernel == "auto" and device.type == "cuda":
         notes.append("explicit mask: dense SDPA under the mask (the fused selection reads "
                      "no mask yet)")

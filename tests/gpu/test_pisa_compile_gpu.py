@@ -99,6 +99,20 @@ def test_decode_through_public_op():
     assert _rel(out, ref) < 1e-2
 
 
+def _compiled_with_mask(cfg):
+    """``pisa_attention`` compiled (fullgraph) on a 4096-token problem with an explicit
+    ``[1, 1, N, N]`` causal bool mask, as HF passes it: ``(q, k, v, mask, out)``."""
+    torch._dynamo.reset()
+    q, k, v = _qkv(4096)
+    n = q.shape[2]
+    mask = torch.ones(n, n, dtype=torch.bool, device="cuda").tril()[None, None]
+
+    def f(q, k, v, mask):
+        return pisa_attention(q, k, v, attn_mask=mask, enable_gqa=True, config=cfg)
+
+    return q, k, v, mask, torch.compile(f, fullgraph=True)(q, k, v, mask)
+
+
 def test_explicit_mask_under_compile_runs_dense_sdpa():
     """An explicit [1, 1, N, N] bool mask on CUDA (the fused selection reads no mask yet):
     the op runs dense SDPA under it, exact, with no reference stage; ``select_blocks``
@@ -106,16 +120,8 @@ def test_explicit_mask_under_compile_runs_dense_sdpa():
     from torch._dynamo.utils import counters
 
     from pisa_compile import select_blocks
-    torch._dynamo.reset()
     counters.clear()
-    q, k, v = _qkv(4096)
-    n = q.shape[2]
-    mask = torch.ones(n, n, dtype=torch.bool, device="cuda").tril()[None, None]
-
-    def f(q, k, v, mask):
-        return pisa_attention(q, k, v, attn_mask=mask, enable_gqa=True, config=CFG)
-
-    out = torch.compile(f, fullgraph=True)(q, k, v, mask)
+    q, k, v, mask, out = _compiled_with_mask(CFG)
     assert not any(key.startswith("reference_") for key in counters["pisa"]), counters["pisa"]
     want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask,
                                                             enable_gqa=True)
@@ -131,16 +137,8 @@ def test_explicit_mask_with_kernel_triton_stays_sparse():
     path."""
     from pisa_compile import select_blocks
     from pisa_compile.kernels import reference
-    torch._dynamo.reset()
     cfg = CFG.replace(kernel="triton")
-    q, k, v = _qkv(4096)
-    n = q.shape[2]
-    mask = torch.ones(n, n, dtype=torch.bool, device="cuda").tril()[None, None]
-
-    def f(q, k, v, mask):
-        return pisa_attention(q, k, v, attn_mask=mask, enable_gqa=True, config=cfg)
-
-    out = torch.compile(f, fullgraph=True)(q, k, v, mask)
+    q, k, v, mask, out = _compiled_with_mask(cfg)
     bi, bc = select_blocks(q, k, attn_mask=mask, enable_gqa=True, config=cfg)
     ref, _ = reference.sparse_attention(q.float(), k.float(), v.float(), mask, False,
                                         q.shape[-1] ** -0.5, bi, bc, **cfg.attention_options())

@@ -114,6 +114,11 @@ CANDIDATES: dict[str, dict] = {
                              "shortlist": None, "top_k": 64},
     "quality_b124_s128_k64": {"preset": "quality", "min_seq_len": 2048, "beam": 124,
                               "shortlist": 128, "top_k": 64},
+    # The dense tail (the last queries of a prompt and every decode step attend densely):
+    # off (the selection alone, as measured before the option existed) and wider.
+    "quality_no_tail": {"preset": "quality", "min_seq_len": 2048, "dense_tail": 0},
+    "quality_tail16": {"preset": "quality", "min_seq_len": 2048, "dense_tail": 16},
+    "quality_tail256": {"preset": "quality", "min_seq_len": 2048, "dense_tail": 256},
     # Finer leaves, the same keys: 32-key leaves, twice the blocks.
     "quality_c32_k32": {"preset": "quality", "min_seq_len": 2048, "block_size": 32,
                         "top_k": 32},

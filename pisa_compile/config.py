@@ -74,6 +74,13 @@ class PisaConfig:
             there the default selection pays in training (forward+backward 2.2x faster than
             dense at 32K on the standard shape, H200); its forward pays from about 48K (0.8x
             dense's speed at 32K, 1.4x at 64K).
+        dense_tail: the last ``dense_tail`` queries of a causal call attend every visible
+            key (dense SDPA; rounded up so that the sparse rows end on a query tile, fewer
+            than ``dense_tail + query_tile``), and a call of at most ``dense_tail`` queries
+            (a decode step) is dense SDPA (>= 0; 0 turns both off). A prompt's closing
+            question and every generated token then see the whole context exactly, at
+            ``O(dense_tail * Nk)`` per call. Assumes the queries a user reads come last
+            (left padding for batched prompts). Default 64.
         kernel: ``"auto"`` (Triton on CUDA, reference elsewhere), ``"triton"`` (also the
             Triton interpreter on CPU, for tests) or ``"reference"`` (PyTorch only).
 
@@ -92,6 +99,7 @@ class PisaConfig:
     shortlist: Optional[int] = 64
     bound_block: Optional[int] = 16
     min_seq_len: int = 32768
+    dense_tail: int = 64
     kernel: str = "auto"
 
     def __post_init__(self) -> None:
@@ -110,6 +118,7 @@ class PisaConfig:
         _check_int("local_blocks", self.local_blocks, 0)
         _check_int("query_tile", self.query_tile, 1, 1024, pow2=True)
         _check_int("min_seq_len", self.min_seq_len, 0)
+        _check_int("dense_tail", self.dense_tail, 0)
         if self.leaf_scoring not in LEAF_SCORINGS:
             raise ValueError(
                 f"PisaConfig.leaf_scoring must be one of {LEAF_SCORINGS}, got {self.leaf_scoring!r}"

@@ -286,7 +286,8 @@ def plan(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None,
     return dispatch.plan(q, k, v, _mask4(attn_mask), is_causal, kernel=config.kernel,
                          min_seq_len=config.min_seq_len, local_blocks=config.local_blocks,
                          bound_block=config.effective_bound_block,
-                         window=_effective_window(window, q.shape[2], causal_offset))
+                         window=_effective_window(window, q.shape[2], causal_offset),
+                         dense_tail=config.dense_tail)
 
 
 def pisa_attention(
@@ -303,7 +304,8 @@ def pisa_attention(
     leaf selected, or ``Nk < min_seq_len``) the result equals SDPA within dtype tolerance.
     An explicit ``attn_mask`` on CUDA with ``kernel="auto"`` runs dense SDPA under it (the
     fused selection reads no mask yet; :func:`plan` gives the reason); ``kernel="triton"``
-    keeps it sparse, with the reference selection.
+    keeps it sparse, with the reference selection. The last ``config.dense_tail`` queries
+    of a causal call, and every call of that few queries (decode), are dense.
 
     Args:
         q: ``[B, Hq, Nq, D]`` float16, bfloat16, float32 or float64.
@@ -355,21 +357,23 @@ def pisa_attention(
         return window_attention(q, k, v, window=window, causal_offset=causal_offset,
                                 key_mask=key_mask, scale=float(scale), enable_gqa=enable_gqa)
     if how.attention == dispatch.SDPA:
-        if (is_causal and key_mask is None and window is None
-                and statically_known_true(causal_offset >= k.shape[2] - 1)):
-            # Every query sees every key (a decode step over its cache): no mask, so SDPA
-            # keeps its fused GQA kernels.
-            is_causal = False
-        if key_mask is not None or (is_causal and causal_offset != 0) or window is not None:
-            # Short sequences: the dense mask the structure stands for, on the dense path.
-            attn_mask = dense_mask(q.shape[0], q.shape[2], k.shape[2], is_causal, causal_offset,
-                                   key_mask, q.device, window=window)
-            is_causal = False
-        # 4-D as on the sparse path (SDPA itself refuses a 1-D mask that broadcasts).
-        return _dense_sdpa(q, k, v, _mask4(attn_mask), is_causal, scale, enable_gqa)
+        return _dense(q, k, v, attn_mask, key_mask, is_causal, causal_offset, window, scale,
+                      enable_gqa)
     attn_mask, scale = _mask4(attn_mask), float(scale)
     if attn_mask is not None and attn_mask.dtype == torch.float64 and q.dtype != torch.float64:
         attn_mask = attn_mask.float()  # the backward's matmuls take one dtype
+    tail = None
+    if is_causal and config.dense_tail > 0:
+        # The last rows (a prompt's question) attend densely. The sparse rows end on a query
+        # tile boundary, so their selection is the one the call without a tail makes.
+        head = (q.shape[2] - config.dense_tail) // config.query_tile * config.query_tile
+        tail = _dense(q[:, :, head:], k, v, None, key_mask, True, causal_offset + head, None,
+                      scale, enable_gqa)
+        if head == 0:
+            return tail
+        q = q[:, :, :head]
+        how = plan(q, k, v, None, True, config=config.replace(dense_tail=0),
+                   causal_offset=causal_offset)  # the kernels for the sparse rows
     # The selection has no gradient: detached inputs keep it out of autograd (and torch.func).
     block_indices, block_counts = _select_blocks_op(
         q.detach(), k.detach(), attn_mask, key_mask, is_causal, causal_offset, scale,
@@ -377,7 +381,45 @@ def pisa_attention(
     out, _lse = _Attention.apply(q, k, v, attn_mask, key_mask, block_indices, block_counts,
                                  is_causal, causal_offset, scale, config.block_size,
                                  config.query_tile, how.attention)
-    return out
+    return out if tail is None else torch.cat([out, tail], dim=2)
+
+
+def _dense(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
+           key_mask: Optional[Tensor], is_causal: bool, causal_offset, window: Optional[int],
+           scale, enable_gqa: bool) -> Tensor:
+    """Dense SDPA over what the structured arguments stand for (the dense path of
+    :func:`pisa_attention`)."""
+    if (is_causal and key_mask is None and window is None
+            and statically_known_true(causal_offset >= k.shape[2] - 1)):
+        # Every query sees every key (a decode step over its cache): no mask, so SDPA
+        # keeps its fused GQA kernels.
+        is_causal = False
+    if (is_causal and key_mask is None and window is None and causal_offset != 0
+            and statically_known_true(causal_offset == k.shape[2] - q.shape[2])):
+        out = _flash_lower_right(q, k, v, scale)  # the dense tail: no mask to build
+        if out is not None:
+            return out
+    if key_mask is not None or (is_causal and causal_offset != 0) or window is not None:
+        # The dense mask the structure stands for: short sequences and the dense tail.
+        attn_mask = dense_mask(q.shape[0], q.shape[2], k.shape[2], is_causal, causal_offset,
+                               key_mask, q.device, window=window)
+        is_causal = False
+    # 4-D as on the sparse path (SDPA itself refuses a 1-D mask that broadcasts).
+    return _dense_sdpa(q, k, v, _mask4(attn_mask), is_causal, scale, enable_gqa)
+
+
+def _flash_lower_right(q: Tensor, k: Tensor, v: Tensor, scale) -> Optional[Tensor]:
+    """Causal attention aligned bottom-right (query ``i`` sees keys ``j <= i + Nk - Nq``)
+    through FlashAttention, with GQA and no mask; ``None`` where it does not apply (not
+    CUDA, not fp16/bf16, head dims). SDPA's ``is_causal`` is top-left; the flash op's is
+    bottom-right (what ``torch.nn.attention.bias.causal_lower_right`` calls, which Dynamo
+    cannot trace)."""
+    D, Dv = q.shape[-1], v.shape[-1]
+    if (q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16)
+            or D != Dv or D % 8 or D > 256):
+        return None
+    return torch.ops.aten._scaled_dot_product_flash_attention(
+        q, k, v, 0.0, True, False, scale=float(scale))[0]
 
 
 def _dense_sdpa(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal: bool,
@@ -387,16 +429,28 @@ def _dense_sdpa(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is
     A float mask entry at or below ``finfo.min / 2`` of its dtype is masked (``-inf``, so a
     row that sees no key is zero, as on the sparse path; SDPA would average such a row),
     and a float mask SDPA refuses (float64, or a half dtype other than q's) is computed in
-    float32. With a mask, GQA is expanded: SDPA's fused kernels take a mask or GQA, not
-    both, and its math fallback would build the ``Nq x Nk`` scores for every head."""
+    float32. With a mask, GQA is unrolled: SDPA's fused kernels take a mask or GQA, not
+    both, and its math fallback would build the ``Nq x Nk`` scores for every head. A mask
+    shared by the heads and smaller than the K/V copy (the dense tail, decode) is repeated
+    instead, with the ``G`` query heads of a KV head as rows; otherwise K and V are."""
     if attn_mask is not None:
         if attn_mask.dtype != torch.bool:
             attn_mask = attn_mask.masked_fill(
                 attn_mask <= torch.finfo(attn_mask.dtype).min / 2, float("-inf"))
             if attn_mask.dtype not in (torch.float32, q.dtype):
                 attn_mask = attn_mask.float()
-        if enable_gqa and k.shape[1] != q.shape[1]:
-            group = q.shape[1] // k.shape[1]
+        B, Hq, Nq, _ = q.shape
+        Hkv, D = k.shape[1], k.shape[3]
+        group = Hq // max(Hkv, 1)
+        if enable_gqa and group > 1 and attn_mask.shape[1] == 1 and (
+                statically_known_true(group * Nq < 2 * (group - 1) * Hkv * D)):
+            rows = q.reshape(B, Hkv, group * Nq, D)  # head kv*G + g: rows (g, i)
+            mask = attn_mask.expand(attn_mask.shape[0], 1, Nq, k.shape[2])
+            mask = mask.unsqueeze(2).expand(-1, -1, group, -1, -1)
+            mask = mask.reshape(mask.shape[0], 1, group * Nq, k.shape[2])
+            out = F.scaled_dot_product_attention(rows, k, v, attn_mask=mask, scale=scale)
+            return out.reshape(B, Hq, Nq, v.shape[-1])
+        if enable_gqa and group > 1:
             k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
             enable_gqa = False
     return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal,

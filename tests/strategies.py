@@ -106,6 +106,7 @@ def sparse_configs(draw) -> PisaConfig:
         shortlist=draw(st.sampled_from([None, 2, 64])),
         bound_block=draw(st.sampled_from([None, None, 1, 4, 16])),
         min_seq_len=0,
+        dense_tail=0,  # every row through the selection (the tail has its own tests)
         kernel="reference",
     )
 

@@ -128,7 +128,7 @@ def test_ceiling_is_the_flat_exact_selection(query_tile):
     torch.testing.assert_close(eval_llm.flat_exact_attention(q, k, v, scale, full, chunk=64),
                                dense)
     tight = PisaConfig(block_size=16, top_k=2, beam=16, query_tile=query_tile,
-                       leaf_scoring="exact", min_seq_len=0, kernel="reference")
+                       leaf_scoring="exact", min_seq_len=0, dense_tail=0, kernel="reference")
     from pisa_compile import pisa_attention
     ref = pisa_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True, config=tight)
     flat = eval_llm.flat_exact_attention(q, k, v, scale, tight, chunk=64)

@@ -93,3 +93,27 @@ def test_generate_static_cache(llama, spy):
     decode = _decode_sites(caplog)
     assert len(decode) == 2 and all(": rewritten" in line for line in decode), decode
     assert calls.count(1) == 2 * (GEN["max_new_tokens"] - 1), calls
+
+
+def test_generate_with_the_dense_tail(llama, spy):
+    """The default ``dense_tail`` (64) with a 100-token left-padded prompt: the prompt's rows
+    before its last query tiles run the sparse op, every decode step runs dense SDPA (the op
+    is never called with one query), and greedy tokens equal eager (the selection is exact
+    here: ``top_k`` covers every block)."""
+    model, _, _, _ = llama
+    calls, _ = spy
+    g = torch.Generator().manual_seed(6)
+    ids = torch.randint(1, 128, (2, 100), generator=g)
+    am = torch.ones_like(ids)
+    am[1, :7] = 0
+    ref = model.generate(input_ids=ids, attention_mask=am, **GEN)
+    opts = {k: v for k, v in SPARSE_EXACT.items() if k != "dense_tail"}
+    forward = model.forward
+    model.forward = torch.compile(forward, backend="pisa", options=opts)
+    try:
+        out = model.generate(input_ids=ids, attention_mask=am, **GEN)
+    finally:
+        model.forward = forward
+    assert torch.equal(out, ref)
+    # 100 queries, a 64-query tail rounded to 16-query tiles: 32 sparse rows, once per layer.
+    assert calls == [32, 32], calls

@@ -68,7 +68,8 @@ def test_short_sequences_are_sdpa(p: Problem):
 def test_dense_decode_step_passes_sdpa_no_mask(monkeypatch):
     """A decode step on the dense path (one query at the end of its cache, no padding) sees
     every key: SDPA gets no mask and keeps its fused GQA kernels; with padding it gets the
-    mask and expanded heads. Both equal the float64 oracle."""
+    mask, with the G query heads of a KV head as rows (K/V not expanded: the mask is far
+    smaller). A per-head mask expands K/V instead. All equal the float64 oracle."""
     seen = []
     sdpa = F.scaled_dot_product_attention
 
@@ -87,10 +88,14 @@ def test_dense_decode_step_passes_sdpa_no_mask(monkeypatch):
     km[1, :5] = False
     padded = pisa_attention(q, k, v, is_causal=True, causal_offset=29, enable_gqa=True,
                             key_mask=km, config=cfg)
-    assert seen == [(False, False, True, 2), (True, False, False, 4)]
+    per_head = km[:, None, None, :].expand(2, 4, 1, 30).clone()
+    per_head[0, 3, 0, 7] = False
+    masked = pisa_attention(q, k, v, attn_mask=per_head, enable_gqa=True, config=cfg)
+    assert seen == [(False, False, True, 2), (True, None, None, 2), (True, False, False, 4)]
     kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
     torch.testing.assert_close(out, sdpa(q, kk, vv))
     torch.testing.assert_close(padded, sdpa(q, kk, vv, attn_mask=km[:, None, None, :]))
+    torch.testing.assert_close(masked, sdpa(q, kk, vv, attn_mask=per_head))
 
 
 def test_dense_path_takes_masks_sdpa_refuses():
@@ -362,7 +367,8 @@ def test_causal_needs_a_local_block():
 
 # the op under torch.library and torch.compile ------------------------------------------------
 
-SPARSE = PisaConfig(block_size=8, top_k=2, query_tile=8, min_seq_len=0, kernel="reference")
+SPARSE = PisaConfig(block_size=8, top_k=2, query_tile=8, min_seq_len=0, dense_tail=0,
+                    kernel="reference")
 
 
 @pytest.mark.parametrize("mask", [None, "bool", "float", "structure"])
@@ -429,7 +435,7 @@ def test_large_finite_bias_rows_match_eager():
     q, k, v = (torch.randn(1, 2, 64, 16, requires_grad=True) for _ in range(3))
     bias = torch.zeros(64, 64)
     bias[:3] = -1e9
-    cfg = PisaConfig(block_size=16, top_k=8, min_seq_len=0)
+    cfg = PisaConfig(block_size=16, top_k=8, min_seq_len=0, dense_tail=0)  # the sparse rows
     out = pisa_attention(q, k, v, attn_mask=bias, config=cfg)
     ref = ((q @ k.mT) / 4 + bias).softmax(-1) @ v
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)

@@ -22,7 +22,7 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _cfg(kernel, **kw):
-    base = dict(block_size=16, top_k=2, query_tile=16, min_seq_len=0)
+    base = dict(block_size=16, top_k=2, query_tile=16, min_seq_len=0, dense_tail=0)
     base.update(kw)
     return PisaConfig(kernel=kernel, **base)
 

@@ -32,7 +32,8 @@ import pisa_compile
 transformers = pytest.importorskip("transformers")
 
 V, B, N, N_DEC = 128, 2, 24, 10
-SPARSE_EXACT = {"min_seq_len": 0, "block_size": 16, "top_k": 64}
+# dense_tail 0: every query row takes the sparse path (the zoo's prompts are short).
+SPARSE_EXACT = {"min_seq_len": 0, "block_size": 16, "top_k": 64, "dense_tail": 0}
 _COMMON = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                num_attention_heads=4, max_position_embeddings=128)
 

@@ -32,7 +32,8 @@ class Plan(NamedTuple):
 
     Attributes:
         select: ``"triton"`` or ``"reference"`` (``None`` when ``attention`` is ``"sdpa"``).
-        attention: ``"sdpa"`` (plain dense SDPA: the exact regime by shape, or on CUDA an
+        attention: ``"sdpa"`` (plain dense SDPA: the exact regime by shape, a call within the
+            dense tail, or on CUDA an
             explicit mask the fused selection cannot read), ``"triton"``,
             ``"triton-decode"`` (split-K over the blocks, for a few queries),
             ``"flex-window"`` (a sliding window: exact windowed attention through
@@ -118,7 +119,7 @@ def _flex_refusal(q: Tensor, k: Tensor, v: Tensor, kernel: str) -> Optional[str]
 
 def plan(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal: bool, *,
          kernel: str = "auto", min_seq_len: int = 0, local_blocks: int = 1,
-         bound_block: int = 0, window: Optional[int] = None,
+         bound_block: int = 0, window: Optional[int] = None, dense_tail: int = 0,
          selection_only: bool = False) -> Plan:
     """Decide which implementation runs selection and attention for one call.
 
@@ -134,6 +135,9 @@ def plan(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal
         window: a causal sliding window's width (keys per query), or None. From
             ``min_seq_len`` keys on, such a call is exact windowed attention: ``O(N * window)``
             already, and a query sees fewer keys than the sparse path starts at.
+        dense_tail: a call of at most this many queries (a decode step) is plain SDPA: it
+            reads every key once, as a selection over the cache would (no pyramid is kept
+            between calls yet).
         selection_only: the plan of ``select_blocks`` (a selection is wanted whatever the
             attention would run). Otherwise an explicit ``attn_mask`` on CUDA with
             ``kernel="auto"`` plans dense SDPA under the mask: exact, at dense speed, where
@@ -165,6 +169,8 @@ def plan(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal
         counters["pisa"]["flex_window"] += 1  # tests: the window path really ran
         return Plan(None, WINDOW, f"sliding window({window}): exact windowed attention "
                                   "(FlexAttention), no selection")
+    if q.shape[2] <= dense_tail and not selection_only:
+        return Plan(None, SDPA, f"Nq={q.shape[2]} <= dense_tail={dense_tail}")
     if attn_mask is not None and kernel == "auto" and q.device.type == "cuda" and (
             not selection_only):
         # Before the Triton checks: SDPA takes every dtype and head dim the reference would.

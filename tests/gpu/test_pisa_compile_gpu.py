@@ -10,7 +10,8 @@ if not torch.cuda.is_available():
 from pisa_compile import PisaConfig, pisa_attention  # noqa: E402
 from pisa_compile.ops import plan  # noqa: E402
 
-CFG = PisaConfig(block_size=64, top_k=4, query_tile=64, min_seq_len=0)
+# dense_tail=0: these tests check the sparse kernels on every row (decode included).
+CFG = PisaConfig(block_size=64, top_k=4, query_tile=64, min_seq_len=0, dense_tail=0)
 REF = CFG.replace(kernel="reference")
 
 
@@ -161,3 +162,47 @@ def test_nan_and_inf_reach_the_rows_that_see_them(where):
     want_d = torch.isnan(dense_attention(qd.double(), k.double(), v.double()))
     got_d = pisa_attention(qd, k, v, enable_gqa=True, config=CFG)
     assert torch.equal(torch.isnan(got_d), want_d)
+
+
+def test_dense_tail_rows_are_dense_and_the_rest_unchanged():
+    """The default ``dense_tail`` on the fused path at 8K, bf16, GQA 4: the last rows (64,
+    rounded up to a query tile) equal dense SDPA, the rows before them equal the call
+    without a tail bit for bit, and a 1-query call (decode) runs dense SDPA."""
+    q, k, v = _qkv(8192)
+    cfg = CFG.replace(dense_tail=64)
+    out = pisa_attention(q, k, v, is_causal=True, enable_gqa=True, config=cfg)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                            enable_gqa=True)
+    assert _rel(out[:, :, -64:], want[:, :, -64:]) < 1e-2
+    assert _rel(out[:, :, :-64], want[:, :, :-64]) > 1e-2  # sparse: top_k=4 of 128 leaves
+    assert torch.equal(out[:, :, :-64], _attn(q, k, v)[:, :, :-64])
+    assert plan(q[:, :, -1:], k, v, config=cfg).attention == "sdpa"
+
+
+def test_dense_tail_flash_matches_the_masked_path_under_compile():
+    """The tail without padding runs FlashAttention aligned bottom-right (no mask): its
+    output and gradients equal SDPA under the tail's explicit mask, compiled (fullgraph)
+    and eager; with padding (``key_mask``) the masked path runs and agrees too."""
+    from pisa_compile.kernels.geometry import dense_mask
+    q, k, v = _qkv(4096, grad=True)
+    cfg = CFG.replace(dense_tail=64)
+    km = torch.ones(1, 4096, dtype=torch.bool, device="cuda")
+    km[0, :100] = False
+
+    def f(q, k, v, key_mask):
+        return pisa_attention(q, k, v, is_causal=True, enable_gqa=True, config=cfg,
+                              key_mask=key_mask)
+
+    for key_mask in (None, km):
+        for fn in (f, torch.compile(f, fullgraph=True)):
+            out = fn(q, k, v, key_mask)[:, :, -64:]
+            go = torch.randn_like(out)
+            got = torch.autograd.grad(out, (q, k, v), go)
+            m = dense_mask(1, 64, 4096, True, 4096 - 64, key_mask, "cuda")
+            want_out = torch.nn.functional.scaled_dot_product_attention(
+                q[:, :, -64:], k.repeat_interleave(4, 1), v.repeat_interleave(4, 1),
+                attn_mask=m)
+            want = torch.autograd.grad(want_out, (q, k, v), go)
+            assert _rel(out, want_out) < 1e-2
+            for a, b in zip(got, want):
+                assert _rel(a, b) < 3e-2

@@ -35,9 +35,9 @@ def main(argv=None) -> int:
             qt = q[:, :, n - T:]
             km = torch.ones(1, n, dtype=torch.bool, device="cuda")
             fns = {
-                "tail _dense (mask)": lambda: _dense(qt, k, v, None, None, True, n - T, None,
+                "tail _dense, no key mask": lambda: _dense(qt, k, v, None, None, True, n - T, None,
                                                      d ** -0.5, True),
-                "tail _dense (key_mask)": lambda: _dense(qt, k, v, None, km, True, n - T, None,
+                "tail _dense, key mask": lambda: _dense(qt, k, v, None, km, True, n - T, None,
                                                          d ** -0.5, True),
                 "tail sdpa no mask (floor)": lambda: F.scaled_dot_product_attention(
                     qt, k, v, enable_gqa=True),

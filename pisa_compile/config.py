@@ -13,6 +13,7 @@ from .kernels.dispatch import KERNELS  # the implementations plan() chooses from
 __all__ = ["PisaConfig", "PRESETS", "split_options"]
 
 LEAF_SCORINGS = ("pooled", "exact")
+_OPTIONAL = ("beam", "shortlist", "bound_block")  # the int options that take None
 
 
 def _is_pow2(x: int) -> bool:
@@ -71,14 +72,16 @@ class PisaConfig:
             bounds. A mean dilutes a one-line needle 64-fold; a bound keeps it (DESIGN.md
             "Bound scores"). Default 16.
         min_seq_len: below this many keys the op is plain SDPA (>= 0). Default 32768: from
-            there the default selection pays in training (forward+backward 2.2x faster than
-            dense at 32K on the standard shape, H200); its forward pays from about 48K (0.8x
+            there the default selection pays in training (forward+backward 2.0x faster than
+            dense at 32K on the standard shape, H200, with the dense tail); its forward pays from about 48K (0.8x
             dense's speed at 32K, 1.4x at 64K).
-        dense_tail: the last ``dense_tail`` queries of a causal call attend every visible
-            key (dense SDPA; rounded up so that the sparse rows end on a query tile, fewer
-            than ``dense_tail + query_tile``), and a call of at most ``dense_tail`` queries
-            (a decode step) is dense SDPA (>= 0; 0 turns both off). A prompt's closing
-            question and every generated token then see the whole context exactly, at
+        dense_tail: the last ``dense_tail`` queries of an ``is_causal`` call without a
+            window attend every visible key (dense SDPA; rounded up so that the sparse rows
+            end on a query tile, fewer than ``dense_tail + query_tile``), and a call of at
+            most ``dense_tail`` queries (a decode step; any mask) is dense SDPA, except a
+            window on CUDA (FlexAttention) (>= 0; 0 turns both off). A prompt's closing
+            question and every generated token then attend every key of their layer (keys
+            that earlier rows computed sparsely), at
             ``O(dense_tail * Nk)`` per call. Assumes the queries a user reads come last
             (left padding for batched prompts). Default 64.
         kernel: ``"auto"`` (Triton on CUDA, reference elsewhere), ``"triton"`` (also the
@@ -105,7 +108,8 @@ class PisaConfig:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name in ("leaf_scoring", "kernel") or value is None or type(value) is int:
+            if (f.name in ("leaf_scoring", "kernel") or type(value) is int
+                    or (value is None and f.name in _OPTIONAL)):
                 continue
             # numpy integers become ints, so configs hash and print as plain ints.
             object.__setattr__(self, f.name, _as_int(f.name, value))

@@ -271,7 +271,8 @@ def _config(config: Optional[PisaConfig]) -> PisaConfig:
 
 def plan(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None,
          is_causal: bool = False, *, config: Optional[PisaConfig] = None,
-         window: Optional[int] = None, causal_offset: int = 0) -> Plan:
+         window: Optional[int] = None, causal_offset: int = 0,
+         key_mask: Optional[Tensor] = None) -> Plan:
     """Which implementation runs each stage of ``pisa_attention(q, k, v, ...)``.
 
     Args: as :func:`pisa_attention` (shapes ``[B, H, N, D]``); the inputs are not checked.
@@ -287,7 +288,23 @@ def plan(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None,
                          min_seq_len=config.min_seq_len, local_blocks=config.local_blocks,
                          bound_block=config.effective_bound_block,
                          window=_effective_window(window, q.shape[2], causal_offset),
-                         dense_tail=config.dense_tail)
+                         dense_rows=_tail_rows(q.shape[2], is_causal, config),
+                         key_padding=key_mask is not None)
+
+
+def _tail_rows(n_queries, is_causal: bool, config: PisaConfig):
+    """How many of a call's last query rows the dense tail takes: all of a call of at most
+    ``dense_tail`` queries; of a longer causal call the last ``dense_tail``, rounded up so
+    that the sparse rows end on a query tile (their selection is then the one the call
+    without a tail makes); none otherwise."""
+    T = config.dense_tail
+    if T == 0:
+        return 0
+    if n_queries <= T:
+        return n_queries
+    if not is_causal:
+        return 0
+    return n_queries - (n_queries - T) // config.query_tile * config.query_tile
 
 
 def pisa_attention(
@@ -329,8 +346,10 @@ def pisa_attention(
             ``i + causal_offset - window < j <= i + causal_offset``. Needs ``is_causal``.
             From ``min_seq_len`` keys on, on CUDA (fp16/bf16/fp32, head dims 16..256, GQA
             groups a power of two), such a call is exact windowed attention through
-            FlexAttention (``O(N * window)``, no selection, no ``Nq x Nk`` mask); otherwise
-            dense SDPA under the window's mask (which builds that mask). The selection
+            FlexAttention (``O(N * window)``, no selection, no ``Nq x Nk`` mask); otherwise,
+            and with a ``key_mask`` under ``torch.compile`` (traced FlexAttention gave wrong
+            rows with padding on the H200), dense SDPA under the window's mask (which builds
+            that mask). The selection
             options of ``config`` do not apply to it.
 
     Returns:
@@ -351,7 +370,7 @@ def pisa_attention(
     if attn_mask is not None and attn_mask.requires_grad:
         raise ValueError("attn_mask must not require grad: PISA gives no gradient for the mask")
     how = plan(q, k, v, attn_mask, is_causal, config=config, window=window,
-               causal_offset=causal_offset)
+               causal_offset=causal_offset, key_mask=key_mask)
     if how.attention == dispatch.WINDOW:
         from .kernels.window import window_attention
         return window_attention(q, k, v, window=window, causal_offset=causal_offset,
@@ -364,16 +383,11 @@ def pisa_attention(
         attn_mask = attn_mask.float()  # the backward's matmuls take one dtype
     tail = None
     if is_causal and config.dense_tail > 0:
-        # The last rows (a prompt's question) attend densely. The sparse rows end on a query
-        # tile boundary, so their selection is the one the call without a tail makes.
-        head = (q.shape[2] - config.dense_tail) // config.query_tile * config.query_tile
+        # The last rows (a prompt's question) attend densely; plan() left some sparse rows.
+        head = q.shape[2] - _tail_rows(q.shape[2], is_causal, config)
         tail = _dense(q[:, :, head:], k, v, None, key_mask, True, causal_offset + head, None,
-                      scale, enable_gqa)
-        if head == 0:
-            return tail
+                      scale, enable_gqa, max_rows=config.dense_tail + config.query_tile)
         q = q[:, :, :head]
-        how = plan(q, k, v, None, True, config=config.replace(dense_tail=0),
-                   causal_offset=causal_offset)  # the kernels for the sparse rows
     # The selection has no gradient: detached inputs keep it out of autograd (and torch.func).
     block_indices, block_counts = _select_blocks_op(
         q.detach(), k.detach(), attn_mask, key_mask, is_causal, causal_offset, scale,
@@ -386,9 +400,10 @@ def pisa_attention(
 
 def _dense(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
            key_mask: Optional[Tensor], is_causal: bool, causal_offset, window: Optional[int],
-           scale, enable_gqa: bool) -> Tensor:
-    """Dense SDPA over what the structured arguments stand for (the dense path of
-    :func:`pisa_attention`)."""
+           scale, enable_gqa: bool, max_rows: Optional[int] = None) -> Tensor:
+    """Dense SDPA over what the structured arguments stand for: the dense path of
+    :func:`pisa_attention` and its dense tail (arguments as there, checked; ``max_rows``: a
+    static bound on ``Nq`` where it is symbolic). Returns ``[B, Hq, Nq, Dv]``."""
     if (is_causal and key_mask is None and window is None
             and statically_known_true(causal_offset >= k.shape[2] - 1)):
         # Every query sees every key (a decode step over its cache): no mask, so SDPA
@@ -405,25 +420,29 @@ def _dense(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
                                key_mask, q.device, window=window)
         is_causal = False
     # 4-D as on the sparse path (SDPA itself refuses a 1-D mask that broadcasts).
-    return _dense_sdpa(q, k, v, _mask4(attn_mask), is_causal, scale, enable_gqa)
+    return _dense_sdpa(q, k, v, _mask4(attn_mask), is_causal, scale, enable_gqa, max_rows)
 
 
 def _flash_lower_right(q: Tensor, k: Tensor, v: Tensor, scale) -> Optional[Tensor]:
     """Causal attention aligned bottom-right (query ``i`` sees keys ``j <= i + Nk - Nq``)
-    through FlashAttention, with GQA and no mask; ``None`` where it does not apply (not
-    CUDA, not fp16/bf16, head dims). SDPA's ``is_causal`` is top-left; the flash op's is
-    bottom-right (what ``torch.nn.attention.bias.causal_lower_right`` calls, which Dynamo
-    cannot trace)."""
+    through FlashAttention, GQA without expanding K/V and no mask: ``[B, Hq, Nq, D]`` from
+    q ``[B, Hq, Nq, D]``, k, v ``[B, Hkv, Nk, D]``. ``None`` where SDPA would not pick
+    flash: not CUDA, a GPU before sm80, flash disabled (read once per trace), not
+    fp16/bf16, head dims, a last dim that is not contiguous. SDPA's ``is_causal`` is
+    top-left; the flash op's is bottom-right (what
+    ``torch.nn.attention.bias.causal_lower_right`` calls, which Dynamo cannot trace)."""
+    from .kernels.runtime import flash_sdp_enabled, triton_targets_gpu
     D, Dv = q.shape[-1], v.shape[-1]
     if (q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16)
-            or D != Dv or D % 8 or D > 256):
+            or D != Dv or D % 8 or D > 256 or any(t.stride(-1) != 1 for t in (q, k, v))
+            or not triton_targets_gpu(q.device.index or 0) or not flash_sdp_enabled()):
         return None
     return torch.ops.aten._scaled_dot_product_flash_attention(
         q, k, v, 0.0, True, False, scale=float(scale))[0]
 
 
 def _dense_sdpa(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal: bool,
-                scale: float, enable_gqa: bool) -> Tensor:
+                scale: float, enable_gqa: bool, max_rows: Optional[int] = None) -> Tensor:
     """Dense SDPA under the op's mask rules, for the calls :func:`plan` sends to it.
 
     A float mask entry at or below ``finfo.min / 2`` of its dtype is masked (``-inf``, so a
@@ -431,8 +450,9 @@ def _dense_sdpa(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is
     and a float mask SDPA refuses (float64, or a half dtype other than q's) is computed in
     float32. With a mask, GQA is unrolled: SDPA's fused kernels take a mask or GQA, not
     both, and its math fallback would build the ``Nq x Nk`` scores for every head. A mask
-    shared by the heads and smaller than the K/V copy (the dense tail, decode) is repeated
-    instead, with the ``G`` query heads of a KV head as rows; otherwise K and V are."""
+    shared by the heads and smaller than the K/V copy (the dense tail, decode; ``max_rows``
+    bounds a symbolic ``Nq``) is repeated instead, with the ``G`` query heads of a KV head
+    as rows; otherwise K and V are."""
     if attn_mask is not None:
         if attn_mask.dtype != torch.bool:
             attn_mask = attn_mask.masked_fill(
@@ -442,12 +462,15 @@ def _dense_sdpa(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is
         B, Hq, Nq, _ = q.shape
         Hkv, D = k.shape[1], k.shape[3]
         group = Hq // max(Hkv, 1)
+        rows_bound = Nq if max_rows is None else max_rows
         if enable_gqa and group > 1 and attn_mask.shape[1] == 1 and (
-                statically_known_true(group * Nq < 2 * (group - 1) * Hkv * D)):
+                statically_known_true(group * rows_bound < 2 * (group - 1) * Hkv * D)):
             rows = q.reshape(B, Hkv, group * Nq, D)  # head kv*G + g: rows (g, i)
-            mask = attn_mask.expand(attn_mask.shape[0], 1, Nq, k.shape[2])
-            mask = mask.unsqueeze(2).expand(-1, -1, group, -1, -1)
-            mask = mask.reshape(mask.shape[0], 1, group * Nq, k.shape[2])
+            mask = attn_mask  # one row for every query broadcasts as it is
+            if attn_mask.shape[2] != 1:
+                mask = attn_mask.expand(attn_mask.shape[0], 1, Nq, attn_mask.shape[3])
+                mask = mask.unsqueeze(2).expand(-1, -1, group, -1, -1)
+                mask = mask.reshape(mask.shape[0], 1, group * Nq, mask.shape[-1])
             out = F.scaled_dot_product_attention(rows, k, v, attn_mask=mask, scale=scale)
             return out.reshape(B, Hq, Nq, v.shape[-1])
         if enable_gqa and group > 1:

@@ -12,7 +12,7 @@ from experiments import code_model as cm
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 TINY = cm.CodeModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128)
-SPARSE = {"min_seq_len": 0, "block_size": 16, "query_tile": 16, "top_k": 2}
+SPARSE = {"min_seq_len": 0, "block_size": 16, "query_tile": 16, "top_k": 2, "dense_tail": 0}
 
 
 def test_plant_writes_definition_and_query():

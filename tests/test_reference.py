@@ -327,6 +327,9 @@ def test_device_mix_is_rejected():
     ("kernel", "cuda", "kernel must be one of"),
     ("min_seq_len", -1, "min_seq_len must be >= 0"),
     ("top_k", 2.5, "top_k must be an int"),
+    ("dense_tail", -1, "dense_tail must be >= 0"),
+    ("dense_tail", None, "dense_tail must be an int"),
+    ("top_k", None, "top_k must be an int"),
 ])
 def test_config_errors_name_the_field(field, value, match):
     with pytest.raises(ValueError, match=match):
@@ -443,3 +446,62 @@ def test_large_finite_bias_rows_match_eager():
     for g1, g2 in zip(torch.autograd.grad(out, (q, k, v), go),
                       torch.autograd.grad(ref, (q, k, v), go)):
         torch.testing.assert_close(g1, g2, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_dense_tail_rows_equal_the_oracle(compiled):
+    """``dense_tail=8``, ``query_tile=4``, 37 queries (the tail rounds up to 9 rows), G=2,
+    left padding as ``key_mask``, reference kernels, float64: the tail rows equal dense
+    attention (output and gradients), the other rows equal the run without a tail (a
+    sparse one: ``top_k=1``), eagerly and compiled with dynamic shapes."""
+    from pisa_compile.kernels.geometry import dense_mask
+    g = torch.Generator().manual_seed(3)
+    q0 = torch.randn(2, 4, 37, 8, generator=g, dtype=torch.float64)
+    k0, v0 = (torch.randn(2, 2, 37, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    km = torch.ones(2, 37, dtype=torch.bool)
+    km[1, :5] = False
+    cfg = PisaConfig(block_size=4, top_k=1, query_tile=4, min_seq_len=0, dense_tail=8,
+                     kernel="reference")
+
+    def run(q, k, v, config):
+        return pisa_attention(q, k, v, is_causal=True, enable_gqa=True, key_mask=km,
+                              config=config)
+
+    torch._dynamo.reset()
+    f = torch.compile(run, backend="aot_eager", dynamic=True, fullgraph=True) if compiled \
+        else run
+    q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
+    out = f(q, k, v, cfg)
+    go = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    got = torch.autograd.grad(out, (q, k, v), go)
+    q2, k2, v2 = (t.clone().requires_grad_() for t in (q0, k0, v0))
+    dense = F.scaled_dot_product_attention(
+        q2, k2.repeat_interleave(2, 1), v2.repeat_interleave(2, 1),
+        attn_mask=dense_mask(2, 37, 37, True, 0, km))
+    want = torch.cat([run(q2, k2, v2, cfg.replace(dense_tail=0))[:, :, :28],
+                      dense[:, :, 28:]], dim=2)
+    torch.testing.assert_close(out, want)
+    assert (want[:, :, :28] - dense[:, :, :28]).abs().max() > 1e-3  # the head is sparse
+    for a, b in zip(got, torch.autograd.grad(want, (q2, k2, v2), go)):
+        torch.testing.assert_close(a, b)
+
+
+def test_short_calls_in_the_dense_tail_share_one_dynamic_graph():
+    """Calls of at most ``dense_tail`` queries run plain SDPA; compiled with dynamic shapes,
+    lengths on either side of the tail compile one graph each, not one per length (the
+    plan's text must not format a symbolic ``Nq``)."""
+    from torch._dynamo.utils import counters
+    cfg = PisaConfig(dense_tail=16, block_size=8, query_tile=8, top_k=1, min_seq_len=0,
+                     kernel="reference")
+
+    def f(q, k, v):
+        return pisa_attention(q, k, v, is_causal=True, enable_gqa=True, config=cfg,
+                              causal_offset=k.shape[2] - q.shape[2])
+
+    torch._dynamo.reset()
+    counters.clear()
+    g = torch.compile(f, dynamic=True, backend="aot_eager")
+    for n in (96, 5, 6, 7, 9, 17, 18, 19, 23):
+        q, k, v = torch.randn(2, 4, n, 8), torch.randn(2, 2, 96, 8), torch.randn(2, 2, 96, 8)
+        torch.testing.assert_close(g(q, k, v), f(q, k, v))
+    assert counters["stats"]["unique_graphs"] <= 4, dict(counters["stats"])

@@ -257,7 +257,8 @@ def test_exact_ties_go_to_lower_index():
 
 
 def test_explicit_mask_plans_the_reference_selection():
-    cfg = _fast(block_size=4, top_k=2, query_tile=4, min_seq_len=0, kernel="triton")
+    cfg = _fast(block_size=4, top_k=2, query_tile=4, min_seq_len=0, kernel="triton",
+                dense_tail=0)
     q, k = _qk(1, 1, 2, 40, 40, 16, torch.float32)
     mask = torch.rand(1, 1, 40, 40) > 0.3
     how = plan(q, k, k, mask, False, config=cfg)

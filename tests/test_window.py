@@ -138,8 +138,10 @@ def test_op_on_the_cpu_is_dense_sdpa_under_the_window():
     want_grads = torch.autograd.grad(want.square().sum(), (q, k, v))
     for a, b in zip(grads, want_grads):
         torch.testing.assert_close(a, b)
-    # The last row sits at key 89: a window of 90 reaches key 0 from every row.
-    assert plan(q, k, v, None, True, config=cfg, window=90, causal_offset=40).attention != "sdpa"
+    # The last row sits at key 89: a window of 90 reaches key 0 from every row (no tail: 50
+    # queries would all be in the default one).
+    assert plan(q, k, v, None, True, config=cfg.replace(dense_tail=0), window=90,
+                causal_offset=40).attention != "sdpa"
 
 
 def test_window_fallback_on_cuda_is_counted():
@@ -170,7 +172,30 @@ def test_report_note_says_where_a_window_runs_dense():
     cfg = PisaConfig(min_seq_len=0)
     assert "window's mask" in _note(4096, False, cfg, torch.device("cpu"), window=512)
     assert _note(4096, False, cfg, torch.device("cuda"), window=512) == ""
+    assert "key mask" in _note(4096, False, cfg, torch.device("cuda"), window=512, padded=True)
     assert _note(4096, False, cfg, torch.device("cpu")) == ""
+
+
+def test_window_with_a_key_mask_under_compile_plans_dense_on_cuda(monkeypatch):
+    """FlexAttention traced into a graph with a per-batch key mask gave wrong rows on the H200
+    (``tests/gpu/test_masks_gpu.py``), its eager calls right: under ``torch.compile`` a
+    window with a key mask plans dense SDPA under the window's mask (counted in
+    ``window_sdpa``); eagerly, and without a key mask, FlexAttention."""
+    from torch._dynamo.utils import counters
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    cfg = PisaConfig(min_seq_len=0)
+    with FakeTensorMode():
+        q = torch.empty(2, 4, 50, 16, device="cuda")
+        k = torch.empty(2, 2, 90, 16, device="cuda")
+        km = torch.ones(2, 90, dtype=torch.bool, device="cuda")
+        go = dict(config=cfg, window=20, causal_offset=40)
+        assert plan(q, k, k, None, True, key_mask=km, **go).attention == "flex-window"
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+        counters.clear()
+        how = plan(q, k, k, None, True, key_mask=km, **go)
+        assert how.attention == "sdpa" and "key mask" in how.reason, how
+        assert counters["pisa"]["window_sdpa"] == 1
+        assert plan(q, k, k, None, True, **go).attention == "flex-window"
 
 
 @pytest.mark.parametrize("kwargs,err,match", [

@@ -47,6 +47,10 @@ class Plan(NamedTuple):
 
 
 _warned: set[str] = set()
+# FlexAttention traced into a graph with a per-batch key mask gave wrong rows on the H200
+# (left padding inside the windows); such calls run dense until that is found. A GPU test
+# sets this to follow the bug.
+TRACED_FLEX_WITH_KEY_MASK = False
 
 
 def _count_reference(q: Tensor, how: Plan) -> Plan:
@@ -119,8 +123,8 @@ def _flex_refusal(q: Tensor, k: Tensor, v: Tensor, kernel: str) -> Optional[str]
 
 def plan(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal: bool, *,
          kernel: str = "auto", min_seq_len: int = 0, local_blocks: int = 1,
-         bound_block: int = 0, window: Optional[int] = None, dense_tail: int = 0,
-         selection_only: bool = False) -> Plan:
+         bound_block: int = 0, window: Optional[int] = None, dense_rows=0,
+         key_padding: bool = False, selection_only: bool = False) -> Plan:
     """Decide which implementation runs selection and attention for one call.
 
     Args:
@@ -135,9 +139,15 @@ def plan(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal
         window: a causal sliding window's width (keys per query), or None. From
             ``min_seq_len`` keys on, such a call is exact windowed attention: ``O(N * window)``
             already, and a query sees fewer keys than the sparse path starts at.
-        dense_tail: a call of at most this many queries (a decode step) is plain SDPA: it
-            reads every key once, as a selection over the cache would (no pyramid is kept
-            between calls yet).
+        key_padding: the call has a ``key_mask``. With a window, under ``torch.compile``
+            on CUDA, it plans dense SDPA under the window's mask: FlexAttention traced into
+            the graph with a per-batch key mask gave wrong rows on the H200 (left padding
+            reaching into the windows), where its eager calls were right.
+        dense_rows: how many of the last query rows attend densely (the ``dense_tail``
+            option, as ``ops._tail_rows`` counts it): when that is every row (a decode
+            step) the call is plain SDPA, which reads every key once, as a selection over
+            the cache would (no pyramid is kept between calls yet); the stages are chosen
+            for the other rows.
         selection_only: the plan of ``select_blocks`` (a selection is wanted whatever the
             attention would run). Otherwise an explicit ``attn_mask`` on CUDA with
             ``kernel="auto"`` plans dense SDPA under the mask: exact, at dense speed, where
@@ -161,6 +171,10 @@ def plan(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal
     if window is not None:
         from torch._dynamo.utils import counters
         why = _flex_refusal(q, k, v, kernel)
+        if (why is None and key_padding and torch.compiler.is_compiling()
+                and not TRACED_FLEX_WITH_KEY_MASK):
+            why = "a key mask under torch.compile (traced FlexAttention gave wrong rows with " \
+                  "padding; DESIGN.md)"
         if why is not None:
             if q.device.type == "cuda":  # per plan (one per trace); GPU tests assert 0
                 counters["pisa"]["window_sdpa"] += 1
@@ -169,8 +183,11 @@ def plan(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal
         counters["pisa"]["flex_window"] += 1  # tests: the window path really ran
         return Plan(None, WINDOW, f"sliding window({window}): exact windowed attention "
                                   "(FlexAttention), no selection")
-    if q.shape[2] <= dense_tail and not selection_only:
-        return Plan(None, SDPA, f"Nq={q.shape[2]} <= dense_tail={dense_tail}")
+    n_sparse = q.shape[2] - dense_rows
+    if n_sparse <= 0 and not selection_only:
+        # No number in the text: formatting a symbolic Nq would guard on its value.
+        return Plan(None, SDPA, "every query in the dense tail (a call of at most "
+                                "dense_tail queries)")
     if attn_mask is not None and kernel == "auto" and q.device.type == "cuda" and (
             not selection_only):
         # Before the Triton checks: SDPA takes every dtype and head dim the reference would.
@@ -182,7 +199,7 @@ def plan(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal
         if kernel == "triton" or (kernel == "auto" and q.device.type == "cuda"):
             _warn_once(why)  # not what was asked for: say so
         return _count_reference(q, Plan(REFERENCE, REFERENCE, why))
-    attention = DECODE if q.shape[2] <= DECODE_MAX_QUERIES else TRITON
+    attention = DECODE if n_sparse <= DECODE_MAX_QUERIES else TRITON
     if attn_mask is not None:
         why = "explicit attn_mask (the fused selection reads no mask yet)"
     elif q.dtype == torch.float64:

@@ -46,6 +46,13 @@ def triton_targets_gpu(index: int) -> bool:
     return torch.cuda.get_device_capability(index) >= (8, 0)
 
 
+@torch.compiler.assume_constant_result
+def flash_sdp_enabled() -> bool:
+    """``torch.backends.cuda.flash_sdp_enabled()``, read once per trace (Dynamo cannot trace
+    the call)."""
+    return torch.backends.cuda.flash_sdp_enabled()
+
+
 def _tracing(t: Tensor) -> bool:
     # Profiler ranges cannot be traced into a graph, and traced launches need wrap_triton.
     from torch._subclasses.fake_tensor import FakeTensor

@@ -934,7 +934,8 @@ def rewrite_graph(gm: GraphModule, config: PisaConfig, apply: bool = True) -> li
                 _apply(gm, plan, config)
             site.decision, site.reason = REWRITTEN, ""
             site.note = _note(k.shape[-2], plan.mask is not None or bool(plan.masks), config,
-                              k.device, window=plan.window)
+                              k.device, window=plan.window, padded=plan.key_mask is not None,
+                              n_queries=q.shape[-2])
         except LeaveDense as why:
             site.decision, site.reason = LEFT_DENSE, str(why)
             if site.q_shape == "?" and not (is_mha or is_layer):
@@ -968,16 +969,22 @@ def _mha_has_mask(bound: dict, is_layer: bool, site: Site) -> bool:
 
 
 def _note(n_keys, has_mask: bool, config: PisaConfig, device: torch.device,
-          window=None) -> str:
+          window=None, padded: bool = False, n_queries=None) -> str:
     """What a rewritten site will run where it is not the fused sparse path (as
     ``kernels.dispatch.plan`` decides it at run time)."""
     if statically_known_true(n_keys < config.min_seq_len):
         return f"runs plain SDPA: Nk={n_keys} < min_seq_len={config.min_seq_len}"
+    if (n_queries is not None and window is None
+            and statically_known_true(n_queries <= config.dense_tail)):
+        return f"runs plain SDPA: Nq={n_queries} <= dense_tail={config.dense_tail}"
     notes = []
     if not statically_known_true(n_keys >= config.min_seq_len):
         notes.append(f"plain SDPA while Nk={n_keys} < min_seq_len={config.min_seq_len}")
     if window is not None and (device.type != "cuda" or config.kernel == "reference"):
         notes.append("window: dense SDPA under the window's mask (FlexAttention runs on CUDA)")
+    elif window is not None and padded:
+        notes.append("window with a key mask: dense SDPA under the window's mask (traced "
+                     "FlexAttention was wrong with padding)")
     if has_mask and config.kernel == "auto" and device.type == "cuda":
         notes.append("explicit mask: dense SDPA under the mask (the fused selection reads "
                      "no mask yet)")

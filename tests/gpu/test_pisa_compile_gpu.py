@@ -179,11 +179,22 @@ def test_dense_tail_rows_are_dense_and_the_rest_unchanged():
     assert plan(q[:, :, -1:], k, v, config=cfg).attention == "sdpa"
 
 
-def test_dense_tail_flash_matches_the_masked_path_under_compile():
-    """The tail without padding runs FlashAttention aligned bottom-right (no mask): its
-    output and gradients equal SDPA under the tail's explicit mask, compiled (fullgraph)
-    and eager; with padding (``key_mask``) the masked path runs and agrees too."""
+def test_dense_tail_flash_matches_the_masked_path_under_compile(monkeypatch):
+    """The tail without a key mask runs FlashAttention aligned bottom-right (no mask; a spy
+    sees it return a tensor): its output and gradients equal SDPA under the tail's explicit
+    mask, eager and compiled (fullgraph, static and dynamic shapes); with padding
+    (``key_mask``) the masked path runs and agrees too."""
+    from pisa_compile import ops
     from pisa_compile.kernels.geometry import dense_mask
+    flash = ops._flash_lower_right
+    ran = []
+
+    def spy(*args):
+        out = flash(*args)
+        ran.append(out is not None)
+        return out
+
+    monkeypatch.setattr(ops, "_flash_lower_right", spy)
     q, k, v = _qkv(4096, grad=True)
     cfg = CFG.replace(dense_tail=64)
     km = torch.ones(1, 4096, dtype=torch.bool, device="cuda")
@@ -194,8 +205,12 @@ def test_dense_tail_flash_matches_the_masked_path_under_compile():
                               key_mask=key_mask)
 
     for key_mask in (None, km):
-        for fn in (f, torch.compile(f, fullgraph=True)):
+        for fn in (f, torch.compile(f, fullgraph=True),
+                   torch.compile(f, fullgraph=True, dynamic=True)):
+            torch._dynamo.reset()
+            ran.clear()
             out = fn(q, k, v, key_mask)[:, :, -64:]
+            assert ran == ([] if key_mask is not None else [True]), ran
             go = torch.randn_like(out)
             got = torch.autograd.grad(out, (q, k, v), go)
             m = dense_mask(1, 64, 4096, True, 4096 - 64, key_mask, "cuda")

@@ -376,8 +376,12 @@ def pisa_attention(
         return window_attention(q, k, v, window=window, causal_offset=causal_offset,
                                 key_mask=key_mask, scale=float(scale), enable_gqa=enable_gqa)
     if how.attention == dispatch.SDPA:
+        # A call the tail takes whole has fewer than dense_tail + query_tile queries: a
+        # static bound for the GQA fold when Nq is symbolic.
+        whole_tail = how.reason == dispatch.IN_DENSE_TAIL
         return _dense(q, k, v, attn_mask, key_mask, is_causal, causal_offset, window, scale,
-                      enable_gqa)
+                      enable_gqa, max_rows=config.dense_tail + config.query_tile
+                      if whole_tail else None)
     attn_mask, scale = _mask4(attn_mask), float(scale)
     if attn_mask is not None and attn_mask.dtype == torch.float64 and q.dtype != torch.float64:
         attn_mask = attn_mask.float()  # the backward's matmuls take one dtype
@@ -428,13 +432,15 @@ def _flash_lower_right(q: Tensor, k: Tensor, v: Tensor, scale) -> Optional[Tenso
     through FlashAttention, GQA without expanding K/V and no mask: ``[B, Hq, Nq, D]`` from
     q ``[B, Hq, Nq, D]``, k, v ``[B, Hkv, Nk, D]``. ``None`` where SDPA would not pick
     flash: not CUDA, a GPU before sm80, flash disabled (read once per trace), not
-    fp16/bf16, head dims, a last dim that is not contiguous. SDPA's ``is_causal`` is
+    fp16/bf16, a head dim over 128, a last dim that is not contiguous, a tensor scale. SDPA's ``is_causal`` is
     top-left; the flash op's is bottom-right (what
     ``torch.nn.attention.bias.causal_lower_right`` calls, which Dynamo cannot trace)."""
     from .kernels.runtime import flash_sdp_enabled, triton_targets_gpu
     D, Dv = q.shape[-1], v.shape[-1]
+    # D <= 128: larger head dims need sm80/sm90 for flash's backward (not sm86/sm89).
     if (q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16)
-            or D != Dv or D % 8 or D > 256 or any(t.stride(-1) != 1 for t in (q, k, v))
+            or isinstance(scale, Tensor) or D != Dv or D % 8 or D > 128
+            or any(t.stride(-1) != 1 for t in (q, k, v))
             or not triton_targets_gpu(q.device.index or 0) or not flash_sdp_enabled()):
         return None
     return torch.ops.aten._scaled_dot_product_flash_attention(

@@ -178,24 +178,56 @@ def test_report_note_says_where_a_window_runs_dense():
 
 def test_window_with_a_key_mask_under_compile_plans_dense_on_cuda(monkeypatch):
     """FlexAttention traced into a graph with a per-batch key mask gave wrong rows on the H200
-    (``tests/gpu/test_masks_gpu.py``), its eager calls right: under ``torch.compile`` a
-    window with a key mask plans dense SDPA under the window's mask (counted in
-    ``window_sdpa``); eagerly, and without a key mask, FlexAttention."""
+    (``tests/gpu/test_masks_gpu.py``), its eager calls right: a traced window with a key
+    mask (fake CUDA tensors, as the backend's compile_fx traces them) plans dense SDPA
+    under the window's mask, counted in ``window_sdpa``; without a key mask, or with the
+    switch that follows the bug turned on, FlexAttention."""
     from torch._dynamo.utils import counters
     from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from pisa_compile.kernels import dispatch
     cfg = PisaConfig(min_seq_len=0)
     with FakeTensorMode():
         q = torch.empty(2, 4, 50, 16, device="cuda")
         k = torch.empty(2, 2, 90, 16, device="cuda")
         km = torch.ones(2, 90, dtype=torch.bool, device="cuda")
         go = dict(config=cfg, window=20, causal_offset=40)
-        assert plan(q, k, k, None, True, key_mask=km, **go).attention == "flex-window"
-        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
         counters.clear()
         how = plan(q, k, k, None, True, key_mask=km, **go)
         assert how.attention == "sdpa" and "key mask" in how.reason, how
         assert counters["pisa"]["window_sdpa"] == 1
         assert plan(q, k, k, None, True, **go).attention == "flex-window"
+        monkeypatch.setattr(dispatch, "TRACED_FLEX_WITH_KEY_MASK", True)
+        assert plan(q, k, k, None, True, key_mask=km, **go).attention == "flex-window"
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_backend_trace_of_a_padded_window_plans_dense_on_cuda(monkeypatch):
+    """Through ``backend="pisa"`` the op runs under compile_fx's trace, where torch <= 2.11's
+    ``is_compiling()`` is False: the plan must still see the trace. A Mistral model with
+    left padding on the CPU, with plans recorded as if on CUDA (the device check is the
+    only difference): every window plan with a key mask is dense SDPA."""
+    from pisa_compile.kernels import dispatch
+    seen = []
+    real = dispatch.tracing
+
+    def spy(t):
+        out = real(t)
+        seen.append(out)
+        return out
+
+    monkeypatch.setattr(dispatch, "tracing", spy)
+    monkeypatch.setattr(dispatch, "_flex_refusal", lambda *a: None)  # as on CUDA
+    model = _model("mistral", "sdpa")
+    ids = torch.randint(1, 97, (2, 70), generator=torch.Generator().manual_seed(1))
+    am = (torch.arange(70)[None] >= torch.tensor([0, 9])[:, None]).long()
+    with torch.no_grad():
+        want = model(ids, attention_mask=am).logits
+        got = torch.compile(model, backend="pisa", options=dict(min_seq_len=0))(
+            ids, attention_mask=am).logits
+    assert seen and all(seen), seen
+    real_rows = am.bool()
+    torch.testing.assert_close(got[real_rows], want[real_rows], atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("kwargs,err,match", [

@@ -17,8 +17,8 @@ import torch
 from torch import Tensor
 
 from . import reference
-from .runtime import (DECODE_MAX_QUERIES, MAX_HEAD_DIM, stage_range, triton_available,
-                      triton_interpreting, triton_targets_gpu)
+from .runtime import (DECODE_MAX_QUERIES, MAX_HEAD_DIM, stage_range, tracing,
+                      triton_available, triton_interpreting, triton_targets_gpu)
 
 __all__ = ["Plan", "plan", "select_blocks", "attention_forward", "attention_backward"]
 
@@ -51,6 +51,9 @@ _warned: set[str] = set()
 # (left padding inside the windows); such calls run dense until that is found. A GPU test
 # sets this to follow the bug.
 TRACED_FLEX_WITH_KEY_MASK = False
+# The reason of a call the dense tail takes whole (too few queries for a query tile of sparse
+# rows before the tail).
+IN_DENSE_TAIL = "every query in the dense tail"
 
 
 def _count_reference(q: Tensor, how: Plan) -> Plan:
@@ -123,7 +126,8 @@ def _flex_refusal(q: Tensor, k: Tensor, v: Tensor, kernel: str) -> Optional[str]
 
 def plan(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal: bool, *,
          kernel: str = "auto", min_seq_len: int = 0, local_blocks: int = 1,
-         bound_block: int = 0, window: Optional[int] = None, dense_rows=0,
+         bound_block: int = 0, window: Optional[int] = None,
+         dense_rows: "int | torch.SymInt" = 0,
          key_padding: bool = False, selection_only: bool = False) -> Plan:
     """Decide which implementation runs selection and attention for one call.
 
@@ -171,8 +175,9 @@ def plan(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal
     if window is not None:
         from torch._dynamo.utils import counters
         why = _flex_refusal(q, k, v, kernel)
-        if (why is None and key_padding and torch.compiler.is_compiling()
-                and not TRACED_FLEX_WITH_KEY_MASK):
+        # tracing(): Dynamo's trace, and the backend's (fake tensors under compile_fx,
+        # where torch <= 2.11's is_compiling() is False).
+        if why is None and key_padding and tracing(q) and not TRACED_FLEX_WITH_KEY_MASK:
             why = "a key mask under torch.compile (traced FlexAttention gave wrong rows with " \
                   "padding; DESIGN.md)"
         if why is not None:
@@ -186,8 +191,7 @@ def plan(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal
     n_sparse = q.shape[2] - dense_rows
     if n_sparse <= 0 and not selection_only:
         # No number in the text: formatting a symbolic Nq would guard on its value.
-        return Plan(None, SDPA, "every query in the dense tail (a call of at most "
-                                "dense_tail queries)")
+        return Plan(None, SDPA, IN_DENSE_TAIL)
     if attn_mask is not None and kernel == "auto" and q.device.type == "cuda" and (
             not selection_only):
         # Before the Triton checks: SDPA takes every dtype and head dim the reference would.

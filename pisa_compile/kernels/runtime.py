@@ -49,11 +49,14 @@ def triton_targets_gpu(index: int) -> bool:
 @torch.compiler.assume_constant_result
 def flash_sdp_enabled() -> bool:
     """``torch.backends.cuda.flash_sdp_enabled()``, read once per trace (Dynamo cannot trace
-    the call)."""
+    the call): a graph compiled before ``enable_flash_sdp(False)`` or inside another
+    ``sdpa_kernel`` keeps calling FlashAttention for the dense tail."""
     return torch.backends.cuda.flash_sdp_enabled()
 
 
-def _tracing(t: Tensor) -> bool:
+def tracing(t: Tensor) -> bool:
+    """Whether ``t`` belongs to a graph being traced (Dynamo, or AOTAutograd's fake and
+    functional tensors under a backend's ``compile_fx``)."""
     # Profiler ranges cannot be traced into a graph, and traced launches need wrap_triton.
     from torch._subclasses.fake_tensor import FakeTensor
     from torch._subclasses.functional_tensor import FunctionalTensor
@@ -66,11 +69,11 @@ def launcher(kernel, t: Tensor):
     and pytree flattening: hundreds of microseconds of host time per launch on the H200
     (``benchmarks/overhead_probe.py --cprofile``)."""
     from torch.utils._python_dispatch import _get_current_dispatch_mode
-    if _tracing(t) or _get_current_dispatch_mode() is not None:
+    if tracing(t) or _get_current_dispatch_mode() is not None:
         return torch.library.wrap_triton(kernel)
     return kernel
 
 
 def stage_range(name: str, t: Tensor):
     """A profiler range for one PISA stage (a no-op while a graph is being traced)."""
-    return contextlib.nullcontext() if _tracing(t) else torch.profiler.record_function(name)
+    return contextlib.nullcontext() if tracing(t) else torch.profiler.record_function(name)

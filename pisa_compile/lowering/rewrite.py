@@ -935,7 +935,7 @@ def rewrite_graph(gm: GraphModule, config: PisaConfig, apply: bool = True) -> li
             site.decision, site.reason = REWRITTEN, ""
             site.note = _note(k.shape[-2], plan.mask is not None or bool(plan.masks), config,
                               k.device, window=plan.window, padded=plan.key_mask is not None,
-                              n_queries=q.shape[-2])
+                              n_queries=q.shape[-2], causal=plan.is_causal)
         except LeaveDense as why:
             site.decision, site.reason = LEFT_DENSE, str(why)
             if site.q_shape == "?" and not (is_mha or is_layer):
@@ -969,14 +969,18 @@ def _mha_has_mask(bound: dict, is_layer: bool, site: Site) -> bool:
 
 
 def _note(n_keys, has_mask: bool, config: PisaConfig, device: torch.device,
-          window=None, padded: bool = False, n_queries=None) -> str:
+          window=None, padded: bool = False, n_queries=None, causal: bool = False) -> str:
     """What a rewritten site will run where it is not the fused sparse path (as
     ``kernels.dispatch.plan`` decides it at run time)."""
     if statically_known_true(n_keys < config.min_seq_len):
         return f"runs plain SDPA: Nk={n_keys} < min_seq_len={config.min_seq_len}"
-    if (n_queries is not None and window is None
-            and statically_known_true(n_queries <= config.dense_tail)):
-        return f"runs plain SDPA: Nq={n_queries} <= dense_tail={config.dense_tail}"
+    T = config.dense_tail
+    # The dense tail takes such a call whole (ops._tail_rows); known statically, no guard.
+    if n_queries is not None and window is None and T and (
+            statically_known_true(n_queries <= T)
+            or causal and statically_known_true(n_queries < T + config.query_tile)):
+        return f"runs plain SDPA: every query in the dense tail (Nq={n_queries}, " \
+               f"dense_tail={T})"
     notes = []
     if not statically_known_true(n_keys >= config.min_seq_len):
         notes.append(f"plain SDPA while Nk={n_keys} < min_seq_len={config.min_seq_len}")

@@ -408,16 +408,16 @@ def _dense(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
     """Dense SDPA over what the structured arguments stand for: the dense path of
     :func:`pisa_attention` and its dense tail (arguments as there, checked; ``max_rows``: a
     static bound on ``Nq`` where it is symbolic). Returns ``[B, Hq, Nq, Dv]``."""
-    if (is_causal and key_mask is None and window is None
-            and statically_known_true(causal_offset >= k.shape[2] - 1)):
-        # Every query sees every key (a decode step over its cache): no mask, so SDPA
-        # keeps its fused GQA kernels.
-        is_causal = False
-    if (is_causal and key_mask is None and window is None and causal_offset != 0
-            and statically_known_true(causal_offset == k.shape[2] - q.shape[2])):
-        out = _flash_lower_right(q, k, v, scale)  # the dense tail: no mask to build
-        if out is not None:
-            return out
+    if is_causal and key_mask is None and window is None:
+        if statically_known_true(causal_offset >= k.shape[2] - 1):
+            # Every query sees every key (a decode step over its cache): no mask, so SDPA
+            # keeps its fused GQA kernels.
+            is_causal = False
+        elif causal_offset != 0 and statically_known_true(
+                causal_offset == k.shape[2] - q.shape[2]):
+            out = _flash_lower_right(q, k, v, scale)  # the dense tail: no mask to build
+            if out is not None:
+                return out
     if key_mask is not None or (is_causal and causal_offset != 0) or window is not None:
         # The dense mask the structure stands for: short sequences and the dense tail.
         attn_mask = dense_mask(q.shape[0], q.shape[2], k.shape[2], is_causal, causal_offset,

@@ -24,7 +24,8 @@ from .kernels import dispatch
 from .kernels.dispatch import Plan
 from .kernels.geometry import block_width, cdiv, dense_mask
 
-__all__ = ["pisa_attention", "select_blocks", "plan", "Plan", "check_causal_buffer"]
+__all__ = ["pisa_attention", "select_blocks", "plan", "Plan", "check_causal_buffer",
+           "eager_empty_rows"]
 
 
 # -- ops ------------------------------------------------------------------------------------
@@ -517,6 +518,61 @@ def check_causal_buffer(q: Tensor, buffer: Tensor) -> Tensor:
                         "pisa_compile: a causal mask buffer the compiled graph relies on "
                         "is no longer causal; recompile after changing it")
     return q
+
+
+def eager_empty_rows(out: Tensor, q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor, *,
+                     is_causal: bool, causal_offset=0, window: Optional[int] = None,
+                     scale=None) -> Tensor:
+    """``out`` with each row that sees no key replaced by what eager attention gives it under
+    a finite additive mask (transformers' ``finfo.min``): every score of such a row becomes
+    the fill itself (``finfo.min + s`` rounds to ``finfo.min`` in float32 and bfloat16), so
+    the softmax is uniform over all ``Nk`` keys and the row is the mean of ``v``; its
+    gradient still flows through ``s`` as autograd sees ``fill + s``. With ``C = K^T (V -
+    mean V)`` the row is ``mean V + (t - t.detach()) / Nk`` for ``t = scale * q C``: that
+    value, and to first order (all autograd takes) that softmax, at ``O(Nq * D * Dv)``
+    (``C`` is ``D x Dv`` per KV head).
+
+    The pass adds this after the op where it replaced such a mask by structure
+    (``key_mask``; a causal row always sees key 0). Left-padded rows are the empty ones, and
+    transformers' causal LM loss reads the last of them (it predicts the first real token).
+
+    Args:
+        out: ``[B, Hq, Nq, Dv]``, the op's output (zeros on empty rows).
+        q, k, v: the op's inputs ``[B, Hq, Nq, D]``, ``[B, Hkv, Nk, D]``, ``[B, Hkv, Nk, Dv]``
+            (``Hq`` a multiple of ``Hkv``).
+        key_mask: bool or integer ``[B, Nk]`` (nonzero = may be attended).
+        is_causal, causal_offset, window: the structure the op was given (query ``i`` sees
+            keys ``i + causal_offset - window < j <= i + causal_offset``).
+        scale: the softmax scale; None for ``1 / sqrt(D)``.
+
+    Returns:
+        A tensor like ``out``. Exact in float32 and bfloat16; in float16 (``finfo.min`` =
+        -65504) eager's row is only near uniform. The gradients are those of the explicit
+        ops (transformers' eager attention, SDPA's math backend); SDPA's fused kernels give
+        such rows ``Nk`` times larger ones (their saved logsumexp loses the ``log Nk``).
+    """
+    B, Hq, Nq, _ = out.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    seen = torch.nn.functional.pad((key_mask != 0).to(torch.int32).cumsum(-1), (1, 0))
+    if is_causal:
+        pos = torch.arange(Nq, device=out.device) + causal_offset  # each row's last key
+        hi = (pos + 1).clamp(max=Nk)
+        lo = (pos + 1 - window).clamp(min=0, max=Nk) if window is not None else hi * 0
+        count = seen[:, hi] - seen[:, lo]  # [B, Nq]
+    else:
+        count = seen[:, -1:].expand(B, Nq)
+    empty = (count == 0)[:, None, :, None]
+    vf = v.float()
+    mean = vf.mean(2, keepdim=True)
+    group = Hq // Hkv
+    row = mean.repeat_interleave(group, 1) if group > 1 else mean
+    if q.requires_grad or k.requires_grad or v.requires_grad:
+        # v only through the mean (p does not depend on it): detached here
+        c = k.float().transpose(-1, -2) @ (vf - mean).detach()  # [B, Hkv, D, Dv]
+        c = c.repeat_interleave(group, 1) if group > 1 else c
+        t = (q.float() @ c) * (q.shape[-1] ** -0.5 if scale is None else scale)
+        row = row + (t - t.detach()) / Nk
+    return torch.where(empty, row.to(out.dtype), out)
 
 
 def holds_causal_mask(buffer: Tensor) -> Tensor:

@@ -261,3 +261,179 @@ def test_multihead_attention_key_padding_is_structure():
         got = torch.compile(mha, backend="pisa", options=OPTS_EXACT)(
             x, x, x, key_padding_mask=kpm, need_weights=False)[0]
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+# -- transformers <= 4.52's float masks ----------------------------------------------------
+# Those versions build the mask in place: full(finfo.min) -> triu(1) (Mistral: or the window
+# into the next step's bool instead) -> *= (j > position) ->
+# [None, None].expand -> clone -> a slice set to masked_fill((mask + attention_mask) == 0,
+# min), and on CUDA multiply by ~all(mask == min) (rows that see no key then see every key).
+# CI runs transformers 5.x, so the same ops are written out here.
+OPTS_EXACT_NO_TAIL = dict(OPTS_EXACT, dense_tail=0)
+
+def _legacy_mask(am, n_q, dtype, window=None, unmask=False, fill=None, cover=None,
+                 pad_fill=None):
+    low = torch.finfo(dtype).min if fill is None else fill
+    n_k = am.shape[-1]
+    position = torch.arange(0, n_q)
+    m = torch.full((n_q, n_k), low, dtype=dtype)
+    hide = torch.arange(n_k) > position.reshape(-1, 1)
+    if window is None:  # Llama's form; Mistral's widens `hide` by the window instead
+        m = torch.triu(m, diagonal=1)
+    else:
+        hide.bitwise_or_(torch.arange(n_k) <= position.reshape(-1, 1) - window)
+    m *= hide
+    m = m[None, None, :, :].expand(am.shape[0], 1, -1, -1)
+    m = m.clone()
+    n = n_k if cover is None else cover
+    pad = m[:, :, :, :n] + am[:, :n][:, None, None, :]
+    pad = pad == 0
+    m[:, :, :, :n] = m[:, :, :, :n].masked_fill(pad, low if pad_fill is None else pad_fill)
+    if unmask:
+        m = m.mul(~torch.all(m == low, dim=-1, keepdim=True))
+    return m
+
+
+class _LegacySdpa(torch.nn.Module):
+    def __init__(self, late_write=False, **mask_kw):
+        super().__init__()
+        self.proj = torch.nn.Linear(32, 3 * 32)
+        self.late_write, self.mask_kw = late_write, mask_kw
+
+    def forward(self, x, am):
+        B, N, _ = x.shape
+        q, k, v = self.proj(x).view(B, N, 3, 2, 16).permute(2, 0, 3, 1, 4)
+        m = _legacy_mask(am, N, x.dtype, **self.mask_kw)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=m[:, :, :, :N])
+        if self.late_write:  # the mask is written after the site read it
+            m.mul_(0.5)
+            out = out + m.amax() * 0
+        return out
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("kw,want", [
+    ({}, "->is_causal+padding"),
+    (dict(window=12), "->is_causal+window(12)+padding"),
+])
+def test_transformers_4_float_masks_become_structure(kw, want):
+    """The in-place float mask of transformers 4.48-4.52 is proved: causal, padding from the
+    int ``attention_mask`` (nonzero attends), Mistral's window. Compiled equals eager on
+    every row, the left-padded ones too (0 / 9 / 33 of 70: they see no key, and eager's
+    ``finfo.min`` rows average ``v``), and so do the gradients (``ops.eager_empty_rows``)."""
+    torch.manual_seed(0)
+    model = _LegacySdpa(**kw)
+    x = torch.randn(3, 70, 32, requires_grad=True)
+    am = (torch.arange(70)[None] >= torch.tensor([0, 9, 33])[:, None]).long()
+    report = pisa_compile.explain(model, x, am, options=OPTS_EXACT_NO_TAIL)
+    assert [s.mask[-len(want):] for s in report.sites] == [want], str(report)
+    got = torch.compile(model, backend="pisa", options=OPTS_EXACT_NO_TAIL)(x, am)
+    with torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.MATH]):
+        want_out = model(x, am)  # the explicit ops' gradients (see ops.eager_empty_rows)
+    torch.testing.assert_close(got, want_out, atol=1e-5, rtol=1e-4)
+    g = torch.randn_like(got)
+    got_grads = torch.autograd.grad(got, [x, model.proj.weight], g)
+    want_grads = torch.autograd.grad(want_out, [x, model.proj.weight], g)
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("kw", [
+    dict(cover=39),                       # the padding fill covers 39 of 40 keys
+    dict(late_write=True),                # written after the site read it
+    dict(fill=float("-inf")),             # -inf * 0 is NaN: not a 0/fill mask
+    dict(pad_fill=-1.0),                  # padding filled with a finite bias
+    dict(unmask=True),                    # CUDA's fix: rows that see no key see every key
+])
+def test_transformers_4_lookalikes_keep_their_mask(kw):
+    """Variants of the in-place mask that are not (provably) causal + padding stay explicit
+    masks, and the compiled model still equals eager."""
+    torch.manual_seed(0)
+    model = _LegacySdpa(**kw).eval()
+    x = torch.randn(2, 40, 32)
+    am = (torch.arange(40)[None] >= torch.tensor([0, 7])[:, None]).long()
+    report = pisa_compile.explain(model, x, am, options=OPTS_EXACT_NO_TAIL)
+    assert len(report.sites) == 1 and "->" not in report.sites[0].mask, str(report)
+    with torch.no_grad():
+        got = torch.compile(model, backend="pisa", options=OPTS_EXACT_NO_TAIL)(x, am)
+        want = model(x, am)
+    real = am.bool()[:, None, :, None].expand_as(got)
+    torch.testing.assert_close(got[real], want[real], atol=1e-5, rtol=1e-4)
+
+
+def _copy_then_write(q, k, v):  # .float() copies before the write
+    n = q.shape[2]
+    m = torch.full((n, n), -3e38, dtype=torch.float64).triu(1)
+    c = m.float()
+    m.mul_(torch.arange(n) > (torch.arange(n).reshape(-1, 1) + 1))
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=c)
+
+
+def _stale_row_test(q, k, v):  # ~all(m == min) tested before m changes
+    n = q.shape[2]
+    m = torch.full((n, n), torch.finfo(torch.float32).min)
+    t = ~torch.all(m == torch.finfo(torch.float32).min, dim=-1, keepdim=True)
+    m.mul_(torch.arange(n) > torch.arange(n).reshape(-1, 1))
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=m * t)
+
+
+def _fix_then_widen(q, k, v):  # arithmetic after the rows-that-see-nothing fix
+    n, low = q.shape[2], torch.finfo(torch.float32).min
+    m = torch.full((n, n), low).triu(-1)
+    m = m * ~torch.all(m == low, dim=-1, keepdim=True)
+    m *= torch.arange(n) > torch.arange(n).reshape(-1, 1)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=m)
+
+
+def _broadcast_row_cut(q, k, v):  # a [1, n] row broadcast, then cut to [n, n]
+    n = q.shape[2]
+    m = torch.full((n, n), torch.finfo(torch.float32).min)
+    m = m * (torch.arange(n) > torch.arange(1).reshape(-1, 1))
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=m[:n])
+
+
+def _broadcast_bool_cut(q, k, v):
+    n = q.shape[2]
+    y = (torch.arange(n)[None, :] <= torch.arange(1)[:, None]).expand(n, n)[:n]
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=y)
+
+
+def _write_through_cpu(q, k, v):  # .cpu() of a CPU tensor is the tensor itself
+    n = q.shape[2]
+    m = torch.full((n, n), torch.finfo(torch.float32).min).triu(1)
+    m.cpu().zero_()
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=m)
+
+
+def _write_through_foreach(q, k, v):
+    n = q.shape[2]
+    m = torch.full((n, n), torch.finfo(torch.float32).min).triu(1)
+    torch._foreach_zero_([m])
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=m)
+
+
+def _batch_cut_of_padding(q, k, v, am):  # batch 0's padding handed to every batch row
+    m = _legacy_mask(am, q.shape[2], q.dtype)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=m[:1])
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("fn", [_copy_then_write, _stale_row_test, _fix_then_widen,
+                                _broadcast_row_cut, _broadcast_bool_cut, _write_through_cpu,
+                                _write_through_foreach, _batch_cut_of_padding],
+                         ids=lambda f: f.__name__.strip("_"))
+def test_in_place_and_broadcast_lookalikes_keep_their_mask(fn):
+    """Masks whose values are not the structure they resemble (found in review; each was
+    claimed as structure by a draft of the in-place rules): no structure in the report, and
+    the compiled function equals eager on every row that sees a key."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 32, 16) for _ in range(3))
+    args = (q, k, v)
+    if fn is _batch_cut_of_padding:
+        args += ((torch.arange(32)[None] >= torch.tensor([0, 5])[:, None]).long(),)
+    report = pisa_compile.explain(fn, *args, options=OPTS_EXACT_NO_TAIL)
+    assert len(report.sites) == 1 and "->" not in report.sites[0].mask, str(report)
+    got = torch.compile(fn, backend="pisa", options=OPTS_EXACT_NO_TAIL)(*args)
+    want = fn(*args)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)

@@ -12,10 +12,10 @@ attention implementation ("eager" hand-written attention, "sdpa"):
 - a training step (forward + backward, sparse path in exact coverage) gives the eager
   gradients of every parameter.
 
-Left padding (causal LMs) makes the padded query rows fully masked: PISA returns zeros there
-(as SDPA does for ``-inf``) where eager softmax over ``finfo.min`` averages the values. Logits
-and losses are therefore compared on the non-padded positions only; no other position reads
-a padded row, so everything else is exact.
+Left padding (causal LMs) makes the padded query rows fully masked. Logits and losses are
+compared on the non-padded positions only (no other position reads a padded row); what the
+padded rows get is tested in ``test_structured_masks.py`` (eager's average of ``v`` where a
+``finfo.min`` mask became structure, zeros as SDPA's where a bool mask did).
 """
 
 from __future__ import annotations

@@ -17,17 +17,28 @@ The proof is an abstract evaluation of the mask's producers. Each node gets one 
   keys, ``-2`` queries, ``-4`` batch) of a broadcast tensor;
 * :data:`ONES`: a tensor of ones / ``True``;
 * :class:`Struct`: 0/1 values with ``attend(b, i, j) = lower <= j - i <= upper and
-  key[b, j]`` (query ``i``, key ``j``; each part optional), or the negation.
+  key[b, j]`` (query ``i``, key ``j``; each part optional), or the negation;
+* :class:`FMask`: a float mask, 0 on a :class:`Struct` and a finite ``fill`` elsewhere
+  (transformers 4.48-4.52 build ``full(finfo.min)``, ``triu``, ``*= bool``, then fill the
+  padding through ``(mask + attention_mask) == 0``), with :class:`KeyVal`,
+  :class:`PadSum` and :class:`PadTest` for the steps of that padding fill.
+
+Masks built in place (``m *= hide``, ``hide |= window``, ``m[:, :, :, :n] = ...``) are read
+by versions: a tensor the graph creates, written only through itself or its in-place results
+(never through a view), has at each reader the value of its creation followed by the writes
+before that reader in graph order (:func:`_versioned`); a site's mask must see every write
+before its first use.
 
 Offsets are compared exactly: constant parts as ints, symbolic parts (a cache position, a
 sequence length) as signed sums of node names. Anything the evaluator does not know makes the
 answer "not structure", and so does any node of the proof that may be written in place
-(through any view), the key mask's included. A mask is left as it is unless the proof goes
-through.
+through a view, or whose writes are not one of the forms above, the key mask's included. A
+mask is left as it is unless the proof goes through.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import math
@@ -65,7 +76,8 @@ class Struct:
 
     ``upper``/``lower`` are offsets ``(const, terms)`` as in :class:`Index`; ``upper = 0`` is
     SDPA's top-left causal mask, ``upper = past`` a KV cache's, ``lower`` a sliding window's
-    edge. ``key`` is the node of a ``[B, Nk]`` bool tensor, read at ``[b, j]`` (padding).
+    edge. ``key`` is the node of a ``[B, Nk]`` bool tensor, read at ``[b, j]`` (padding), or
+    with ``key_nonzero`` of any other dtype, read as ``key[b, j] != 0``.
     ``n_queries`` is None while the values do not depend on the query (a key mask alone);
     callers compare the shapes with the mask's own.
     """
@@ -80,6 +92,10 @@ class Struct:
     # Module buffers whose values this structure was read from (a registered causal mask):
     # true when the graph was compiled, so the op must check them on every call.
     checked: tuple = ()
+    key_nonzero: bool = False  # ``key`` is not bool: a key attends where it is nonzero
+    # A float mask's value off the structure (additive_structure): a finite one (finfo.min)
+    # makes eager's rows that see no key uniform, where -inf and bool masks give zeros.
+    fill: Optional[float] = None
 
     def negated(self) -> "Struct":
         """The negation; one bound alone flips to the other bound (``j - i > u`` is
@@ -92,8 +108,47 @@ class Struct:
             c, t = self.lower
             return Struct(self.attend, self.n_queries, self.n_keys, upper=(c - 1, t),
                           checked=self.checked)
-        return Struct(not self.attend, self.n_queries, self.n_keys, self.upper, self.lower,
-                      self.key, self.key_cut, self.checked)
+        return dataclasses.replace(self, attend=not self.attend)
+
+
+@dataclass(frozen=True)
+class FMask:
+    """A float mask of transformers <= 4.52's kind (``full(min) -> triu -> *= bool``): 0 exactly
+    where ``region`` attends, ``fill`` everywhere else (``region`` None: ``fill`` everywhere).
+    ``fill`` is finite, so multiplying by a 0/1 mask keeps the two values (``-inf * 0`` would
+    be NaN)."""
+
+    region: Optional[Struct]
+    fill: float
+
+
+@dataclass(frozen=True)
+class KeyVal:
+    """``key[:, None, None, :]`` of a ``[B, Nk]`` tensor that is not bool (a tokenizer's int
+    ``attention_mask``): its values, laid along the batch and key dims."""
+
+    key: Node
+
+
+@dataclass(frozen=True)
+class PadSum:
+    """``FMask(region, fill) + KeyVal(key)`` (a float tensor; only its test against 0 is
+    read)."""
+
+    region: Struct
+    fill: float
+    key: Node
+
+
+@dataclass(frozen=True)
+class PadTest:
+    """``(FMask(region, fill) + KeyVal(key)) == 0``: on ``region`` (where the mask is 0) it
+    is exactly ``key[b, j] == 0``; elsewhere it is unknown, which the ``masked_fill`` rule of
+    :func:`_float_mask_rules` never needs (``fill`` is written there anyway)."""
+
+    region: Struct
+    fill: float
+    key: Node
 
 
 ONES = "ones"
@@ -112,7 +167,11 @@ _VIEWS = {"getitem", "view", "reshape", "expand", "expand_as", "unsqueeze", "squ
           "split", "split_with_sizes", "chunk", "unbind", "tensor_split", "hsplit", "vsplit",
           "unfold", "detach", "to", "broadcast_to", "broadcast_tensors", "contiguous", "type_as",
           "type", "bool", "int", "long", "float", "half", "bfloat16", "real", "imag", "view_as_real", "view_as_complex",
-          "reshape_as", "alias", "__getitem__"}
+          "reshape_as", "alias", "__getitem__",
+          # may return the input itself: a device or dtype it already has, a no-op
+          "cpu", "cuda", "double", "byte", "char", "short", "cfloat", "cdouble", "positive",
+          "ravel", "conj", "resolve_conj", "resolve_neg", "atleast_1d", "atleast_2d",
+          "atleast_3d"}
 _INPLACE_OPS = {operator.setitem, operator.iadd, operator.isub, operator.imul,
                 operator.itruediv, operator.ifloordiv, operator.imod, operator.ipow,
                 operator.ilshift, operator.irshift, operator.iand, operator.ior, operator.ixor,
@@ -143,12 +202,17 @@ def _inplace_flag(u: Node) -> bool:
 
 def written_by(u: Node) -> list:
     """The tensors ``u`` may write in place: ``args[0]`` of ``setitem``, ``Tensor.xxx_``,
-    ``x //= 2``-style ops and ``inplace=True`` functions (``F.relu``), an ``out=`` argument,
-    and every argument of an unknown module."""
+    ``x //= 2``-style ops and ``inplace=True`` functions (``F.relu``), every tensor of the
+    list of ``torch._foreach_xxx_``, an ``out=`` argument, and every argument of an unknown
+    module."""
     if u.op == "call_module":
         return [a for a in (*u.args, *u.kwargs.values()) if isinstance(a, Node)]
     out = [u.kwargs["out"]] if isinstance(u.kwargs.get("out"), Node) else []
-    if not (u.args and isinstance(u.args[0], Node)):
+    first = u.args[0] if u.args else None
+    # torch._foreach_xxx_([a, b]) writes every tensor of its list
+    targets = [first] if isinstance(first, Node) else [
+        a for a in first if isinstance(a, Node)] if isinstance(first, (list, tuple)) else []
+    if not targets:
         return out
     name = _name(u)
     if u.op == "call_function" and getattr(u.target, "__module__", None) in ("_operator",
@@ -158,10 +222,12 @@ def written_by(u: Node) -> list:
         inplace = _inplace_flag(u) or isinstance(name, str) and (
             (name.endswith("_") and not name.startswith("__")) or name == "__setitem__"
             or (name.startswith("__i") and name.endswith("__")))
-    return [u.args[0], *out] if inplace else out
+    if inplace and not isinstance(first, Node) and name in ("setitem", "__setitem__"):
+        return out
+    return [*targets, *out] if inplace else out
 
 
-_VIEW_ATTRS = ("mT", "T", "H", "mH", "real", "imag")
+_VIEW_ATTRS = ("mT", "T", "H", "mH", "real", "imag", "data")
 
 
 def is_view(u: Node) -> bool:
@@ -245,7 +311,7 @@ def both(x: Any, y: Any) -> Any:
     kx = x if x.key is not None else y
     return Struct(True, x.n_queries if x.n_queries is not None else y.n_queries, x.n_keys,
                   upper, lower, kx.key, kx.key_cut,
-                  x.checked + tuple(n for n in y.checked if n not in x.checked))
+                  x.checked + tuple(n for n in y.checked if n not in x.checked), kx.key_nonzero)
 
 
 def _index_axis(index: Any) -> Optional[int]:
@@ -285,7 +351,14 @@ def _compare(op: str, a: Any, b: Any) -> Any:
         if not a.terms and (op == "ge" and low >= b or op == "gt" and low > b):
             return ONES
         return None
-    if not (isinstance(a, Index) and isinstance(b, Index)) or {a.axis, b.axis} != {-1, -2}:
+    if not (isinstance(a, Index) and isinstance(b, Index)):
+        return None
+    # A 1-D index broadcast against a [n, 1] one lies along the last dim (keys).
+    if a.axis is None and b.axis == -2:
+        a = Index(-1, a.const, a.terms, a.length)
+    elif b.axis is None and a.axis == -2:
+        b = Index(-1, b.const, b.terms, b.length)
+    if {a.axis, b.axis} != {-1, -2}:
         return None
     if a.axis == -2:  # normalise to key <op> query
         a, b = b, a
@@ -363,25 +436,196 @@ def _key_gather(node: Node, ev) -> Optional[Struct]:
                   key_cut=not P.known_equal(sv.shape[1], ki.length))
 
 
-def mask_value(node: Any, depth: int = 32, _memo: Optional[dict] = None) -> Any:
-    """The abstract value of ``node`` (an :class:`Index`, :data:`ONES`, :class:`Struct`),
-    or None when unknown."""
+class _Top:
+    """The reader of a mask handed to a site: its first user (see :func:`_versioned`)."""
+
+    def __init__(self, node: Node):
+        self.node = node
+
+
+def mask_value(node: Any, depth: int = 32, _memo: Optional[dict] = None,
+               _at: Any = None) -> Any:
+    """The abstract value of ``node`` (an :class:`Index`, :data:`ONES`, :class:`Struct`,
+    :class:`FMask`, ...), or None when unknown.
+
+    ``_at`` is the node that reads ``node`` (its place in the graph decides which in-place
+    writes it sees); None for the mask a site reads.
+    """
     memo = {} if _memo is None else _memo
     if not isinstance(node, Node) or depth <= 0:
         return None
-    if node in memo:
-        return memo[node]
-    memo[node] = None
-    if _mutated(node):  # `pad = ones(..); pad[0, -3:] = False`: the value is not the call's
-        return None
-    out = _evaluate(node, lambda x: mask_value(x, depth - 1, memo))
-    memo[node] = out
+    at = _Top(node) if _at is None else _at
+    key = (node, at.node if isinstance(at, _Top) else at, isinstance(at, _Top))
+    if key in memo:
+        return memo[key]
+    memo[key] = None
+
+    def ev(x: Any) -> Any:  # every op reads its inputs when it runs
+        return mask_value(x, depth - 1, memo, node)
+
+    root = _alias_root(_root(node))
+    writes = _family_writes(root, memo)
+    if writes is None:  # written through a view: not followed
+        out = None
+    elif not writes:
+        out = _evaluate(node, ev)
+    elif node is root or _is_inplace_alias(node):
+        out = _versioned(root, at, memo, depth)
+    else:
+        # A view (or a cast that may copy) keeps the value it had when it ran only if
+        # nothing writes its memory before its reader runs.
+        order = _order(node.graph, memo)
+        stop = len(order) if isinstance(at, _Top) else order[at]
+        out = None if any(order[node] < order[w] < stop for w in writes) else _evaluate(node, ev)
+    memo[key] = out
     return out
+
+
+def _is_inplace_alias(u: Node) -> bool:
+    """``x *= y``-style ops: they write ``args[0]`` and return it."""
+    return bool(u.args) and isinstance(u.args[0], Node) and u.args[0] in written_by(u) \
+        and _name(u) not in ("setitem", "__setitem__")
+
+
+def _alias_root(node: Node) -> Node:
+    while _is_inplace_alias(node):
+        node = node.args[0]
+    return node
+
+
+def _family_writes(root: Node, memo: dict) -> Optional[list]:
+    """The in-place writes to ``root`` and to the in-place results that alias it
+    (``root *= m`` returns ``root``), in graph order; None when a write goes through a view
+    of them (not followed). ``[]``: never written."""
+    aliases, stack = {root}, [root]
+    while stack:
+        n = stack.pop()
+        for u in n.users:
+            if u not in aliases and _is_inplace_alias(u) and u.args[0] is n:
+                aliases.add(u)
+                stack.append(u)
+    writes = set()
+    for n in aliases:
+        for u in n.users:
+            if any(t is n for t in written_by(u)):
+                writes.add(u)
+            elif is_view(u) and u.args[0] is n and _mutated(u):
+                return None
+    order = _order(root.graph, memo) if writes else {}
+    return sorted(writes, key=order.__getitem__)
+
+
+def _order(graph, memo: dict) -> dict:
+    """Each node's place in ``graph`` (computed once per proof)."""
+    if "order" not in memo:
+        memo["order"] = {n: i for i, n in enumerate(graph.nodes)}
+    return memo["order"]
+
+
+def _versioned(root: Node, at: Any, memo: dict, depth: int) -> Any:
+    """The value of ``root`` (a tensor the graph creates, later written in place) as ``at``
+    reads it: its value when created, then each write before ``at`` in graph order. The
+    reader of a site's mask is its first user, and every write must come before it (a later
+    write would give the site's other users another value)."""
+    if root.op not in ("call_function", "call_method") or is_view(root) or _name(root) in (
+            "setitem", "__setitem__"):
+        return None  # inputs and views: memory the graph does not own
+    writes = _family_writes(root, memo)
+    if writes is None:
+        return None
+    order = _order(root.graph, memo)
+    if isinstance(at, _Top):
+        first = min((order[u] for u in at.node.users), default=len(order))
+        if any(order[w] >= first for w in writes):
+            return None
+        before = writes
+    else:
+        before = [w for w in writes if order[w] < order[at]]
+    value = _evaluate(root, lambda x: mask_value(x, depth - 1, memo, root))
+    for w in before:
+        if value is None:
+            return None
+        wev = lambda x, w=w: mask_value(x, depth - 1, memo, w)  # noqa: E731
+        name = _name(w)
+        if name in ("setitem", "__setitem__"):
+            target, index, new = w.args[0], w.args[1], w.args[2]
+            tv, nv = P.val(target), P.val(new)
+            # The whole tensor, same shape and dtype (an assignment casts: an Index written
+            # into a bool tensor, or -inf after a float32 fill lands in float16).
+            if not (_covers(target, index) and isinstance(nv, torch.Tensor)
+                    and nv.dim() == tv.dim() and nv.dtype == tv.dtype
+                    and all(P.known_equal(a, b) for a, b in zip(nv.shape, tv.shape))):
+                return None
+            value = wev(new)
+        elif w.target is operator.imul or name in ("mul_", "__imul__"):
+            value = _times(value, wev(w.args[1]), w.args[1], w)
+        elif w.target is operator.ior or name in ("bitwise_or_", "logical_or_", "__ior__"):
+            value = _either(value, wev(w.args[1])) if _dtype(w.args[1]) == torch.bool else None
+        else:
+            return None
+    return value
+
+
+def _covers(target: Node, index: Any) -> bool:
+    """``target[index]`` is all of ``target``: full slices (``:n`` with ``n`` at least the
+    dim) and ``...``, one per dim."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+    t = P.val(target)
+    items = index if isinstance(index, tuple) else (index,)
+    n_ell = sum(1 for e in items if e is Ellipsis)
+    if not isinstance(t, torch.Tensor) or n_ell > 1 or len(items) - n_ell > t.dim():
+        return False
+    if any(e is not Ellipsis and not (isinstance(e, slice) and e.start in (None, 0)
+                                      and e.step in (None, 1)) for e in items):
+        return False
+    spec = [e for e in items if e is not Ellipsis]
+    dims = list(range(t.dim()))
+    if n_ell:  # slices before ... take the first dims, after it the last ones
+        k = next(i for i, e in enumerate(items) if e is Ellipsis)
+        pos = dims[:k] + dims[t.dim() - (len(items) - k - 1):]
+    else:
+        pos = dims[:len(spec)]
+    for d, e in zip(pos, spec):
+        stop = P.val(e.stop) if isinstance(e.stop, Node) else e.stop
+        if stop is not None and not statically_known_true(stop >= t.shape[d]):
+            return False
+    return True
+
+
+def _either(x: Any, y: Any) -> Any:
+    """``x | y`` of two abstract bool values, by De Morgan over :func:`both`."""
+    if x == ONES or y == ONES:
+        return ONES
+    if not (isinstance(x, Struct) and isinstance(y, Struct)):
+        return None
+    b = both(x.negated(), y.negated())
+    return b.negated() if isinstance(b, Struct) else None
+
+
+def _times(x: Any, y: Any, y_node: Any, reader: Node) -> Any:
+    """``x * y`` (run at ``reader``) of a float mask ``x`` (:class:`FMask`) and a bool
+    ``y``: ``fill`` stays where ``y`` is 1, so the attended region grows by where ``y`` is
+    0."""
+    if not isinstance(x, FMask) or _dtype(y_node) != torch.bool:
+        return None
+    # transformers' `_unmask_unattended` (SDPA on CUDA, `m * ~all(m == min, -1)`) falls here
+    # and is not proved: its rows that see no key attend every key with their scores, which
+    # the op's structure does not give (ops.eager_empty_rows gives eager's uniform rows).
+    off = _attend_set(y, False)  # where y is 0: now 0 too
+    if off is None or off.n_queries is None or not spans(reader, off.n_queries, off.n_keys):
+        return None  # y broadcast (a row or a column) over the result: not proved
+    if x.region is None:
+        return FMask(off, x.fill)
+    region = _either(x.region, off)
+    return FMask(region, x.fill) if isinstance(region, Struct) and region.attend else None
 
 
 def _evaluate(node: Node, ev) -> Any:
     x0 = P.arg(node, 0, "input")
     x1 = P.arg(node, 1, "other")
+    out = _float_mask_rules(node, ev, x0, x1)
+    if out is not _NOT_MINE:
+        return out
     if P._fn(node, torch.arange):
         return _arange(node)
     if P._fn(node, operator.add, torch.add) or P._meth(node, "add", "__add__", "__radd__"):
@@ -404,7 +648,9 @@ def _evaluate(node: Node, ev) -> Any:
             return ONES
         if isinstance(x, Struct) and x.key is None and _keeps_last_two(node.args[1]):
             v = P.val(node)  # a top-left cut keeps j - i: same bounds, the cut's shape
-            if isinstance(v, torch.Tensor) and v.dim() >= 2:
+            # ... of values proved over the source's own last two dims (not a broadcast row)
+            if (isinstance(v, torch.Tensor) and v.dim() >= 2 and x.n_queries is not None
+                    and spans(node.args[0], x.n_queries, x.n_keys)):
                 # The cut of a causal buffer itself: the op checks the region the mask reads
                 # (the check wants 1 exactly on j <= i), not the whole buffer.
                 cut = x.checked and x.attend and x.upper == (0, ()) and x.lower is None
@@ -460,6 +706,169 @@ def _evaluate(node: Node, ev) -> Any:
                 "to", "int", "long", "contiguous", "clone", "detach") else None
         return x
     return None
+
+_NOT_MINE = object()  # _float_mask_rules: the node is not one of its forms
+
+
+def _float_of(x: Any) -> Optional[float]:
+    c = _const(x)
+    return None if isinstance(c, bool) or not isinstance(c, (int, float)) else float(c)
+
+
+def _same_struct(a: Struct, b: Struct) -> bool:
+    """Equal structures (sizes compared without adding shape guards)."""
+    return (a.attend, a.upper, a.lower, a.key, a.key_cut, a.key_nonzero, a.checked) == (
+        b.attend, b.upper, b.lower, b.key, b.key_cut, b.key_nonzero, b.checked) and all(
+        (x is None and y is None) or (x is not None and y is not None and P.known_equal(x, y))
+        for x, y in ((a.n_queries, b.n_queries), (a.n_keys, b.n_keys)))
+
+
+def _plain_index(index: Any, ndim: int) -> bool:
+    """Full slices and ``...``, and a ``:n`` only on the last of ``ndim`` dims: the batch
+    and head dims are not cut."""
+    items = index if isinstance(index, tuple) else (index,)
+    if any(e is None for e in items):
+        return False
+    full = slice(None, None, None)
+    if not all(e is Ellipsis or e == full for e in items[:-1]):
+        return False
+    last = items[-1]
+    if last is Ellipsis or last == full:
+        return True
+    on_last_dim = Ellipsis in items or len(items) == ndim
+    return (on_last_dim and isinstance(last, slice) and last.start in (None, 0)
+            and last.step in (None, 1))
+
+
+def _float_mask_rules(node: Node, ev, x0: Any, x1: Any) -> Any:
+    """The rules of transformers <= 4.52's float masks (``_prepare_4d_causal_attention_mask
+    _with_cache_position``): ``full(min)``, ``triu``, ``* bool``, ``| bool``, ``[:, None,
+    None, :]`` of the int ``attention_mask``, ``(mask + key) == 0``, ``masked_fill``, cuts
+    and casts, and a reshaped ``cache_position``. :data:`_NOT_MINE` for other nodes. (In-place
+    forms, ``*=`` and ``|=``, are read by :func:`_versioned`.)"""
+    dtype = _dtype(node)
+    if P._fn(node, torch.full) or P._meth(node, "new_full"):
+        fill = _float_of(P.arg(node, 1 if node.op == "call_function" else 2, "fill_value"))
+        if dtype is None or not dtype.is_floating_point or fill is None or fill == 1:
+            return _NOT_MINE  # ones (and int fills) as before
+        return FMask(None, fill) if math.isfinite(fill) else None
+    if P._fn(node, torch.tril, torch.triu) or P._meth(node, "tril", "triu"):
+        x = ev(x0)
+        if not isinstance(x, FMask):
+            return _NOT_MINE
+        diag = P.arg(node, 1, "diagonal", 0)
+        v = P.val(node)
+        if (x.region is not None or isinstance(diag, bool) or not isinstance(diag, int)
+                or not isinstance(v, torch.Tensor) or v.dim() < 2):
+            return None
+        # triu keeps fill on j - i >= diag (0 below); tril on j - i <= diag.
+        bound = ("upper", diag - 1) if _name(node) == "triu" else ("lower", diag + 1)
+        return FMask(Struct(True, v.shape[-2], v.shape[-1], **{bound[0]: (bound[1], ())}),
+                     x.fill)
+    if P._fn(node, operator.mul, torch.mul) or P._meth(node, "mul", "__mul__", "__rmul__"):
+        if not isinstance(x1, Node):
+            return _NOT_MINE
+        a, b = ev(x0), ev(x1)
+        if isinstance(a, FMask):
+            return _times(a, b, x1, node)
+        if isinstance(b, FMask):
+            return _times(b, a, x0, node)
+        return _NOT_MINE
+    if P._fn(node, operator.or_, torch.bitwise_or, torch.logical_or) or \
+            P._meth(node, "bitwise_or", "logical_or", "__or__", "__ror__"):
+        if dtype != torch.bool or not isinstance(x1, Node):
+            return None
+        return _either(ev(x0), ev(x1))
+    if P._fn(node, operator.add, torch.add) or P._meth(node, "add", "__add__", "__radd__"):
+        if dtype is None or not dtype.is_floating_point or not isinstance(x1, Node):
+            return _NOT_MINE
+        a, b = ev(x0), ev(x1)
+        if isinstance(b, FMask):
+            a, b = b, a
+        if (node.kwargs.get("alpha", 1) == 1 and isinstance(a, FMask)
+                and a.region is not None and a.region.key is None and isinstance(b, KeyVal)
+                and P.known_equal(P.val(b.key).shape[1], a.region.n_keys)):
+            return PadSum(a.region, a.fill, b.key)
+        return None
+    if P._fn(node, operator.eq, torch.eq) or P._meth(node, "eq", "__eq__"):
+        x = ev(x0) if isinstance(x0, Node) else None
+        if isinstance(x, PadSum):
+            return PadTest(x.region, x.fill, x.key) if _float_of(x1) == 0 else None
+        return _NOT_MINE
+    if P._fn(node, torch.masked_fill) or P._meth(node, "masked_fill"):
+        x, m = ev(node.args[0]), P.arg(node, 1, "mask")
+        if not isinstance(x, FMask):
+            return _NOT_MINE
+        t = ev(m) if isinstance(m, Node) else None
+        if not (isinstance(t, PadTest) and x.region is not None
+                and _same_struct(t.region, x.region)
+                and _float_of(P.arg(node, 2, "value")) == x.fill):
+            return None
+        # fill where the region is 0 and the key is 0: the region narrowed to nonzero keys
+        return FMask(dataclasses.replace(
+            x.region, key=t.key, key_nonzero=_dtype(t.key) != torch.bool), x.fill)
+    if P._meth(node, "reshape", "view"):
+        x = ev(x0)
+        if not isinstance(x, Index) or x.axis is not None:
+            return _NOT_MINE
+        shape = tuple(node.args[1]) if len(node.args) == 2 and isinstance(
+            node.args[1], (list, tuple)) else tuple(node.args[1:])
+        if shape == (-1, 1):  # a column: along the queries
+            return Index(-2, x.const, x.terms, x.length)
+        if shape == (1, -1):
+            return Index(-1, x.const, x.terms, x.length)
+        return None
+    if node.op == "call_method" and node.target in _PASS_METHODS:
+        x = ev(node.args[0])
+        src = _dtype(node.args[0])
+        if isinstance(x, FMask):
+            if dtype == src:
+                return x
+            if not (dtype is not None and dtype.is_floating_point):
+                return None
+            fill = torch.tensor(x.fill, dtype=src).to(dtype).item()
+            return dataclasses.replace(x, fill=fill) if math.isfinite(fill) else None
+        if isinstance(x, KeyVal):
+            # nonzero stays nonzero: same dtype, or integers/bools to floats
+            ok = dtype == src or (dtype is not None and dtype.is_floating_point
+                                  and src is not None and not src.is_floating_point)
+            return x if ok else None
+        if isinstance(x, (PadSum, PadTest)):
+            return None
+        return _NOT_MINE
+    if P._fn(node, operator.getitem) or P._meth(node, "__getitem__"):
+        src = node.args[0]
+        idx = node.args[1] if len(node.args) > 1 else None
+        x = ev(src)
+        if isinstance(x, FMask):
+            return _cut_fmask(x, src, node, idx)
+        sv = P.val(src)
+        full = slice(None, None, None)
+        if (idx == (full, None, None, full) and isinstance(sv, torch.Tensor) and sv.dim() == 2
+                and sv.dtype != torch.bool and not sv.is_complex()
+                and not _mutated(_root(src))):  # the op reads the key mask when it runs
+            return KeyVal(src)
+        return _NOT_MINE
+    return _NOT_MINE
+
+
+def _cut_fmask(x: FMask, src: Node, node: Node, idx: Any) -> Optional[FMask]:
+    """``x[idx]``: leading ``None``s and top-left cuts keep ``j - i``. The region must have
+    been proved over the source's own last two dims (a broadcast row relabelled as a square
+    would claim rows it does not hold); with a key mask, no batch or key cut."""
+    v = P.val(node)
+    if not (_keeps_last_two(idx) and isinstance(v, torch.Tensor) and v.dim() >= 2):
+        return None
+    if x.region is None:
+        return x
+    r = x.region
+    if r.n_queries is None or not spans(src, r.n_queries, r.n_keys):
+        return None
+    if r.key is not None and not (
+            _plain_index(idx, P.val(src).dim()) and P.known_equal(v.shape[-1], r.n_keys)):
+        return None
+    return dataclasses.replace(
+        x, region=dataclasses.replace(r, n_queries=v.shape[-2], n_keys=v.shape[-1]))
 
 
 def _causal_buffer(node: Node) -> Optional[Struct]:
@@ -592,6 +1001,11 @@ def additive_structure(mask: Any, scale: float = 1.0,
     if dtype is None or not dtype.is_floating_point:
         return None
     scores_dtype = scores_dtype or dtype
+    v = mask_value(mask)  # transformers <= 4.52: full(min), triu, *= bool, padding fill
+    if isinstance(v, FMask):
+        if v.region is None or not _masks(v.fill, scale, scores_dtype):
+            return None
+        return dataclasses.replace(v.region, fill=v.fill)
     node = mask
     while node.op == "call_method" and node.target in ("to", "float", "half", "bfloat16",
                                                        "type_as", "contiguous", "expand"):
@@ -606,16 +1020,20 @@ def additive_structure(mask: Any, scale: float = 1.0,
         if not _same_last_two(cond, node):
             return None
         if _is_zero(a) and _masks(b, scale, scores_dtype):
-            return bool_structure(cond, True)
+            return _with_fill(bool_structure(cond, True), b)
         if _is_zero(b) and _masks(a, scale, scores_dtype):
-            return bool_structure(cond, False)
+            return _with_fill(bool_structure(cond, False), a)
         return None
     if P._fn(node, torch.masked_fill) or P._meth(node, "masked_fill"):
         base, m, fill = node.args[0], P.arg(node, 1, "mask"), P.arg(node, 2, "value")
         if (_is_zero(base) and _same_last_two(base, node) and _same_last_two(m, node)
                 and _masks(fill, scale, scores_dtype)):
-            return bool_structure(m, False)
+            return _with_fill(bool_structure(m, False), fill)
     return None
+
+
+def _with_fill(s: Optional[Struct], fill: Any) -> Optional[Struct]:
+    return None if s is None else dataclasses.replace(s, fill=_float_of(fill))
 
 
 def canonical_bool(node: Any) -> Optional[Node]:

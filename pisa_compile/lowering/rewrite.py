@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 import operator
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -22,7 +23,7 @@ from torch.fx import GraphModule, Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..config import PisaConfig
-from ..ops import check_causal_buffer, pisa_attention
+from ..ops import check_causal_buffer, eager_empty_rows, pisa_attention
 from . import masks as M
 from . import patterns as P
 from .mha import (ENCODER_LAYER_TARGET, MHA_SIGNATURE, MHA_TARGET,
@@ -66,7 +67,9 @@ class _Plan:
     causal_offset: Any = None        # (const, terms) offset of the causal diagonal (masks.Struct)
     key_mask: Optional[Node] = None  # [B, Nk] bool key mask proved from the graph
     key_cut: bool = False            # pass key_mask[:, :Nk] (masks.Struct.key_cut)
+    key_nonzero: bool = False        # pass key_mask != 0 (masks.Struct.key_nonzero)
     window: Optional[int] = None     # causal sliding window: keys per query
+    eager_empty: bool = False        # rows that see no key as eager's finfo.min mask gives
     checked: tuple = ()              # buffers the structure was read from (checked per call)
     scale: Any = None                # None: SDPA's default 1/sqrt(D); else list of factors
     enable_gqa: bool = False
@@ -120,6 +123,8 @@ def _structure(masks: list, n_queries, n_keys) -> Optional[M.Struct]:
             return None
     if out == M.ONES:  # every entry attends (transformers' bidirectional q_idx >= 0)
         out = M.Struct(True, None, n_keys)
+    if len(masks) > 1 and isinstance(out, M.Struct):
+        out = dataclasses.replace(out, fill=None)  # empty rows: left as the op gives them
     return out if masks else None
 
 
@@ -179,7 +184,10 @@ def _take_structure(graph, plan: _Plan, s: M.Struct, qv: Any, kv: Any, site: Sit
     plan.mask, plan.masks = None, []
     plan.is_causal = s.upper is not None
     plan.causal_offset = s.upper if s.upper is not None and s.upper != (0, ()) else None
-    plan.key_mask, plan.key_cut = s.key, s.key_cut
+    plan.key_mask, plan.key_cut, plan.key_nonzero = s.key, s.key_cut, s.key_nonzero
+    # A finite fill (finfo.min) gives rows that see no key eager's uniform average; only a
+    # key mask leaves a row with none (a causal row sees key 0).
+    plan.eager_empty = s.key is not None and s.fill is not None and math.isfinite(s.fill)
     plan.window = window
     plan.checked = s.checked
     found = []
@@ -725,6 +733,8 @@ def _apply(gm: GraphModule, plan: _Plan, config: PisaConfig) -> Node:
         km = plan.key_mask
         if plan.key_cut:  # key[:, :Nk]: raises where the dense gather would
             km = emit("call_method", "narrow", (km, 1, 0, emit("call_method", "size", (k, 2))))
+        if plan.key_nonzero:  # an int attention_mask read as (mask != 0)
+            km = emit("call_method", "ne", (km, 0))
         structure["key_mask"] = km
     if plan.causal_offset is not None:
         structure["causal_offset"] = _emit_offset(emit, gm.graph, plan.causal_offset)
@@ -733,6 +743,11 @@ def _apply(gm: GraphModule, plan: _Plan, config: PisaConfig) -> Node:
     out = emit("call_function", pisa_attention, (q, k, v),
                dict(attn_mask=mask, dropout_p=0.0, is_causal=plan.is_causal, scale=scale,
                     enable_gqa=plan.enable_gqa, config=config, **structure))
+    if plan.eager_empty:
+        out = emit("call_function", eager_empty_rows, (out, q, k, v, structure["key_mask"]),
+                   dict(is_causal=plan.is_causal, scale=scale,
+                        causal_offset=structure.get("causal_offset", 0),
+                        window=structure.get("window")))
     if plan.rank3:
         out = emit("call_method", "squeeze", (out, 0))
     out = perm(out, plan.out_perm)

@@ -546,10 +546,12 @@ def eager_empty_rows(out: Tensor, q: Tensor, k: Tensor, v: Tensor, key_mask: Ten
         scale: the softmax scale; None for ``1 / sqrt(D)``.
 
     Returns:
-        A tensor like ``out``. Exact in float32 and bfloat16; in float16 (``finfo.min`` =
-        -65504) eager's row is only near uniform. The gradients are those of the explicit
-        ops (transformers' eager attention, SDPA's math backend); SDPA's fused kernels give
-        such rows ``Nk`` times larger ones (their saved logsumexp loses the ``log Nk``).
+        A tensor like ``out``: eager's value in float32, and in bfloat16 up to eager's
+        rounding of ``1 / Nk``. Not float16: there ``finfo.min + s`` keeps ``s / 32``, so
+        eager's row follows its largest scores (or is NaN), and the pass leaves such rows to
+        the op. The gradients are those of the explicit ops (transformers' eager attention,
+        SDPA's math backend); SDPA's fused kernels give such rows ``Nk`` times larger ones
+        (their saved logsumexp loses the ``log Nk``).
     """
     B, Hq, Nq, _ = out.shape
     Hkv, Nk = k.shape[1], k.shape[2]
@@ -557,20 +559,21 @@ def eager_empty_rows(out: Tensor, q: Tensor, k: Tensor, v: Tensor, key_mask: Ten
     if is_causal:
         pos = torch.arange(Nq, device=out.device) + causal_offset  # each row's last key
         hi = (pos + 1).clamp(max=Nk)
-        lo = (pos + 1 - window).clamp(min=0, max=Nk) if window is not None else hi * 0
+        lo = ((pos + 1 - window).clamp(min=0, max=Nk) if window is not None
+              else torch.zeros_like(hi))
         count = seen[:, hi] - seen[:, lo]  # [B, Nq]
     else:
         count = seen[:, -1:].expand(B, Nq)
     empty = (count == 0)[:, None, :, None]
-    vf = v.float()
-    mean = vf.mean(2, keepdim=True)
+    acc = torch.promote_types(v.dtype, torch.float32)
+    mean = v.mean(2, keepdim=True, dtype=acc)  # [B, Hkv, 1, Dv]
     group = Hq // Hkv
-    row = mean.repeat_interleave(group, 1) if group > 1 else mean
-    if q.requires_grad or k.requires_grad or v.requires_grad:
+    row = mean.repeat_interleave(group, 1)
+    if q.requires_grad or k.requires_grad or v.requires_grad:  # training only
         # v only through the mean (p does not depend on it): detached here
-        c = k.float().transpose(-1, -2) @ (vf - mean).detach()  # [B, Hkv, D, Dv]
-        c = c.repeat_interleave(group, 1) if group > 1 else c
-        t = (q.float() @ c) * (q.shape[-1] ** -0.5 if scale is None else scale)
+        c = k.to(acc).transpose(-1, -2) @ (v.to(acc) - mean).detach()  # [B, Hkv, D, Dv]
+        t = (q.to(acc) @ c.repeat_interleave(group, 1)) * (
+            q.shape[-1] ** -0.5 if scale is None else scale)
         row = row + (t - t.detach()) / Nk
     return torch.where(empty, row.to(out.dtype), out)
 

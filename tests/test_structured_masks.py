@@ -437,3 +437,51 @@ def test_in_place_and_broadcast_lookalikes_keep_their_mask(fn):
     got = torch.compile(fn, backend="pisa", options=OPTS_EXACT_NO_TAIL)(*args)
     want = fn(*args)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("causal,off,window,G,Nq", [
+    (True, 0, None, 1, 20), (True, 0, None, 7, 20), (True, 17, None, 2, 3),
+    (True, 19, None, 1, 1), (True, 0, 4, 2, 20), (False, 0, None, 3, 12)])
+def test_eager_empty_rows_equals_eager_finfo_min_attention(causal, off, window, G, Nq):
+    """``ops.eager_empty_rows`` over the op's output gives every row, and the gradients of
+    q, k and v, as eager attention under the same structure as a ``finfo.min`` float mask:
+    rows that see no key (left padding, an all-padding batch row) are the mean of v."""
+    from pisa_compile.ops import eager_empty_rows
+    g = torch.Generator().manual_seed(3)
+    B, Hkv, Nk, D = 3, 2, 20, 8
+    q = torch.randn(B, Hkv * G, Nq, D, generator=g, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(B, Hkv, Nk, D, generator=g, dtype=torch.float64, requires_grad=True)
+            for _ in range(2))
+    km = torch.arange(Nk)[None] >= torch.tensor([0, 6, Nk])[:, None]  # last row: all padding
+    vis = dense_mask(B, Nq, Nk, causal, off, km, window=window)  # [B, 1, Nq, Nk]
+    mask = torch.zeros(vis.shape, dtype=torch.float64).masked_fill(
+        ~vis, torch.finfo(torch.float64).min)
+    kk, vv = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
+    want = ((q @ kk.transpose(-1, -2)) * D ** -0.5 + mask).softmax(-1) @ vv
+    got = eager_empty_rows(dense_attention(q, k, v, attn_mask=vis), q, k, v, km,
+                           is_causal=causal, causal_offset=off, window=window)
+    assert (~vis.any(-1)).any()  # some rows see no key
+    torch.testing.assert_close(got, want)
+    gout = torch.randn_like(want)
+    for a, b in zip(torch.autograd.grad(got, [q, k, v], gout),
+                    torch.autograd.grad(want, [q, k, v], gout)):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_float16_empty_rows_are_left_to_the_op():
+    """In float16 ``finfo.min + s`` keeps ``s / 32``, so eager's rows that see no key are not
+    the mean of v: the pass adds no correction there and the op's zeros stand."""
+    torch.manual_seed(0)
+    model = _LegacySdpa().half().eval()
+    x = torch.randn(2, 40, 32).half()
+    am = (torch.arange(40)[None] >= torch.tensor([0, 7])[:, None]).long()
+    report = pisa_compile.explain(model, x, am, options=OPTS_EXACT_NO_TAIL)
+    assert [s.mask[-len("->is_causal+padding"):] for s in report.sites] == [
+        "->is_causal+padding"], str(report)
+    with torch.no_grad():
+        got = torch.compile(model, backend="pisa", options=OPTS_EXACT_NO_TAIL)(x, am)
+        want = model(x, am)
+    real = am.bool()[:, None, :, None].expand_as(got)
+    torch.testing.assert_close(got[real], want[real], atol=2e-3, rtol=2e-3)
+    assert torch.equal(got[~real], torch.zeros_like(got[~real]))

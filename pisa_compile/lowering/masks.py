@@ -49,6 +49,7 @@ from typing import Any, Optional
 
 import torch
 from torch.fx import Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..ops import holds_causal_mask
 from . import patterns as P
@@ -108,7 +109,7 @@ class Struct:
             c, t = self.lower
             return Struct(self.attend, self.n_queries, self.n_keys, upper=(c - 1, t),
                           checked=self.checked)
-        return dataclasses.replace(self, attend=not self.attend)
+        return dataclasses.replace(self, attend=not self.attend, fill=None)
 
 
 @dataclass(frozen=True)
@@ -209,9 +210,12 @@ def written_by(u: Node) -> list:
         return [a for a in (*u.args, *u.kwargs.values()) if isinstance(a, Node)]
     out = [u.kwargs["out"]] if isinstance(u.kwargs.get("out"), Node) else []
     first = u.args[0] if u.args else None
-    # torch._foreach_xxx_([a, b]) writes every tensor of its list
-    targets = [first] if isinstance(first, Node) else [
-        a for a in first if isinstance(a, Node)] if isinstance(first, (list, tuple)) else []
+    if isinstance(first, Node):
+        targets = [first]
+    elif isinstance(first, (list, tuple)):  # torch._foreach_xxx_([a, b]) writes each
+        targets = [a for a in first if isinstance(a, Node)]
+    else:
+        targets = []
     if not targets:
         return out
     name = _name(u)
@@ -569,7 +573,6 @@ def _versioned(root: Node, at: Any, memo: dict, depth: int) -> Any:
 def _covers(target: Node, index: Any) -> bool:
     """``target[index]`` is all of ``target``: full slices (``:n`` with ``n`` at least the
     dim) and ``...``, one per dim."""
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
     t = P.val(target)
     items = index if isinstance(index, tuple) else (index,)
     n_ell = sum(1 for e in items if e is Ellipsis)
@@ -706,6 +709,7 @@ def _evaluate(node: Node, ev) -> Any:
                 "to", "int", "long", "contiguous", "clone", "detach") else None
         return x
     return None
+
 
 _NOT_MINE = object()  # _float_mask_rules: the node is not one of its forms
 

@@ -106,7 +106,8 @@ def _structure(masks: list, n_queries, n_keys) -> Optional[M.Struct]:
     or None when one is not proved (:mod:`.masks` has the proof rules). ``masks``:
     ``(kind, mask, extra, dtype)`` as in ``_Plan.masks``. An additive fill is judged where it
     is added, before the positive scales that follow it, as the op judges it (see
-    ``_apply``)."""
+    ``_apply``). The fill of a float mask (:attr:`masks.Struct.fill`) is kept only for a
+    site with one mask (what eager gives rows that see no key)."""
     out: Any = M.ONES
     for kind, mask, extra, dtype in masks:
         if kind == "bool":
@@ -185,9 +186,11 @@ def _take_structure(graph, plan: _Plan, s: M.Struct, qv: Any, kv: Any, site: Sit
     plan.is_causal = s.upper is not None
     plan.causal_offset = s.upper if s.upper is not None and s.upper != (0, ()) else None
     plan.key_mask, plan.key_cut, plan.key_nonzero = s.key, s.key_cut, s.key_nonzero
-    # A finite fill (finfo.min) gives rows that see no key eager's uniform average; only a
-    # key mask leaves a row with none (a causal row sees key 0).
-    plan.eager_empty = s.key is not None and s.fill is not None and math.isfinite(s.fill)
+    # A finite fill (finfo.min) makes eager's rows that see no key the mean of v (not in
+    # float16, where finfo.min + s keeps s / 32). Structure leaves a row empty only through
+    # the key mask: a causal row sees key 0 and a window the diagonal.
+    plan.eager_empty = (s.key is not None and s.fill is not None and math.isfinite(s.fill)
+                        and getattr(qv, "dtype", None) != torch.float16)
     plan.window = window
     plan.checked = s.checked
     found = []

@@ -376,13 +376,13 @@ def pisa_attention(
         from .kernels.window import window_attention
         return window_attention(q, k, v, window=window, causal_offset=causal_offset,
                                 key_mask=key_mask, scale=float(scale), enable_gqa=enable_gqa)
+    # The tail has fewer than dense_tail + query_tile rows: a static bound for the GQA fold
+    # when Nq is symbolic.
+    tail_bound = config.dense_tail + config.query_tile
     if how.attention == dispatch.SDPA:
-        # A call the tail takes whole has fewer than dense_tail + query_tile queries: a
-        # static bound for the GQA fold when Nq is symbolic.
         whole_tail = how.reason == dispatch.IN_DENSE_TAIL
         return _dense(q, k, v, attn_mask, key_mask, is_causal, causal_offset, window, scale,
-                      enable_gqa, max_rows=config.dense_tail + config.query_tile
-                      if whole_tail else None)
+                      enable_gqa, max_rows=tail_bound if whole_tail else None)
     attn_mask, scale = _mask4(attn_mask), float(scale)
     if attn_mask is not None and attn_mask.dtype == torch.float64 and q.dtype != torch.float64:
         attn_mask = attn_mask.float()  # the backward's matmuls take one dtype
@@ -391,7 +391,7 @@ def pisa_attention(
         # The last rows (a prompt's question) attend densely; plan() left some sparse rows.
         head = q.shape[2] - _tail_rows(q.shape[2], is_causal, config)
         tail = _dense(q[:, :, head:], k, v, None, key_mask, True, causal_offset + head, None,
-                      scale, enable_gqa, max_rows=config.dense_tail + config.query_tile)
+                      scale, enable_gqa, max_rows=tail_bound)
         q = q[:, :, :head]
     # The selection has no gradient: detached inputs keep it out of autograd (and torch.func).
     block_indices, block_counts = _select_blocks_op(
@@ -433,8 +433,8 @@ def _flash_lower_right(q: Tensor, k: Tensor, v: Tensor, scale) -> Optional[Tenso
     through FlashAttention, GQA without expanding K/V and no mask: ``[B, Hq, Nq, D]`` from
     q ``[B, Hq, Nq, D]``, k, v ``[B, Hkv, Nk, D]``. ``None`` where SDPA would not pick
     flash: not CUDA, a GPU before sm80, flash disabled (read once per trace), not
-    fp16/bf16, a head dim over 128, a last dim that is not contiguous, a tensor scale. SDPA's ``is_causal`` is
-    top-left; the flash op's is bottom-right (what
+    fp16/bf16, a head dim over 128, a last dim that is not contiguous, a tensor scale.
+    SDPA's ``is_causal`` is top-left; the flash op's is bottom-right (what
     ``torch.nn.attention.bias.causal_lower_right`` calls, which Dynamo cannot trace)."""
     from .kernels.runtime import flash_sdp_enabled, triton_targets_gpu
     D, Dv = q.shape[-1], v.shape[-1]

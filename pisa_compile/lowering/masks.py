@@ -226,8 +226,6 @@ def written_by(u: Node) -> list:
         inplace = _inplace_flag(u) or isinstance(name, str) and (
             (name.endswith("_") and not name.startswith("__")) or name == "__setitem__"
             or (name.startswith("__i") and name.endswith("__")))
-    if inplace and not isinstance(first, Node) and name in ("setitem", "__setitem__"):
-        return out
     return [*targets, *out] if inplace else out
 
 
@@ -474,7 +472,7 @@ def mask_value(node: Any, depth: int = 32, _memo: Optional[dict] = None,
     elif not writes:
         out = _evaluate(node, ev)
     elif node is root or _is_inplace_alias(node):
-        out = _versioned(root, at, memo, depth)
+        out = _versioned(root, writes, at, memo, depth)
     else:
         # A view (or a cast that may copy) keeps the value it had when it ran only if
         # nothing writes its memory before its reader runs.
@@ -526,17 +524,15 @@ def _order(graph, memo: dict) -> dict:
     return memo["order"]
 
 
-def _versioned(root: Node, at: Any, memo: dict, depth: int) -> Any:
-    """The value of ``root`` (a tensor the graph creates, later written in place) as ``at``
-    reads it: its value when created, then each write before ``at`` in graph order. The
-    reader of a site's mask is its first user, and every write must come before it (a later
-    write would give the site's other users another value)."""
+def _versioned(root: Node, writes: list, at: Any, memo: dict, depth: int) -> Any:
+    """The value of ``root`` (a tensor the graph creates, written in place by ``writes``,
+    :func:`_family_writes`) as ``at`` reads it: its value when created, then each write
+    before ``at`` in graph order. The reader of a site's mask is its first user, and every
+    write must come before it (a later write would give the site's other users another
+    value)."""
     if root.op not in ("call_function", "call_method") or is_view(root) or _name(root) in (
             "setitem", "__setitem__"):
         return None  # inputs and views: memory the graph does not own
-    writes = _family_writes(root, memo)
-    if writes is None:
-        return None
     order = _order(root.graph, memo)
     if isinstance(at, _Top):
         first = min((order[u] for u in at.node.users), default=len(order))
@@ -985,8 +981,8 @@ def _is_zero(x: Any) -> bool:
 def _masks(fill: Any, scale: float, scores_dtype: torch.dtype) -> bool:
     """``fill`` added to scores of ``scores_dtype`` and then scaled by ``scale > 0`` gives
     softmax weight exactly 0: ``-inf``, or at most ``finfo(scores_dtype).min / 2``."""
-    c = _const(fill)
-    if isinstance(c, bool) or not isinstance(c, (int, float)):
+    c = _float_of(fill)
+    if c is None:
         return False
     if c == -math.inf:
         return True

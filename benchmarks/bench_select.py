@@ -8,9 +8,12 @@ in one process on the same inputs (GPU only).
     python -m benchmarks.bench_select --sizes 131072 --tune   # launch-option sweep
     python -m benchmarks.bench_select --sizes 32768 --tune-rescore   # exact rescoring's
     python -m benchmarks.bench_select --out profiles/select_gpu.json
+    python -m benchmarks.bench_select --preset quality --sizes 32768 --tune --tune-rescore
     python -m pytest benchmarks/bench_select.py --benchmark-enable
 
-Shape: B=1, Hq=32, Hkv=8, D=128, bf16, causal, block_size=64, top_k=16, query_tile=64.
+Shape: B=1, Hq=32, Hkv=8, D=128, bf16, causal; options: the ``"fast"`` preset (block_size=64,
+top_k=16, query_tile=64), or ``--preset`` (the sweeps then tune that preset's kernels, and
+each launch setting's registers and spills are recorded).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ SIZES = [8192, 16384, 32768, 65536, 131072, 262144]
 # --tune: launch options of the selection kernel (rows per chunk, warps, pipelining stages,
 # register cap). Default: 64 rows, 4 warps, Triton's stages, no cap (~255 registers).
 TUNE = {
+    "rolled": dict(unroll=False),  # the default before unrolling one-chunk tiles
     "rb64_w4": dict(row_block=64, num_warps=4),
     "rb64_w4_s1_r168": dict(row_block=64, num_warps=4, num_stages=1, maxnreg=168),
     "rb64_w4_s2": dict(row_block=64, num_warps=4, num_stages=2),
@@ -42,6 +46,12 @@ TUNE = {
     "rb64_w4_unroll": dict(row_block=64, num_warps=4, unroll=True),
     "rb64_w4_unroll_r168": dict(row_block=64, num_warps=4, unroll=True, maxnreg=168),
     "rb128_w8_unroll": dict(row_block=128, num_warps=8, unroll=True),
+    # 16-query tiles (the defaults): one 64-row chunk per tile.
+    "rb64_w8": dict(row_block=64, num_warps=8),
+    "rb64_w8_s1": dict(row_block=64, num_warps=8, num_stages=1),
+    "rb64_w8_unroll": dict(row_block=64, num_warps=8, unroll=True),
+    "rb32_w4_unroll": dict(row_block=32, num_warps=4, unroll=True),
+    "rb16_w4": dict(row_block=16, num_warps=4),
 }
 
 # --tune-rescore: launch options of the exact rescoring kernel, on a 32-leaf shortlist (the
@@ -56,10 +66,18 @@ TUNE_RESCORE = {
     "rb128_w8": dict(row_block=128, num_warps=8),
     "rb128_w8_s3": dict(row_block=128, num_warps=8, num_stages=3),
     "rb128_w4": dict(row_block=128, num_warps=4),
+    "rb64_w8": dict(row_block=64, num_warps=8),
+    "rb64_w4_s4": dict(row_block=64, num_warps=4, num_stages=4),
+    "rb32_w4": dict(row_block=32, num_warps=4),
+    "rb32_w4_s3": dict(row_block=32, num_warps=4, num_stages=3),
 }
 
 
-def make(N, B=1, Hq=32, Hkv=8, D=128, dtype=torch.bfloat16, seed=0):
+SHAPE = dict(Hq=32, Hkv=8, D=128)  # --shape rebinds it
+
+
+def make(N, B=1, Hq=None, Hkv=None, D=None, dtype=torch.bfloat16, seed=0):
+    Hq, Hkv, D = Hq or SHAPE["Hq"], Hkv or SHAPE["Hkv"], D or SHAPE["D"]
     g = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn(B, Hq, N, D, device="cuda", dtype=dtype, generator=g)
     k = torch.randn(B, Hkv, N, D, device="cuda", dtype=dtype, generator=g)
@@ -67,13 +85,15 @@ def make(N, B=1, Hq=32, Hkv=8, D=128, dtype=torch.bfloat16, seed=0):
     return q, k, v
 
 
-def pisa_select(q, k, config=CFG, **tuning):
+def pisa_select(q, k, config=None, **tuning):
+    config = config or CFG  # read at call time: --preset rebinds CFG
     return ts.select_blocks(q, k, True, q.shape[-1] ** -0.5, **config.selection_options(),
                             tuning=tuning)
 
 
-def flat_select(q, k, config=CFG, chunk=8192):
+def flat_select(q, k, config=None, chunk=8192):
     """Per-token flat scoring against mean-pooled leaf keys + topk (causal), in query chunks."""
+    config = config or CFG
     B, Hq, N, D = q.shape
     Hkv, C = k.shape[1], config.block_size
     L = -(-N // C)
@@ -91,10 +111,24 @@ def flat_select(q, k, config=CFG, chunk=8192):
     return torch.cat(out, 2)
 
 
-def attention_forward(q, k, v, idx, cnt, config=CFG):
+def attention_forward(q, k, v, idx, cnt, config=None):
+    config = config or CFG
     from pisa_compile.kernels import triton_attention as ta
     return ta.sparse_attention(q, k, v, None, True, q.shape[-1] ** -0.5, idx, cnt,
                                block_size=config.block_size, query_tile=config.query_tile)
+
+
+def compiled_info(kernel) -> dict:
+    """Registers, spills and shared memory of each variant of a Triton ``kernel`` compiled in
+    this process (Triton's per-device kernel caches), keyed by launch settings."""
+    info = {}
+    for cache in getattr(kernel, "device_caches", {}).values():
+        for ck in cache[0].values():
+            meta = ck.metadata
+            key = f"w{meta.num_warps}_s{meta.num_stages}_r{getattr(meta, 'maxnreg', None)}"
+            info.setdefault(key, []).append(dict(n_regs=ck.n_regs, n_spills=ck.n_spills,
+                                                 shared=meta.shared))
+    return info
 
 
 def _ms(fn):
@@ -102,11 +136,23 @@ def _ms(fn):
     return triton.testing.do_bench(fn, warmup=25, rep=100)
 
 
-def run(sizes, out_path=None, tune=False, tune_rescore=False):
+def run(sizes, out_path=None, tune=False, tune_rescore=False, preset=None, only=None,
+        shape=None, no_flat=False):
+    global CFG, RESCORE_CFG
+    if shape:
+        SHAPE.update(zip(("Hq", "Hkv", "D"), shape))
+    tunes = {k: v for k, v in TUNE.items() if not only or k in only}
+    tunes_rescore = {k: v for k, v in TUNE_RESCORE.items() if not only or k in only}
+    if preset is not None:
+        CFG = PisaConfig.preset(preset, min_seq_len=0)
+        if CFG.leaf_scoring == "exact":
+            RESCORE_CFG = CFG
     res = {"command": " ".join(sys.argv), "device": torch.cuda.get_device_name(),
-           "torch": torch.__version__, "shape": "B=1 Hq=32 Hkv=8 D=128 bf16 causal",
+           "torch": torch.__version__,
+           "shape": "B=1 Hq={Hq} Hkv={Hkv} D={D} bf16 causal".format(**SHAPE),
            "config": dict(block_size=CFG.block_size, top_k=CFG.top_k, query_tile=CFG.query_tile,
-                          branching=CFG.branching), "rows": []}
+                          branching=CFG.branching), "preset": preset or "fast",
+           "options": CFG.selection_options(), "rows": []}
     for N in sizes:
         q, k, v = make(N)
         row = {"N": N}
@@ -115,7 +161,7 @@ def run(sizes, out_path=None, tune=False, tune_rescore=False):
             row["pyramid_ms"] = _ms(lambda: tp.pyramid_buffers(
                 k, CFG.block_size, CFG.branching, CFG.effective_beam, live_limit=N))
             ref_idx = pisa_select(q, k)[0]
-            for name, kw in TUNE.items():
+            for name, kw in tunes.items():
                 try:
                     row[f"select_{name}_ms"] = _ms(lambda: pisa_select(q, k, **kw))
                     # Share of tiles whose selection differs from the default launch (row
@@ -126,7 +172,7 @@ def run(sizes, out_path=None, tune=False, tune_rescore=False):
                     row[f"select_{name}_ms"] = repr(e)[:80]
         if tune_rescore:
             ref_idx = pisa_select(q, k, RESCORE_CFG)[0]
-            for name, kw in TUNE_RESCORE.items():
+            for name, kw in tunes_rescore.items():
                 try:
                     row[f"rescore_{name}_ms"] = _ms(
                         lambda: pisa_select(q, k, RESCORE_CFG, rescore=kw))
@@ -135,7 +181,7 @@ def run(sizes, out_path=None, tune=False, tune_rescore=False):
                 except Exception as e:  # noqa: BLE001 (resource limits on some configs)
                     row[f"rescore_{name}_ms"] = repr(e)[:80]
         try:
-            row["flat_select_ms"] = _ms(lambda: flat_select(q, k))
+            row["flat_select_ms"] = None if no_flat else _ms(lambda: flat_select(q, k))
         except torch.OutOfMemoryError:
             row["flat_select_ms"] = None
         torch.cuda.empty_cache()
@@ -148,6 +194,9 @@ def run(sizes, out_path=None, tune=False, tune_rescore=False):
             row["attn_fwd_error"] = repr(e)[:200]
         if row.get("flat_select_ms"):
             row["speedup_vs_flat"] = row["flat_select_ms"] / row["pisa_select_ms"]
+        if tune or tune_rescore:
+            row["compiled"] = {"select": compiled_info(ts._select_kernel),
+                               "rescore": compiled_info(ts._rescore_kernel)}
         print(json.dumps(row), flush=True)
         res["rows"].append(row)
         del q, k, v
@@ -189,5 +238,10 @@ if __name__ == "__main__":
     ap.add_argument("--out", default=None)
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--tune-rescore", action="store_true")
+    ap.add_argument("--preset", default=None, help="a PisaConfig preset (default: fast)")
+    ap.add_argument("--only", nargs="*", help="run only these --tune/--tune-rescore settings")
+    ap.add_argument("--shape", type=int, nargs=3, metavar=("HQ", "HKV", "D"),
+                    help="heads and head dim (default 32 8 128)")
+    ap.add_argument("--no-flat", action="store_true", help="skip the flat baseline")
     a = ap.parse_args()
-    run(a.sizes, a.out, a.tune, a.tune_rescore)
+    run(a.sizes, a.out, a.tune, a.tune_rescore, a.preset, a.only, a.shape, a.no_flat)

@@ -444,8 +444,8 @@ def _flash_lower_right(q: Tensor, k: Tensor, v: Tensor, scale) -> Optional[Tenso
             or any(t.stride(-1) != 1 for t in (q, k, v))
             or not triton_targets_gpu(q.device.index or 0) or not flash_sdp_enabled()):
         return None
-    return torch.ops.aten._scaled_dot_product_flash_attention(
-        q, k, v, 0.0, True, False, scale=float(scale))[0]
+    return _contiguous_grad(torch.ops.aten._scaled_dot_product_flash_attention(
+        q, k, v, 0.0, True, False, scale=float(scale))[0])
 
 
 def _dense_sdpa(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal: bool,
@@ -478,13 +478,41 @@ def _dense_sdpa(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is
                 mask = attn_mask.expand(attn_mask.shape[0], 1, Nq, attn_mask.shape[3])
                 mask = mask.unsqueeze(2).expand(-1, -1, group, -1, -1)
                 mask = mask.reshape(mask.shape[0], 1, group * Nq, mask.shape[-1])
-            out = F.scaled_dot_product_attention(rows, k, v, attn_mask=mask, scale=scale)
+            out = _contiguous_grad(F.scaled_dot_product_attention(rows, k, v, attn_mask=mask,
+                                                                  scale=scale))
             return out.reshape(B, Hq, Nq, v.shape[-1])
         if enable_gqa and group > 1:
             k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
             enable_gqa = False
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
-                                          scale=scale, enable_gqa=enable_gqa)
+    return _contiguous_grad(F.scaled_dot_product_attention(
+        q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa))
+
+
+def _contiguous_grad(out: Tensor) -> Tensor:
+    """``out``, behind :class:`_ContiguousGrad` when it takes part in autograd."""
+    return _ContiguousGrad.apply(out) if out.requires_grad else out
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward hands on a contiguous gradient, so that SDPA's backward never
+    sees a strided slice. On the H200 (torch 2.11), compiled with Inductor, the dense tail's
+    masked SDPA gave every query head but the first a wrong dq (relative error 0.93, dk and
+    dv too) when its output's gradient was a slice of a larger one (the tail's rows of the
+    op's ``cat``); eager was right (``profiles/tail_grad_probe.json``)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x):
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
 
 
 def check_causal_buffer(q: Tensor, buffer: Tensor) -> Tensor:

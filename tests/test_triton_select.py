@@ -226,12 +226,13 @@ def test_unrolled_row_chunks_match(case):
     cfg = _fast(min_seq_len=0, kernel="triton", **{"query_tile": 4, **kw})
     q, k = _qk(B, Hkv, G, Nq, Nk, D, dtype)
     opts = cfg.selection_options()
-    a = ts.select_blocks(q, k, causal, D ** -0.5, **opts, tuning=dict(row_block=16))
+    rolled = dict(row_block=16, unroll=False)
+    a = ts.select_blocks(q, k, causal, D ** -0.5, **opts, tuning=rolled)
     b = ts.select_blocks(q, k, causal, D ** -0.5, **opts, tuning=dict(row_block=16, unroll=True))
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     if case is CASES[3]:  # and with box bounds (sub-blocks at the leaves)
         opts = {**opts, "bound_block": 2}
-        a = ts.select_blocks(q, k, causal, D ** -0.5, **opts, tuning=dict(row_block=16))
+        a = ts.select_blocks(q, k, causal, D ** -0.5, **opts, tuning=rolled)
         b = ts.select_blocks(q, k, causal, D ** -0.5, **opts,
                              tuning=dict(row_block=16, unroll=True))
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])

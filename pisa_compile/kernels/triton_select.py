@@ -674,9 +674,13 @@ def _rescore_kernel(
 # - num_stages, maxnreg: None = Triton's defaults. The default pipelines the per-chunk q loads
 #   (cp.async) at about 255 registers, 2 programs per SM; num_stages=1, maxnreg=168 trades the
 #   prefetch for a third program per SM;
-# - unroll: unroll the row-chunk loop (at most 16 chunks). Each level's summaries then go to
-#   shared memory once instead of once per chunk, at the price of no cp.async prefetch of q.
-SELECT_TUNING = dict(row_block=64, num_warps=None, num_stages=None, maxnreg=None, unroll=False)
+# - unroll: unroll the row-chunk loop of tiles with at most this many chunks (True: 16, False:
+#   never). Each level's summaries then go to shared memory once instead of once per chunk, at
+#   the price of no cp.async prefetch of q. 1: the defaults' 16-query tiles at G = 4 (one
+#   chunk) select in 14.0 ms instead of 16.2 at 32K and 67.5 instead of 78.9 at 128K (pyramid,
+#   boxes, walk and rescoring; standard shape); two chunks (G = 7, Qwen's heads) gained
+#   nothing (5.36 against 5.27 ms at 32K). profiles/select_tune.json.
+SELECT_TUNING = dict(row_block=64, num_warps=None, num_stages=None, maxnreg=None, unroll=1)
 
 # Launch settings of the exact rescoring kernel (``leaf_scoring="exact"``): rows per chunk
 # (capped so that the [rows, shortlist] fp32 scores fit in registers), keys per dot.
@@ -843,7 +847,7 @@ def select_blocks(q: Tensor, k: Tensor, is_causal: bool, scale: float, *, block_
         EXACT=exact, SHORT=short,
         HAS_KEY_MASK=key_mask is not None, LOWP=q.dtype != torch.float32,
         TRACE=trace is not None,
-        UNROLL=bool(tune["unroll"]) and cdiv(R, RB) <= 16,
+        UNROLL=cdiv(R, RB) <= min(16, 16 if tune["unroll"] is True else int(tune["unroll"])),
         BOUND=bool(bound_block), NS=block_size // bound_block if bound_block else 1,
         num_warps=tune["num_warps"] or (8 if RB * P >= 8192 else 4),
         **launch)

@@ -12,8 +12,8 @@ in one process on the same inputs (GPU only).
     python -m pytest benchmarks/bench_select.py --benchmark-enable
 
 Shape: B=1, Hq=32, Hkv=8, D=128, bf16, causal; options: the ``"fast"`` preset (block_size=64,
-top_k=16, query_tile=64), or ``--preset`` (the sweeps then tune that preset's kernels, and
-each launch setting's registers and spills are recorded).
+top_k=16, query_tile=64), or ``--preset`` (the sweeps then tune that preset's kernels; the
+kernels' registers and spills are recorded by warps, stages and register cap).
 """
 
 from __future__ import annotations
@@ -120,7 +120,8 @@ def attention_forward(q, k, v, idx, cnt, config=None):
 
 def compiled_info(kernel) -> dict:
     """Registers, spills and shared memory of each variant of a Triton ``kernel`` compiled in
-    this process (Triton's per-device kernel caches), keyed by launch settings."""
+    this process (Triton's per-device kernel caches), keyed by warps, stages and register
+    cap: variants that differ only in constexprs (row block, unrolling) share a key."""
     info = {}
     for cache in getattr(kernel, "device_caches", {}).values():
         for ck in cache[0].values():

@@ -1,6 +1,5 @@
 """Which part of the dense tail's masked GQA fold loses gradients under torch.compile on the
-GPU (experiments/tail_grad_probe.py: compiled dq wrong for every query head but the first of
-each KV group). Each variant runs eager and compiled (Inductor) on the same inputs; printed:
+GPU (experiments/tail_grad_probe.py: compiled dq wrong for every query head but head 0). Each variant runs eager and compiled (Inductor) on the same inputs; printed:
 relative error of the compiled dq/dk/dv against the variant's own eager gradients.
 
     PYTHONPATH=. python -m experiments.fold_grad_probe

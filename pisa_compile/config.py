@@ -72,9 +72,9 @@ class PisaConfig:
             bounds. A mean dilutes a one-line needle 64-fold; a bound keeps it (DESIGN.md
             "Bound scores"). Default 16.
         min_seq_len: below this many keys the op is plain SDPA (>= 0). Default 32768: from
-            there the default selection pays in training (forward+backward 2.0x faster than
+            there the default selection pays in training (forward+backward 2.2x faster than
             dense at 32K on the standard shape, H200, with the dense tail); its forward pays
-            from about 48K (0.8x dense's speed at 32K, 1.4x at 64K).
+            from about 36K (0.9x dense's speed at 32K, 1.6x at 64K).
         dense_tail: the last ``dense_tail`` queries of an ``is_causal`` call without a
             window attend every visible key (dense SDPA; rounded up so that the sparse rows
             end on a query tile, fewer than ``dense_tail + query_tile``), and a call of at

@@ -392,6 +392,8 @@ def pisa_attention(
         head = q.shape[2] - _tail_rows(q.shape[2], is_causal, config)
         tail = _dense(q[:, :, head:], k, v, None, key_mask, True, causal_offset + head, None,
                       scale, enable_gqa, max_rows=tail_bound)
+        if tail.requires_grad:
+            tail = _ContiguousGrad.apply(tail)
         q = q[:, :, :head]
     # The selection has no gradient: detached inputs keep it out of autograd (and torch.func).
     block_indices, block_counts = _select_blocks_op(
@@ -444,8 +446,8 @@ def _flash_lower_right(q: Tensor, k: Tensor, v: Tensor, scale) -> Optional[Tenso
             or any(t.stride(-1) != 1 for t in (q, k, v))
             or not triton_targets_gpu(q.device.index or 0) or not flash_sdp_enabled()):
         return None
-    return _contiguous_grad(torch.ops.aten._scaled_dot_product_flash_attention(
-        q, k, v, 0.0, True, False, scale=float(scale))[0])
+    return torch.ops.aten._scaled_dot_product_flash_attention(
+        q, k, v, 0.0, True, False, scale=float(scale))[0]
 
 
 def _dense_sdpa(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal: bool,
@@ -478,27 +480,21 @@ def _dense_sdpa(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is
                 mask = attn_mask.expand(attn_mask.shape[0], 1, Nq, attn_mask.shape[3])
                 mask = mask.unsqueeze(2).expand(-1, -1, group, -1, -1)
                 mask = mask.reshape(mask.shape[0], 1, group * Nq, mask.shape[-1])
-            out = _contiguous_grad(F.scaled_dot_product_attention(rows, k, v, attn_mask=mask,
-                                                                  scale=scale))
+            out = F.scaled_dot_product_attention(rows, k, v, attn_mask=mask, scale=scale)
             return out.reshape(B, Hq, Nq, v.shape[-1])
         if enable_gqa and group > 1:
             k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
             enable_gqa = False
-    return _contiguous_grad(F.scaled_dot_product_attention(
-        q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa))
-
-
-def _contiguous_grad(out: Tensor) -> Tensor:
-    """``out``, behind :class:`_ContiguousGrad` when it takes part in autograd."""
-    return _ContiguousGrad.apply(out) if out.requires_grad else out
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
+                                          scale=scale, enable_gqa=enable_gqa)
 
 
 class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward hands on a contiguous gradient, so that SDPA's backward never
-    sees a strided slice. On the H200 (torch 2.11), compiled with Inductor, the dense tail's
-    masked SDPA gave every query head but the first a wrong dq (relative error 0.93, dk and
-    dv too) when its output's gradient was a slice of a larger one (the tail's rows of the
-    op's ``cat``); eager was right (``profiles/tail_grad_probe.json``)."""
+    """Identity whose backward hands on a contiguous gradient: the dense tail's output goes
+    through it before the op's ``cat``, so its gradient is not a slice of the ``cat``'s.
+    On the H200 (torch 2.11), compiled with Inductor, masked SDPA with repeated K/V gave
+    0.93 relative error in dq, dk and dv from such a slice (eager and this identity: right;
+    ``profiles/tail_grad_probe.json``)."""
 
     generate_vmap_rule = True
 
@@ -513,6 +509,8 @@ class _ContiguousGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad.contiguous()
+    # No jvp: Dynamo refuses Functions that define one. Forward AD stops at the sparse rows'
+    # op before it (``_Attention`` has none either).
 
 
 def check_causal_buffer(q: Tensor, buffer: Tensor) -> Tensor:

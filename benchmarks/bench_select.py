@@ -52,6 +52,10 @@ TUNE = {
     "rb64_w8_unroll": dict(row_block=64, num_warps=8, unroll=True),
     "rb32_w4_unroll": dict(row_block=32, num_warps=4, unroll=True),
     "rb16_w4": dict(row_block=16, num_warps=4),
+    # each child's summaries loaded right before its dots: 64 KiB of shared memory instead of
+    # 144 (benchmarks/kernel_resources.py), two 4-warp programs per SM
+    "rb64_w4_late": dict(row_block=64, num_warps=4, late_loads=True),
+    "rb64_w8_late": dict(row_block=64, num_warps=8, late_loads=True),
 }
 
 # --tune-rescore: launch options of the exact rescoring kernel, on a 32-leaf shortlist (the

@@ -8,7 +8,6 @@ purpose: decorating it with ``register_backend`` as well makes torch >= 2.5 fail
 
 from __future__ import annotations
 
-import copy
 import functools
 import hashlib
 import logging
@@ -42,18 +41,6 @@ def _source_fingerprint() -> str:
             pass
     from ._version import __version__
     return f"{__version__}+{h.hexdigest()[:16]}"
-
-
-def _copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
-    """A copy of ``graph``: new nodes, shallow-copied meta, and the extra attributes Dynamo
-    hangs on nodes (``_dynamo_source`` on placeholders, which AOTAutograd reads)."""
-    new = copy.deepcopy(graph)
-    for old_node, new_node in zip(graph.nodes, new.nodes):
-        extra = getattr(old_node, "__dict__", {})
-        for name, value in extra.items():
-            if name not in new_node.__dict__:
-                setattr(new_node, name, value)
-    return new
 
 
 def _warn_pass_failure(err: BaseException) -> None:
@@ -95,19 +82,23 @@ def pisa_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
                         "it takes options= and mode=")
     from torch._inductor.compile_fx import compile_fx
     from .lowering import rewrite_graph, record
+    from .lowering.rewrite import copy_graph
 
     config, patches = split_options(options, mode)
-    original = gm.graph
+    original, children = gm.graph, dict(gm.named_children())
     try:
         # Rewrite a copy (nodes and per-node meta copied), so a failure midway leaves the
-        # original graph intact to fall back on.
-        gm.graph = _copy_graph(original)
+        # original graph intact to fall back on (checkpoint bodies are replaced by rewritten
+        # copies, restored below too).
+        gm.graph = copy_graph(original)
         # Under the Inductor options the graph will compile with: whether device-side
         # asserts survive decides if a buffer mask may be checked per call (lowering).
         with torch._inductor.config.patch(patches):
             sites = rewrite_graph(gm, config)
     except Exception as err:  # never fail a user's model because of the pass
         gm.graph = original
+        for name, child in children.items():
+            setattr(gm, name, child)
         gm.recompile()
         _warn_pass_failure(err)
         sites = []

@@ -238,6 +238,26 @@ def test_unrolled_row_chunks_match(case):
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
+@pytest.mark.parametrize("case", [CASES[2], CASES[3], CASES[9]],
+                         ids=["g3_G6", "fp16_partial_tile", "tile16"])
+@pytest.mark.parametrize("bound", [False, True], ids=["pooled", "bounds"])
+def test_late_loads_match(case, bound):
+    """``late_loads`` (a tuning option: each child's summaries loaded right before its dots)
+    scores the same children in the same order: the selection is identical, with pooled
+    summaries and with box bounds (also where a box holds a NaN or inf key)."""
+    B, Hkv, G, Nq, Nk, D, dtype, causal, kw = case
+    cfg = _fast(min_seq_len=0, kernel="triton", **{"query_tile": 4, **kw})
+    q, k = _qk(B, Hkv, G, Nq, Nk, D, dtype)
+    opts = cfg.selection_options()
+    if bound:
+        opts = {**opts, "bound_block": 2}
+        k[0, 0, Nk // 2, 1] = float("nan")
+        k[-1, -1, Nk // 3, 0] = float("inf")
+    a = ts.select_blocks(q, k, causal, D ** -0.5, **opts, tuning=dict(late_loads=False))
+    b = ts.select_blocks(q, k, causal, D ** -0.5, **opts, tuning=dict(late_loads=True))
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
 @pytest.mark.parametrize("Nq", [1, 3, 16])
 @pytest.mark.parametrize("G", [1, 4])
 def test_decode(Nq, G):

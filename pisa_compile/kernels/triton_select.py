@@ -279,26 +279,32 @@ def _row_share(e, row_ok):
 def _internal_chunk(qbase, qoff0, c, rr, n_rows, q_first, sqh, sqn, sqd, d, mu0, b0, mu1, b1,
                     lo0, lo1, mu_ptr, lcnt_ptr, lo_ptr, cbase, kid, cand, n_child, qk_scale,
                     D: tl.constexpr, BD: tl.constexpr, G: tl.constexpr, RB: tl.constexpr,
-                    GB: tl.constexpr, LOWP: tl.constexpr, BOUND: tl.constexpr):
+                    GB: tl.constexpr, LOWP: tl.constexpr, BOUND: tl.constexpr,
+                    LATE: tl.constexpr):
     """One row chunk of an internal level: its rows' normalised shares ``[RB, P]``. With
-    ``BOUND``, ``mu*`` are the children's box maxima and ``lo*`` their minima."""
+    ``BOUND``, ``mu*`` are the children's box maxima and ``lo*`` their minima; with ``LATE``
+    they are unused and every child is loaded here (``scored`` as ``cand``)."""
     qv, row_ok = _q_rows(qbase, qoff0, c, rr, n_rows, q_first, sqh, sqn, sqd, d, D, BD, G, RB)
-    if BOUND:
-        m, e = _online(_bound2(qv, mu0, lo0, b0, qk_scale, LOWP), 0.0, 0.0, True)
-        m, e = _online(_bound2(qv, mu1, lo1, b1, qk_scale, LOWP), m, e, False)
-    else:
-        m, e = _online(_scores2(qv, mu0, b0, qk_scale, LOWP), 0.0, 0.0, True)
-        m, e = _online(_scores2(qv, mu1, b1, qk_scale, LOWP), m, e, False)
-    # branching > 2 only: these loads are loop-invariant too (hoisted by the compiler's LICM
-    # in the rolled loop); children 0 and 1 are hoisted by hand, the default branching being 2.
-    for j in tl.static_range(2, GB):
+    if not LATE:
+        if BOUND:
+            m, e = _online(_bound2(qv, mu0, lo0, b0, qk_scale, LOWP), 0.0, 0.0, True)
+            m, e = _online(_bound2(qv, mu1, lo1, b1, qk_scale, LOWP), m, e, False)
+        else:
+            m, e = _online(_scores2(qv, mu0, b0, qk_scale, LOWP), 0.0, 0.0, True)
+            m, e = _online(_scores2(qv, mu1, b1, qk_scale, LOWP), m, e, False)
+    # Children loaded here (every child with LATE, else those past the default branching of
+    # 2, whose loads are loop-invariant: the compiler's LICM hoists them in the rolled loop).
+    for j in tl.static_range(0 if LATE else 2, GB):
         okj = cand & (kid + j < n_child)
         muj, bj, _ = _load_summaries(mu_ptr, lcnt_ptr, cbase + j, okj, d, D, BD)
         if BOUND:
-            loj = _load_lo(lo_ptr, cbase + j, okj, d, D, BD)
-            m, e = _online(_bound2(qv, muj, loj, bj, qk_scale, LOWP), m, e, False)
+            sj = _bound2(qv, muj, _load_lo(lo_ptr, cbase + j, okj, d, D, BD), bj, qk_scale, LOWP)
         else:
-            m, e = _online(_scores2(qv, muj, bj, qk_scale, LOWP), m, e, False)
+            sj = _scores2(qv, muj, bj, qk_scale, LOWP)
+        if LATE and j == 0:
+            m, e = _online(sj, 0.0, 0.0, True)
+        else:
+            m, e = _online(sj, m, e, False)
     return _row_share(e, row_ok)
 
 
@@ -389,7 +395,7 @@ def _internal_level(pool, span, lev, L, mbase, mu_ptr, lcnt_ptr, lo_ptr, scr, tr
                     D: tl.constexpr, BD: tl.constexpr, G: tl.constexpr, TQ: tl.constexpr,
                     RB: tl.constexpr, GB: tl.constexpr, BEAM: tl.constexpr, P: tl.constexpr,
                     TW: tl.constexpr, LOWP: tl.constexpr, TRACE: tl.constexpr,
-                    UNROLL: tl.constexpr, BOUND: tl.constexpr):
+                    UNROLL: tl.constexpr, BOUND: tl.constexpr, LATE: tl.constexpr):
     """One internal level: score the pool's candidates, keep the best ``BEAM``, and return
     the next pool (the children of kept and expanded nodes); like the fused-attention
     tutorial's ``_attn_fwd_inner``, the loop body of the kernel.
@@ -413,39 +419,53 @@ def _internal_level(pool, span, lev, L, mbase, mu_ptr, lcnt_ptr, lo_ptr, scr, tr
     # before its softmax over the pool, so they change nothing).
     kid = pool * GB
     cbase = mbase + _level_offset(L, GB, lev - 1) + kid
-    mu0, b0, bad = _load_summaries(mu_ptr, lcnt_ptr, cbase, cand & (kid < n_child), d, D, BD)
-    mu1, b1, bad1 = _load_summaries(mu_ptr, lcnt_ptr, cbase + 1, cand & (kid + 1 < n_child), d,
-                                    D, BD)
-    bad = bad | bad1
-    if BOUND:
-        lo0 = _load_lo(lo_ptr, cbase, cand & (kid < n_child), d, D, BD)
-        lo1 = _load_lo(lo_ptr, cbase + 1, cand & (kid + 1 < n_child), d, D, BD)
-        # A node with a non-finite box is out of every row's softmax (reference.tile_scores),
-        # its finite children too.
-        b0 = tl.where(bad, float("-inf"), b0)
-        b1 = tl.where(bad, float("-inf"), b1)
-        scored = cand & ~bad
+    if LATE:
+        # Only the flags here: the chunks load each child's summaries right before its dots,
+        # so a level holds one child's tiles at a time (less shared memory per program).
+        bad = tl.zeros([P], dtype=tl.int1)
+        for j in tl.static_range(0, GB):
+            bad = bad | (tl.load(lcnt_ptr + cbase + j, mask=cand & (kid + j < n_child),
+                                 other=0.0) == float("inf"))
+        mu0 = tl.zeros([P, BD], dtype=mu_ptr.dtype.element_ty)  # unused
+        b0 = tl.zeros([P], dtype=tl.float32)
+        mu1, b1, lo0, lo1 = mu0, b0, mu0, mu0
+        # Children of a node with a non-finite box score nothing (as b = -inf below).
+        scored = cand & ~bad if BOUND else cand
     else:
-        lo0 = mu0  # unused
-        lo1 = mu1
-        scored = cand
-    for j in tl.static_range(2, GB):  # branching > 2: the other children's flags
-        _, _, badj = _load_summaries(mu_ptr, lcnt_ptr, cbase + j, cand & (kid + j < n_child), d,
-                                     D, BD)
-        bad = bad | badj
+        mu0, b0, bad = _load_summaries(mu_ptr, lcnt_ptr, cbase, cand & (kid < n_child), d, D,
+                                       BD)
+        mu1, b1, bad1 = _load_summaries(mu_ptr, lcnt_ptr, cbase + 1,
+                                        cand & (kid + 1 < n_child), d, D, BD)
+        bad = bad | bad1
+        if BOUND:
+            lo0 = _load_lo(lo_ptr, cbase, cand & (kid < n_child), d, D, BD)
+            lo1 = _load_lo(lo_ptr, cbase + 1, cand & (kid + 1 < n_child), d, D, BD)
+            # A node with a non-finite box is out of every row's softmax
+            # (reference.tile_scores), its finite children too.
+            b0 = tl.where(bad, float("-inf"), b0)
+            b1 = tl.where(bad, float("-inf"), b1)
+            scored = cand & ~bad
+        else:
+            lo0 = mu0  # unused
+            lo1 = mu1
+            scored = cand
+        for j in tl.static_range(2, GB):  # branching > 2: the other children's flags
+            _, _, badj = _load_summaries(mu_ptr, lcnt_ptr, cbase + j,
+                                         cand & (kid + j < n_child), d, D, BD)
+            bad = bad | badj
     acc = tl.zeros([RB, P], dtype=tl.float32)
     if UNROLL:  # all rows, masked past n_rows (see select_blocks' tuning)
         for c in tl.static_range((G * TQ + RB - 1) // RB):
             acc += _internal_chunk(qbase, qoff0, c, rr, n_rows, q_first, sqh, sqn, sqd, d,
                                    mu0, b0, mu1, b1, lo0, lo1, mu_ptr, lcnt_ptr, lo_ptr,
                                    cbase, kid, scored, n_child, qk_scale, D, BD, G, RB, GB,
-                                   LOWP, BOUND)
+                                   LOWP, BOUND, LATE)
     else:
         for c in range(n_chunks):
             acc += _internal_chunk(qbase, qoff0, c, rr, n_rows, q_first, sqh, sqn, sqd, d,
                                    mu0, b0, mu1, b1, lo0, lo1, mu_ptr, lcnt_ptr, lo_ptr,
                                    cbase, kid, scored, n_child, qk_scale, D, BD, G, RB, GB,
-                                   LOWP, BOUND)
+                                   LOWP, BOUND, LATE)
     kept = _top_mask(_prioritise(tl.sum(acc, axis=0), bad, cand), cand, BEAM, P)
     if TRACE:
         _store_compact(trace + lev * TW, pool, kept, BEAM, TW)
@@ -463,7 +483,7 @@ def _select_kernel(
     RB: tl.constexpr, MP: tl.constexpr, TW: tl.constexpr, W: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_LOCAL: tl.constexpr, EXACT: tl.constexpr, SHORT: tl.constexpr,
     HAS_KEY_MASK: tl.constexpr, LOWP: tl.constexpr, TRACE: tl.constexpr, UNROLL: tl.constexpr,
-    BOUND: tl.constexpr, NS: tl.constexpr,
+    BOUND: tl.constexpr, NS: tl.constexpr, LATE: tl.constexpr,
 ):
     """One program per (query tile, batch * KV head): the pyramid walk, top level to leaves.
 
@@ -513,7 +533,7 @@ def _select_kernel(
                                qbase, qoff0, rr, d, n_rows, n_chunks, q_first, sqh, sqn, sqd,
                                qk_scale, s0, s1, lo, hi, clean_end, partial_end, live_end,
                                D, BD, G, TQ, RB, GB, BEAM, P, TW, LOWP, TRACE, UNROLL,
-                               BOUND)
+                               BOUND, LATE)
         span = span // GB
 
     # Leaves: candidates are visible leaves that are not forced.
@@ -680,7 +700,12 @@ def _rescore_kernel(
 #   chunk) select in 14.0 ms instead of 16.2 at 32K and 67.5 instead of 78.9 at 128K (pyramid,
 #   boxes, walk and rescoring; standard shape); two chunks (G = 7, Qwen's heads) gained
 #   nothing (5.36 against 5.27 ms at 32K). profiles/select_tune.json.
-SELECT_TUNING = dict(row_block=64, num_warps=None, num_stages=None, maxnreg=None, unroll=1)
+# - late_loads: each internal level loads a child's summaries right before its dots instead
+#   of all children up front: 64 KB of shared memory per program instead of 144 KB (defaults,
+#   D = 128, compiled offline for sm90 by benchmarks/kernel_resources.py), so two 4-warp
+#   programs fit an SM, at more spilled registers. Not yet timed on a GPU.
+SELECT_TUNING = dict(row_block=64, num_warps=None, num_stages=None, maxnreg=None, unroll=1,
+                     late_loads=False)
 
 # Launch settings of the exact rescoring kernel (``leaf_scoring="exact"``): rows per chunk
 # (capped so that the [rows, shortlist] fp32 scores fit in registers), keys per dot.
@@ -849,6 +874,7 @@ def select_blocks(q: Tensor, k: Tensor, is_causal: bool, scale: float, *, block_
         TRACE=trace is not None,
         UNROLL=cdiv(R, RB) <= min(16, 16 if tune["unroll"] is True else int(tune["unroll"])),
         BOUND=bool(bound_block), NS=block_size // bound_block if bound_block else 1,
+        LATE=bool(tune["late_loads"]),
         num_warps=tune["num_warps"] or (8 if RB * P >= 8192 else 4),
         **launch)
     if exact:

@@ -11,6 +11,7 @@ Entry point: :func:`rewrite_graph`.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
 import math
@@ -822,11 +823,48 @@ def _is_encoder_layer(node: Node) -> bool:
 
 def find_sites(gm: GraphModule) -> list[Node]:
     """Candidate anchors in graph order: SDPA calls, softmax nodes,
-    ``F.multi_head_attention_forward`` calls (``nn.MultiheadAttention``) and
-    ``torch._transformer_encoder_layer_fwd`` calls (``nn.TransformerEncoderLayer``)."""
+    ``F.multi_head_attention_forward`` calls (``nn.MultiheadAttention``),
+    ``torch._transformer_encoder_layer_fwd`` calls (``nn.TransformerEncoderLayer``) and
+    activation-checkpoint regions (``torch.utils.checkpoint``), whose bodies hold their own."""
     return [n for n in gm.graph.nodes
             if P.sdpa_args(n) is not None or P.is_softmax(n) or _is_mha(n)
-            or _is_encoder_layer(n)]
+            or _is_encoder_layer(n) or _is_checkpoint(n)]
+
+
+def copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
+    """A copy of ``graph``: new nodes, shallow-copied meta, and the extra attributes Dynamo
+    hangs on nodes (``_dynamo_source`` on placeholders, which AOTAutograd reads)."""
+    new = copy.deepcopy(graph)
+    for old_node, new_node in zip(graph.nodes, new.nodes):
+        extra = getattr(old_node, "__dict__", {})
+        for name, value in extra.items():
+            if name not in new_node.__dict__:
+                setattr(new_node, name, value)
+    return new
+
+
+def _is_checkpoint(node: Node) -> bool:
+    hop = getattr(torch.ops.higher_order, "tag_activation_checkpoint", None)
+    return (node.op == "call_function" and hop is not None and node.target is hop
+            and bool(node.args) and getattr(node.args[0], "op", None) == "get_attr")
+
+
+def _rewrite_checkpoint(gm: GraphModule, node: Node, config: PisaConfig,
+                        apply: bool) -> list[Site]:
+    """The sites of an activation-checkpoint region's body (a subgraph Dynamo keeps as a
+    module of ``gm``), rewritten in a copy that replaces the body, so a module shared with
+    another caller (``explain``'s copy of the graph) is never changed. The body sees its
+    masks as inputs, so they stay explicit there."""
+    name = node.args[0].target
+    body = getattr(gm, name)
+    if apply:
+        body = GraphModule(body, copy_graph(body.graph))
+    inner = rewrite_graph(body, config, apply)
+    if apply and any(s.rewritten for s in inner):
+        setattr(gm, name, body)
+    for s in inner:
+        s.node = f"{name}.{s.node}"
+    return inner
 
 
 def _analyze_mha(node: Node, site: Site) -> dict:
@@ -921,6 +959,9 @@ def rewrite_graph(gm: GraphModule, config: PisaConfig, apply: bool = True) -> li
     for node in find_sites(gm):
         if node.graph is not gm.graph or node not in node.graph.nodes:
             continue  # erased by an earlier site
+        if _is_checkpoint(node):
+            sites.extend(_rewrite_checkpoint(gm, node, config, apply))
+            continue
         is_sdpa = P.sdpa_args(node) is not None
         is_mha, is_layer = _is_mha(node), _is_encoder_layer(node)
         site = Site(form="sdpa" if is_sdpa else "nn.MultiheadAttention" if is_mha

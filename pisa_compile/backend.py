@@ -102,7 +102,6 @@ def pisa_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
         gm.recompile()
         _warn_pass_failure(err)
         sites = []
-    record(sites)
     if any(s.rewritten for s in sites):
         # AOTAutograd's cache allows only known call_function targets; mark ours cacheable,
         # keyed by a fingerprint of the sources behind it, so the caches are not bypassed.
@@ -110,4 +109,8 @@ def pisa_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
         marked.update(patches.get("unsafe_marked_cacheable_functions") or {})
         marked[_OP_QUALNAME] = marked[_CHECK_QUALNAME] = _source_fingerprint()
         patches["unsafe_marked_cacheable_functions"] = marked
-    return compile_fx(gm, example_inputs, config_patches=patches or None)
+    compiled = compile_fx(gm, example_inputs, config_patches=patches or None)
+    # Counted once the graph compiled: Dynamo drops a graph whose compile raised (it may
+    # retrace, e.g. with a symbolic float made constant) and compiles another.
+    record(sites)
+    return compiled

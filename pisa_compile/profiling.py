@@ -25,7 +25,6 @@ demo models.
 
 from __future__ import annotations
 
-import copy
 import datetime as _dt
 import json
 import os
@@ -371,6 +370,7 @@ def _capturing_pisa_backend(options: Mapping[str, Any], captured: _Captured) -> 
     from .backend import pisa_backend
     from .config import split_options
     from .lowering import rewrite_graph
+    from .lowering.rewrite import copy_graph
 
     config, _ = split_options(options)
 
@@ -378,7 +378,7 @@ def _capturing_pisa_backend(options: Mapping[str, Any], captured: _Captured) -> 
         index = len(captured.before)
         captured.before.append(gm.print_readable(print_output=False))
         try:
-            copy_gm = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+            copy_gm = torch.fx.GraphModule(gm, copy_graph(gm.graph))
             sites = rewrite_graph(copy_gm, config)
             for s in sites:
                 s.graph = index

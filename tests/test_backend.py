@@ -131,8 +131,8 @@ def test_training_step_grads_match_eager():
 
 @pytest.mark.parametrize("fn", [hand_attention, sdpa], ids=["hand", "sdpa"])
 def test_attention_inside_activation_checkpointing_is_rewritten(fn):
-    """``torch.utils.checkpoint`` (non-reentrant, as transformers' gradient checkpointing)
-    puts the attention in a subgraph of the Dynamo graph; the pass rewrites it there: the
+    """``torch.utils.checkpoint`` (transformers' gradient checkpointing) puts the attention
+    in a subgraph of the Dynamo graph; the pass rewrites it there: the
     same sparse output and gradients as the call without checkpointing, counted and listed by
     ``explain``, which leaves the real compile's graph alone (one rewrite, not two)."""
     from torch.utils.checkpoint import checkpoint
@@ -161,6 +161,70 @@ def test_attention_inside_activation_checkpointing_is_rewritten(fn):
     torch.testing.assert_close(results[1][0], results[0][0])
     for a, b in zip(results[1][1], results[0][1]):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("writes", [True, False], ids=["body_writes_mask", "body_reads_mask"])
+def test_a_checkpoint_body_that_writes_a_mask_keeps_it_explicit(writes):
+    """A mask handed to a checkpointed region that fills it in place is not the mask it was
+    built as: the site after the region keeps it explicit (equal to eager; the proof once
+    claimed ``is_causal`` and was 2.9 off). A region that only reads it leaves the proof."""
+    from torch.utils.checkpoint import checkpoint
+    opts = dict(min_seq_len=0, block_size=4, top_k=6, query_tile=4, dense_tail=0)
+
+    def body(x, m):
+        if writes:
+            m.fill_(True)
+        return x * 2 + m.sum()
+
+    def f(q, k, v):
+        causal = torch.ones(24, 24, dtype=torch.bool).tril()
+        x = checkpoint(body, q, causal, use_reentrant=False)
+        s = (x @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))
+        return F.softmax(s.masked_fill(~causal, float("-inf")), -1) @ v
+
+    args = _qkv(requires_grad=True)
+    report = pisa_compile.explain(f, *args, options=opts)
+    assert [s.mask.endswith("is_causal") for s in report.sites] == [not writes], str(report)
+    out = torch.compile(f, backend="pisa", options=opts)(*args)
+    torch.testing.assert_close(out, f(*args), rtol=1e-4, atol=1e-5)
+
+
+def test_attention_in_other_subgraphs_is_reported_dense():
+    """Attention inside an ``autograd.Function`` (whose backward the user wrote) is not
+    rewritten, and the report says so instead of listing no site."""
+    class Attn(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v):
+            return sdpa(q, k, v)
+
+        @staticmethod
+        def backward(ctx, g):
+            return g, g, g
+
+    args = _qkv(requires_grad=True)
+    report = pisa_compile.explain(lambda q, k, v: Attn.apply(q, k, v), *args)
+    assert [s.rewritten for s in report.sites] == [False], str(report)
+    assert "inside" in report.sites[0].reason and "checkpoint" in report.sites[0].reason
+
+
+def test_a_retraced_graph_is_counted_once():
+    """With ``dynamic=True`` a float attribute used as ``dropout_p`` is traced as a symbolic
+    float first; that graph's compile makes Dynamo retrace with the float constant. Only the
+    graph that compiled is counted: the first attempt, whose dropout the pass cannot prove
+    to be 0, is not reported as a left-dense site (a new user's 2-layer model read
+    ``left_dense: 2, rewritten: 2``)."""
+    class Attn(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.p = 0.0
+
+        def forward(self, q, k, v):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                  dropout_p=self.p if self.training else 0.0)
+
+    q = _qkv(requires_grad=True)[0]
+    torch.compile(Attn().train(), backend="pisa", dynamic=True)(q, q, q).sum().backward()
+    assert dict(counters["pisa"]) == {"rewritten": 1}
 
 
 def test_caches_not_bypassed():

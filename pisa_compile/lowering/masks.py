@@ -204,10 +204,13 @@ def _inplace_flag(u: Node) -> bool:
 def written_by(u: Node) -> list:
     """The tensors ``u`` may write in place: ``args[0]`` of ``setitem``, ``Tensor.xxx_``,
     ``x //= 2``-style ops and ``inplace=True`` functions (``F.relu``), every tensor of the
-    list of ``torch._foreach_xxx_``, an ``out=`` argument, and every argument of an unknown
-    module."""
+    list of ``torch._foreach_xxx_``, an ``out=`` argument, every argument of an unknown
+    module, and the operands a subgraph call may write (:func:`_subgraph_writes`)."""
     if u.op == "call_module":
         return [a for a in (*u.args, *u.kwargs.values()) if isinstance(a, Node)]
+    hop = _subgraph_writes(u)
+    if hop is not None:
+        return hop
     out = [u.kwargs["out"]] if isinstance(u.kwargs.get("out"), Node) else []
     first = u.args[0] if u.args else None
     if isinstance(first, Node):
@@ -227,6 +230,30 @@ def written_by(u: Node) -> list:
             (name.endswith("_") and not name.startswith("__")) or name == "__setitem__"
             or (name.startswith("__i") and name.endswith("__")))
     return [*targets, *out] if inplace else out
+
+
+def _subgraph_writes(u: Node) -> Optional[list]:
+    """For a call that takes a subgraph (a higher-order op: ``tag_activation_checkpoint``,
+    ``cond``, ...), the operands it may write: for a checkpoint, those whose placeholder in
+    the body is written there (through any view, nested subgraphs included); for any other,
+    every tensor operand. None for other nodes."""
+    if u.op != "call_function" or not any(
+            isinstance(a, Node) and a.op == "get_attr" for a in u.args):
+        return None
+    from torch.utils._pytree import tree_leaves
+    operands = [a for a in tree_leaves((u.args, u.kwargs))
+                if isinstance(a, Node) and a.op != "get_attr"]
+    hop = getattr(torch.ops.higher_order, "tag_activation_checkpoint", None)
+    gm = u.graph.owning_module
+    body = getattr(gm, u.args[0].target, None) if (
+        u.target is hop and gm is not None and getattr(u.args[0], "op", None) == "get_attr") \
+        else None
+    if isinstance(body, torch.fx.GraphModule):
+        holders = [n for n in body.graph.nodes if n.op == "placeholder"]
+        if len(holders) == len(u.args) - 1:
+            return [a for a, ph in zip(u.args[1:], holders)
+                    if isinstance(a, Node) and _mutated(ph)]
+    return operands
 
 
 _VIEW_ATTRS = ("mT", "T", "H", "mH", "real", "imag", "data")

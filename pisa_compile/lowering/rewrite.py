@@ -828,7 +828,7 @@ def find_sites(gm: GraphModule) -> list[Node]:
     activation-checkpoint regions (``torch.utils.checkpoint``), whose bodies hold their own."""
     return [n for n in gm.graph.nodes
             if P.sdpa_args(n) is not None or P.is_softmax(n) or _is_mha(n)
-            or _is_encoder_layer(n) or _is_checkpoint(n)]
+            or _is_encoder_layer(n) or _subgraphs(n)]
 
 
 def copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
@@ -849,22 +849,42 @@ def _is_checkpoint(node: Node) -> bool:
             and bool(node.args) and getattr(node.args[0], "op", None) == "get_attr")
 
 
-def _rewrite_checkpoint(gm: GraphModule, node: Node, config: PisaConfig,
-                        apply: bool) -> list[Site]:
-    """The sites of an activation-checkpoint region's body (a subgraph Dynamo keeps as a
-    module of ``gm``), rewritten in a copy that replaces the body, so a module shared with
-    another caller (``explain``'s copy of the graph) is never changed. The body sees its
-    masks as inputs, so they stay explicit there."""
-    name = node.args[0].target
-    body = getattr(gm, name)
-    if apply:
-        body = GraphModule(body, copy_graph(body.graph))
-    inner = rewrite_graph(body, config, apply)
-    if apply and any(s.rewritten for s in inner):
-        setattr(gm, name, body)
-    for s in inner:
-        s.node = f"{name}.{s.node}"
-    return inner
+def _subgraphs(node: Node) -> list[str]:
+    """Names of the subgraph modules a call takes (a higher-order op's bodies)."""
+    if node.op != "call_function":
+        return []
+    gm = node.graph.owning_module
+    return [a.target for a in node.args if isinstance(a, Node) and a.op == "get_attr"
+            and isinstance(getattr(gm, a.target, None), GraphModule)]
+
+
+def _rewrite_subgraphs(gm: GraphModule, node: Node, config: PisaConfig, apply: bool,
+                       done: dict) -> list[Site]:
+    """The sites inside the bodies ``node`` calls. An activation-checkpoint region's body
+    (``torch.utils.checkpoint``) is rewritten in a copy that replaces it, so a module shared
+    with another caller (``explain``'s copy of the graph) is never changed; it sees its masks
+    as inputs, so they stay explicit there. Other bodies (``autograd.Function``, ``cond``,
+    ...) are analysed and reported, not rewritten. ``done``: sites per body already seen."""
+    checkpoint = _is_checkpoint(node)
+    sites = []
+    for name in _subgraphs(node):
+        if name not in done:
+            body = getattr(gm, name)
+            rewrite = apply and checkpoint
+            if rewrite:
+                body = GraphModule(body, copy_graph(body.graph))
+            inner = rewrite_graph(body, config, rewrite)
+            if rewrite and any(s.rewritten for s in inner):
+                setattr(gm, name, body)
+            for s in inner:
+                s.node = f"{name}.{s.node}"
+                if not checkpoint:
+                    s.decision = LEFT_DENSE
+                    s.reason = (f"inside {P.describe(node)}: the pass rewrites attention only "
+                                "in activation-checkpoint bodies among subgraphs")
+            done[name] = inner
+        sites.extend(done[name])
+    return sites
 
 
 def _analyze_mha(node: Node, site: Site) -> dict:
@@ -956,11 +976,12 @@ def rewrite_graph(gm: GraphModule, config: PisaConfig, apply: bool = True) -> li
         The sites in graph order, each ``"rewritten"`` or ``"left dense"`` with a reason.
     """
     sites: list[Site] = []
+    bodies: dict = {}  # subgraph name -> its sites (a body two calls share is seen once)
     for node in find_sites(gm):
         if node.graph is not gm.graph or node not in node.graph.nodes:
             continue  # erased by an earlier site
-        if _is_checkpoint(node):
-            sites.extend(_rewrite_checkpoint(gm, node, config, apply))
+        if _subgraphs(node):
+            sites.extend(_rewrite_subgraphs(gm, node, config, apply, bodies))
             continue
         is_sdpa = P.sdpa_args(node) is not None
         is_mha, is_layer = _is_mha(node), _is_encoder_layer(node)

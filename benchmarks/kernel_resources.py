@@ -29,39 +29,20 @@ VARIANTS = {
 
 
 def compile_select(preset: str, Hq: int, Hkv: int, D: int, N: int, tuning: dict):
-    """The select kernel compiled for sm90 as ``select_blocks`` would launch it (causal,
-    bf16, no key mask, no trace) at ``N`` queries and keys; returns the compiled kernel and
-    its launch options."""
+    """The select kernel compiled for sm90 as ``select_blocks`` would launch it
+    (``triton_select.select_launch``; causal, bf16, no key mask, no trace) at ``N`` queries
+    and keys; returns the compiled kernel and its launch options."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from pisa_compile import PisaConfig
     from pisa_compile.kernels import triton_select as ts
-    from pisa_compile.kernels.geometry import block_width, local_bound
 
-    cfg = PisaConfig.preset(preset, min_seq_len=0)
-    o = cfg.selection_options()
-    tune = {**ts.SELECT_TUNING, **tuning}
-    G, C, Tq, beam = Hq // Hkv, o["block_size"], o["query_tile"], o["beam"]
-    L = -(-N // C)
-    M = block_width(N, C, o["top_k"], o["sink_blocks"], o["local_blocks"], Tq)
-    P = ts.pool_size(o["branching"], beam,
-                     min(o["sink_blocks"], L) + local_bound(o["local_blocks"], Tq, C))
-    R = G * Tq
-    RB = min(tune["row_block"], max(16, triton.next_power_of_2(min(R, G * N))))
-    exact = o["leaf_scoring"] == "exact"
-    short = int(o["shortlist"]) if exact and o["shortlist"] and int(o["shortlist"]) < P else 0
-    bound = o["bound_block"] or 0
-    limit = 16 if tune["unroll"] is True else int(tune["unroll"])
-    const = dict(D=D, G=G, TQ=Tq, C=C, BD=max(16, triton.next_power_of_2(D)),
-                 GB=o["branching"], BEAM=beam, TOPK=o["top_k"], P=P, RB=RB,
-                 MP=max(16, triton.next_power_of_2(M)), TW=ts.trace_width(beam),
-                 W=max(16, triton.next_power_of_2(short)) if short else P,
-                 CAUSAL=True, HAS_LOCAL=o["local_blocks"] > 0, EXACT=exact, SHORT=short,
-                 HAS_KEY_MASK=False, LOWP=True, TRACE=False,
-                 UNROLL=-(-R // RB) <= min(16, limit), BOUND=bool(bound),
-                 NS=C // bound if bound else 1, LATE=bool(tune.get("late_loads", False)))
+    o = PisaConfig.preset(preset, min_seq_len=0).selection_options()
+    meta, opts = ts.select_launch(Hq // Hkv, N, N, D, **o, tuning=tuning)
+    const = dict(meta, CAUSAL=True, HAS_LOCAL=o["local_blocks"] > 0, HAS_KEY_MASK=False,
+                 LOWP=True, TRACE=False)
     fn = ts._select_kernel
     ptr = {"q_ptr": "*bf16", "mu_ptr": "*bf16", "lo_ptr": "*bf16", "shi_ptr": "*bf16",
            "slo_ptr": "*bf16", "lcnt_ptr": "*fp32", "slc_ptr": "*fp32"}
@@ -75,8 +56,6 @@ def compile_select(preset: str, Hq: int, Hkv: int, D: int, N: int, tuning: dict)
             sig[name] = "fp32" if name == "scale" else "i32"
     src = ASTSource(fn=fn, signature=sig,
                     constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
-    opts = dict(num_warps=tune["num_warps"] or (8 if RB * P >= 8192 else 4))
-    opts.update({k: tune[k] for k in ("num_stages", "maxnreg") if tune[k] is not None})
     return triton.compile(src, target=GPUTarget("cuda", 90, 128), options=opts), opts
 
 

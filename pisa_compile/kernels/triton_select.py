@@ -771,6 +771,45 @@ def box_buffers(k: Tensor, cnt: Tensor, total: int, block_size: int, bound_block
     return (hi, lo, lc, *finish(boxes.sub_hi, boxes.sub_lo, boxes.sub_counts))
 
 
+def select_launch(G: int, Nq: int, Nk: int, D: int, *, block_size: int, top_k: int,
+                  branching: int, beam: int, sink_blocks: int, local_blocks: int,
+                  query_tile: int, leaf_scoring: str, shortlist: int = 0,
+                  bound_block: int = 0, tuning: Optional[Mapping] = None) -> tuple[dict, dict]:
+    """The select kernel's shape constexprs and launch options for ``G`` query heads per KV
+    head, ``Nq`` queries, ``Nk`` keys and head dim ``D`` under the PISA options of
+    :func:`select_blocks` (which launches with them, adding the per-call flags; so does
+    ``benchmarks/kernel_resources.py``, which compiles the kernel offline).
+
+    Returns:
+        ``(constexprs, options)``: the kernel's constexpr arguments that depend only on the
+        shape, options and tuning, and ``num_warps`` (plus ``num_stages``/``maxnreg`` where
+        tuned).
+    """
+    tune = {**SELECT_TUNING, **(tuning or {})}
+    C, Tq = block_size, query_tile
+    M = block_width(Nk, block_size, top_k, sink_blocks, local_blocks, query_tile)
+    P = pool_size(branching, beam, min(sink_blocks, cdiv(Nk, C))
+                  + local_bound(local_blocks, query_tile, block_size))
+    R = G * Tq
+    RB = min(tune["row_block"], max(16, triton.next_power_of_2(min(R, G * Nq))))
+    exact = leaf_scoring == "exact"
+    # A shortlist as wide as the pool is the whole pool: no rough pass.
+    short = int(shortlist) if exact and int(shortlist) < P else 0
+    unroll = 16 if tune["unroll"] is True else int(tune["unroll"])
+    meta = dict(D=D, G=G, TQ=Tq, C=C, BD=max(16, triton.next_power_of_2(D)), GB=branching,
+                BEAM=beam, TOPK=top_k, P=P, RB=RB, MP=max(16, triton.next_power_of_2(M)),
+                TW=trace_width(beam),
+                # Exact scoring: the select kernel writes the shortlist (width W) and the
+                # forced leaves, the rescoring kernel picks into idx/counts.
+                W=max(16, triton.next_power_of_2(short)) if short else P,
+                EXACT=exact, SHORT=short, UNROLL=cdiv(R, RB) <= min(16, unroll),
+                BOUND=bool(bound_block), NS=block_size // bound_block if bound_block else 1,
+                LATE=bool(tune["late_loads"]))
+    options = {key: tune[key] for key in ("num_stages", "maxnreg") if tune[key] is not None}
+    options["num_warps"] = tune["num_warps"] or (8 if RB * P >= 8192 else 4)
+    return meta, options
+
+
 def select_blocks(q: Tensor, k: Tensor, is_causal: bool, scale: float, *, block_size: int,
                   top_k: int, branching: int, beam: int, sink_blocks: int, local_blocks: int,
                   query_tile: int, leaf_scoring: str, shortlist: int = 0,
@@ -803,7 +842,6 @@ def select_blocks(q: Tensor, k: Tensor, is_causal: bool, scale: float, *, block_
         ``block_indices`` int32 ``[B, Hkv, T, M]`` (ascending, -1 padded, forced leaves
         included) and ``block_counts`` int32 ``[B, Hkv, T]``.
     """
-    tune = {**SELECT_TUNING, **(tuning or {})}
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     G = Hq // Hkv
@@ -822,13 +860,13 @@ def select_blocks(q: Tensor, k: Tensor, is_causal: bool, scale: float, *, block_
                                 q.dtype, live_limit=live_limit, key_live=key_live)
     L = cdiv(Nk, C)
     M = block_width(Nk, block_size, top_k, sink_blocks, local_blocks, query_tile)
-    n_sink = min(sink_blocks, L)
     offset = query_offset(Nq, Nk, is_causal, causal_offset)
-    P = pool_size(branching, beam, n_sink + local_bound(local_blocks, query_tile, block_size))
-    R = G * Tq
-    RB = min(tune["row_block"], max(16, triton.next_power_of_2(min(R, G * Nq))))
-    BD = max(16, triton.next_power_of_2(D))
-    TW = trace_width(beam)
+    meta, launch = select_launch(G, Nq, Nk, D, block_size=block_size, top_k=top_k,
+                                 branching=branching, beam=beam, sink_blocks=sink_blocks,
+                                 local_blocks=local_blocks, query_tile=query_tile,
+                                 leaf_scoring=leaf_scoring, shortlist=shortlist,
+                                 bound_block=bound_block, tuning=tuning)
+    P, W, TW, exact = meta["P"], meta["W"], meta["TW"], meta["EXACT"]
     idx = torch.empty(B, Hkv, T, M, dtype=torch.int32, device=q.device)
     counts = torch.empty(B, Hkv, T, dtype=torch.int32, device=q.device)
     if trace is not None:
@@ -836,7 +874,6 @@ def select_blocks(q: Tensor, k: Tensor, is_causal: bool, scale: float, *, block_
         if tuple(trace.shape) != (B, Hkv, T, n_lev, TW) or not trace.is_contiguous():
             raise ValueError(f"trace must be a contiguous [B, Hkv, T, n_levels, width] = "
                              f"{[B, Hkv, T, n_lev, TW]} buffer, got {tuple(trace.shape)}")
-    launch = {key: tune[key] for key in ("num_stages", "maxnreg") if tune[key] is not None}
     # Once per node (O(Nk / C) elements) rather than once per use in the kernel: the summaries
     # in the dot's input dtype (the same rounding as a cast in the kernel, at half the bytes
     # and registers per load); the pyramid wrote base-2 log counts, +inf for a non-finite
@@ -849,47 +886,32 @@ def select_blocks(q: Tensor, k: Tensor, is_causal: bool, scale: float, *, block_
     # Per program, two rows of P slots for the pool compaction (see _children).
     scratch = torch.empty(B * Hkv * T * 2 * P, dtype=torch.int32, device=q.device)
     sinks = sink_start(key_mask, block_size)
-    exact = leaf_scoring == "exact"
-    # A shortlist as wide as the pool is the whole pool: no rough pass.
-    short = int(shortlist) if exact and int(shortlist) < P else 0
-    # Exact scoring: the select kernel writes the shortlist (width W) and the forced leaves,
-    # the rescoring kernel picks into idx/counts.
-    W = max(16, triton.next_power_of_2(short)) if short else P
     short_idx = torch.empty(B * Hkv * T * W if exact else 1, dtype=torch.int32,
                             device=q.device)
     sel_idx, sel_counts = (torch.empty_like(idx), torch.empty_like(counts)) if exact else (
         idx, counts)
-    MP = max(16, triton.next_power_of_2(M))
     launcher(_select_kernel, q)[(T, B * Hkv)](
         q, counts if sinks is None else sinks, mu_dot, lcnt, lo, shi, slo, slc, sel_idx,
         sel_counts, short_idx, counts if trace is None else trace, scratch,
         *q.stride(),
-        Hkv, Nq, Nk, L, total, T, M, n_sink, local_blocks, 0 if offset is None else offset,
-        float(scale),
-        D=D, G=G, TQ=Tq, C=C, BD=BD, GB=branching, BEAM=beam,
-        TOPK=top_k, P=P, RB=RB, MP=MP, TW=TW, W=W,
+        Hkv, Nq, Nk, L, total, T, M, min(sink_blocks, L), local_blocks,
+        0 if offset is None else offset, float(scale),
         CAUSAL=bool(is_causal), HAS_LOCAL=offset is not None and local_blocks > 0,
-        EXACT=exact, SHORT=short,
         HAS_KEY_MASK=key_mask is not None, LOWP=q.dtype != torch.float32,
-        TRACE=trace is not None,
-        UNROLL=cdiv(R, RB) <= min(16, 16 if tune["unroll"] is True else int(tune["unroll"])),
-        BOUND=bool(bound_block), NS=block_size // bound_block if bound_block else 1,
-        LATE=bool(tune["late_loads"]),
-        num_warps=tune["num_warps"] or (8 if RB * P >= 8192 else 4),
-        **launch)
+        TRACE=trace is not None, **meta, **launch)
     if exact:
         rt = {**RESCORE_TUNING, **(tuning or {}).get("rescore", {})}
         # [RB, W] fp32 scores stay in registers: fewer rows per chunk for a wide shortlist.
         RBx = min(rt["row_block"], max(16, 8192 // W),
-                  max(16, triton.next_power_of_2(min(R, G * Nq))))
+                  max(16, triton.next_power_of_2(min(G * Tq, G * Nq))))
         launcher(_rescore_kernel, q)[(T, B * Hkv)](
             q, k, km, lcnt, short_idx, sel_idx, sel_counts, idx, counts,
             counts if trace is None else trace,
             *q.stride(), *k.stride(), *((0, 0) if key_mask is None else km.stride()),
             Hkv, Nq, Nk, total, T, M, 0 if offset is None else offset, float(scale),
             0 if trace is None else trace.shape[3] * TW,
-            D=D, G=G, TQ=Tq, C=C, KC=max(16, min(C, rt["key_block"])), BD=BD, TOPK=top_k,
-            W=W, RB=RBx, MP=MP, TW=TW, CAUSAL=bool(is_causal),
+            D=D, G=G, TQ=Tq, C=C, KC=max(16, min(C, rt["key_block"])), BD=meta["BD"],
+            TOPK=top_k, W=W, RB=RBx, MP=meta["MP"], TW=TW, CAUSAL=bool(is_causal),
             HAS_KEY_MASK=key_mask is not None, LOWP=q.dtype != torch.float32,
             TRACE=trace is not None, num_warps=rt["num_warps"],
             **({"num_stages": rt["num_stages"]} if rt["num_stages"] is not None else {}))

@@ -243,10 +243,8 @@ def _subgraph_writes(u: Node) -> Optional[list]:
     from torch.utils._pytree import tree_leaves
     operands = [a for a in tree_leaves((u.args, u.kwargs))
                 if isinstance(a, Node) and a.op != "get_attr"]
-    hop = getattr(torch.ops.higher_order, "tag_activation_checkpoint", None)
     gm = u.graph.owning_module
-    body = getattr(gm, u.args[0].target, None) if (
-        u.target is hop and gm is not None and getattr(u.args[0], "op", None) == "get_attr") \
+    body = getattr(gm, u.args[0].target, None) if P.is_checkpoint(u) and gm is not None \
         else None
     if isinstance(body, torch.fx.GraphModule):
         holders = [n for n in body.graph.nodes if n.op == "placeholder"]

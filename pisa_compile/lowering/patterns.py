@@ -123,6 +123,15 @@ def _meth(node: Node, *names: str) -> bool:
     return node.op == "call_method" and node.target in names
 
 
+def is_checkpoint(node: Any) -> bool:
+    """An activation-checkpoint region (``torch.utils.checkpoint`` under Dynamo):
+    ``tag_activation_checkpoint(get_attr body, *operands)``."""
+    hop = getattr(torch.ops.higher_order, "tag_activation_checkpoint", None)
+    return (isinstance(node, Node) and node.op == "call_function" and hop is not None
+            and node.target is hop and bool(node.args)
+            and getattr(node.args[0], "op", None) == "get_attr")
+
+
 def describe(node: Any) -> str:
     """A short human name for a node's operation: ``tanh``, ``Tensor.clamp``, ``add``."""
     if not isinstance(node, Node):

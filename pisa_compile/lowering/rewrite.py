@@ -843,12 +843,6 @@ def copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
     return new
 
 
-def _is_checkpoint(node: Node) -> bool:
-    hop = getattr(torch.ops.higher_order, "tag_activation_checkpoint", None)
-    return (node.op == "call_function" and hop is not None and node.target is hop
-            and bool(node.args) and getattr(node.args[0], "op", None) == "get_attr")
-
-
 def _subgraphs(node: Node) -> list[str]:
     """Names of the subgraph modules a call takes (a higher-order op's bodies)."""
     if node.op != "call_function":
@@ -865,7 +859,7 @@ def _rewrite_subgraphs(gm: GraphModule, node: Node, config: PisaConfig, apply: b
     with another caller (``explain``'s copy of the graph) is never changed; it sees its masks
     as inputs, so they stay explicit there. Other bodies (``autograd.Function``, ``cond``,
     ...) are analysed and reported, not rewritten. ``done``: sites per body already seen."""
-    checkpoint = _is_checkpoint(node)
+    checkpoint = P.is_checkpoint(node)
     sites = []
     for name in _subgraphs(node):
         if name not in done:

@@ -24,15 +24,20 @@ OPTIONS = CANDIDATES
 
 
 def add_options_arg(ap: argparse.ArgumentParser, default: list) -> None:
-    """``--options NAME ...``: option sets among ``eval_llm.CANDIDATES``."""
+    """``--options NAME ...``: option sets among ``eval_llm.CANDIDATES``; ``--key-mask``: also
+    each set with an all-ones ``key_mask`` (what a tokenizer's ``attention_mask`` becomes)."""
     ap.add_argument("--options", nargs="*", default=default,
                     help=f"option sets among {list(OPTIONS)}")
+    ap.add_argument("--key-mask", action="store_true",
+                    help="also run each option set with an all-ones key_mask [B, N]")
 
 
-def option_calls(ap: argparse.ArgumentParser, names: list, q, k, v) -> dict:
+def option_calls(ap: argparse.ArgumentParser, names: list, q, k, v,
+                 key_mask: bool = False) -> dict:
     """Dense SDPA (its default backend, ``enable_gqa``) and ``pisa_attention`` under each
-    option set in ``names`` (``min_seq_len`` 0), as callables by name; an unknown name is a
-    usage error."""
+    option set in ``names`` (``min_seq_len`` 0), as callables by name; with ``key_mask``
+    each set also as ``"NAME +key_mask"`` with an all-ones ``[B, N]`` key mask. An unknown
+    name is a usage error."""
     unknown = [o for o in names if o not in OPTIONS]
     if unknown:
         ap.error(f"--options: unknown {unknown}; expected some of {list(OPTIONS)}")
@@ -42,6 +47,10 @@ def option_calls(ap: argparse.ArgumentParser, names: list, q, k, v) -> dict:
         cfg = candidate_config(name).replace(min_seq_len=0)
         fns[name] = lambda cfg=cfg: pisa_attention(q, k, v, is_causal=True, enable_gqa=True,
                                                    config=cfg)
+        if key_mask:
+            ones = torch.ones(q.shape[0], k.shape[2], dtype=torch.bool, device=q.device)
+            fns[f"{name} +key_mask"] = lambda cfg=cfg, m=ones: pisa_attention(
+                q, k, v, is_causal=True, enable_gqa=True, config=cfg, key_mask=m)
     return fns
 
 
@@ -57,7 +66,7 @@ def main(argv=None) -> int:
     for n in args.sizes:
         q, k, v = inputs(n, grad=True)
         do = torch.randn_like(q)
-        for name, f in option_calls(ap, args.options, q, k, v).items():
+        for name, f in option_calls(ap, args.options, q, k, v, args.key_mask).items():
             row = {}
             try:
                 with torch.no_grad():

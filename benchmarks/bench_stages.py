@@ -3,7 +3,7 @@ exact rescoring, attention, glue), from ``torch.profiler``, for option sets of
 ``eval_llm.CANDIDATES``, with dense SDPA's kernels in the same process for scale.
 
     python -m benchmarks.bench_stages [--sizes 32768 131072] [--options defaults fast]
-        [--backward] [--json profiles/bench_stages.json]
+        [--backward] [--key-mask] [--json profiles/bench_stages.json]
 
 Shape: ``bench_pisa.py``'s standard shape (B=1, Hq=32, Hkv=8, D=128, bf16, causal). The
 per-kernel times are profiler device times averaged over ``--iters`` calls; their sum is close
@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     for n in args.sizes:
         q, k, v = inputs(n, grad=args.backward)
         do = torch.randn_like(q)
-        for name, f in option_calls(ap, args.options, q, k, v).items():
+        for name, f in option_calls(ap, args.options, q, k, v, args.key_mask).items():
             if args.backward:
                 call = lambda f=f: f().backward(do)  # noqa: E731
             else:

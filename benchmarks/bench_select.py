@@ -54,7 +54,8 @@ TUNE = {
     "rb16_w4": dict(row_block=16, num_warps=4),
     # each child's summaries loaded right before its dots: 64 KiB of shared memory instead of
     # 144 (benchmarks/kernel_resources.py), two 4-warp programs per SM
-    "rb64_w4_late": dict(row_block=64, num_warps=4, late_loads=True),
+    "rb64_w4_late": dict(row_block=64, num_warps=4, late_loads=True),  # bounds' default
+    "early": dict(late_loads=False),  # bounds' default before late loads (8 warps at 32K)
     "rb64_w8_late": dict(row_block=64, num_warps=8, late_loads=True),
 }
 

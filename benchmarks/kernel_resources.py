@@ -22,9 +22,9 @@ from pathlib import Path
 VARIANTS = {
     "default": {},
     "rolled": dict(unroll=False),
-    "late_loads": dict(late_loads=True),
-    "late_loads_w4": dict(late_loads=True, num_warps=4),
-    "w4": dict(num_warps=4),
+    "early": dict(late_loads=False),
+    "late_loads_w8": dict(late_loads=True, num_warps=8),
+    "early_w4": dict(late_loads=False, num_warps=4),
 }
 
 

@@ -323,7 +323,9 @@ def pisa_attention(
     An explicit ``attn_mask`` on CUDA with ``kernel="auto"`` runs dense SDPA under it (the
     fused selection reads no mask yet; :func:`plan` gives the reason); ``kernel="triton"``
     keeps it sparse, with the reference selection. The last ``config.dense_tail`` queries
-    of a causal call, and every call of that few queries (decode), are dense.
+    of a causal call, and every call of that few queries (decode), are dense (with a
+    ``key_mask`` and no gradient wanted, on the Triton path, through the split-K decode
+    kernel over every key block; otherwise dense SDPA).
 
     Args:
         q: ``[B, Hq, Nq, D]`` float16, bfloat16, float32 or float64.
@@ -382,7 +384,8 @@ def pisa_attention(
     if how.attention == dispatch.SDPA:
         whole_tail = how.reason == dispatch.IN_DENSE_TAIL
         return _dense(q, k, v, attn_mask, key_mask, is_causal, causal_offset, window, scale,
-                      enable_gqa, max_rows=tail_bound if whole_tail else None)
+                      enable_gqa, max_rows=tail_bound if whole_tail else None,
+                      kernel=config.kernel)
     attn_mask, scale = _mask4(attn_mask), float(scale)
     if attn_mask is not None and attn_mask.dtype == torch.float64 and q.dtype != torch.float64:
         attn_mask = attn_mask.float()  # the backward's matmuls take one dtype
@@ -391,7 +394,7 @@ def pisa_attention(
         # The last rows (a prompt's question) attend densely; plan() left some sparse rows.
         head = q.shape[2] - _tail_rows(q.shape[2], is_causal, config)
         tail = _dense(q[:, :, head:], k, v, None, key_mask, True, causal_offset + head, None,
-                      scale, enable_gqa, max_rows=tail_bound)
+                      scale, enable_gqa, max_rows=tail_bound, kernel=config.kernel)
         if tail.requires_grad:
             tail = _ContiguousGrad.apply(tail)
         q = q[:, :, :head]
@@ -407,10 +410,16 @@ def pisa_attention(
 
 def _dense(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
            key_mask: Optional[Tensor], is_causal: bool, causal_offset, window: Optional[int],
-           scale, enable_gqa: bool, max_rows: Optional[int] = None) -> Tensor:
+           scale, enable_gqa: bool, max_rows: Optional[int] = None,
+           kernel: str = "reference") -> Tensor:
     """Dense SDPA over what the structured arguments stand for: the dense path of
     :func:`pisa_attention` and its dense tail (arguments as there, checked; ``max_rows``: a
-    static bound on ``Nq`` where it is symbolic). Returns ``[B, Hq, Nq, Dv]``."""
+    static bound on ``Nq`` where it is symbolic, given for the tail and decode calls;
+    ``kernel``: the config's). Returns ``[B, Hq, Nq, Dv]``."""
+    if (key_mask is not None and attn_mask is None and window is None and max_rows is not None
+            and not isinstance(scale, Tensor) and not _needs_grad(q, k, v)
+            and dispatch.triton_refusal(q, v, kernel) is None):
+        return _dense_split_k(q, k, v, key_mask, is_causal, causal_offset, scale, max_rows)
     if is_causal and key_mask is None and window is None:
         if statically_known_true(causal_offset >= k.shape[2] - 1):
             # Every query sees every key (a decode step over its cache): no mask, so SDPA
@@ -428,6 +437,37 @@ def _dense(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
         is_causal = False
     # 4-D as on the sparse path (SDPA itself refuses a 1-D mask that broadcasts).
     return _dense_sdpa(q, k, v, _mask4(attn_mask), is_causal, scale, enable_gqa, max_rows)
+
+
+def _needs_grad(*tensors: Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def _dense_split_k(q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor, is_causal: bool,
+                   causal_offset, scale: float, max_rows: int) -> Tensor:
+    """Dense attention of a few queries (the dense tail, a decode step) under a key mask,
+    through the split-K decode kernel over every key block (flash-decoding; Dao et al.,
+    2023): the ``G`` heads of a KV head are rows of one tile, and the block list is cut into
+    slices that fill the GPU. Masked SDPA runs such calls with one program per 64 rows (the
+    tail at 32K on the H200: 0.81 ms against FlashAttention's 0.13 without a mask,
+    ``profiles/bench_stages_key_mask.json``). Forward only: callers take it without gradients.
+
+    Args: q ``[B, Hq, Nq, D]`` with ``Nq <= max_rows`` (an int); k, v ``[B, Hkv, Nk, D]``;
+    key_mask ``[B, Nk]``; is_causal, causal_offset, scale as :func:`pisa_attention`.
+    Returns ``[B, Hq, Nq, Dv]`` in ``q.dtype`` (zero rows where no key is visible)."""
+    B, Hkv, Nk = k.shape[0], k.shape[1], k.shape[2]
+    n_blocks = cdiv(Nk, _SPLIT_K_BLOCK)
+    block_indices = torch.arange(n_blocks, device=q.device, dtype=torch.int32).expand(
+        B, Hkv, 1, n_blocks)
+    block_counts = torch.full((B, Hkv, 1), n_blocks, device=q.device, dtype=torch.int32)
+    out, _lse = _attention_op(q, k, v, None, key_mask, block_indices, block_counts, is_causal,
+                              causal_offset, float(scale), _SPLIT_K_BLOCK, max_rows,
+                              dispatch.DECODE)
+    return out
+
+
+# Keys per block of _dense_split_k's block list (the attention kernel's key tile).
+_SPLIT_K_BLOCK = 64
 
 
 def _flash_lower_right(q: Tensor, k: Tensor, v: Tensor, scale) -> Optional[Tensor]:

@@ -125,3 +125,41 @@ def test_launcher_wraps_kernels_only_while_traced(monkeypatch):
             return func(*args, **(kwargs or {}))
     with Passthrough():
         assert launcher(_fwd_kernel, torch.zeros(2)) == ("wrapped", _fwd_kernel)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("Nq", [3, 200], ids=["decode", "tail"])
+def test_key_masked_dense_rows_take_the_split_k_kernel(monkeypatch, Nq, dtype):
+    """The dense tail and decode calls under a key mask run the split-K kernel over every key
+    block when nothing needs a gradient (SDPA under the mask otherwise), equal SDPA under
+    the dense mask, and never read a padding key: NaN there leaves the output bit-identical."""
+    from pisa_compile import ops
+    calls = []
+    real = ops._dense_split_k
+    monkeypatch.setattr(ops, "_dense_split_k", lambda *a: calls.append(a) or real(*a))
+    torch.manual_seed(0)
+    B, Hkv, G, Nk, D = 3, 2, 4, 200, 32
+    q = torch.randn(B, Hkv * G, Nq, D, device=DEV, dtype=dtype)
+    k = torch.randn(B, Hkv, Nk, D, device=DEV, dtype=dtype)
+    v = torch.randn(B, Hkv, Nk, D, device=DEV, dtype=dtype)
+    key_mask = torch.ones(B, Nk, dtype=torch.bool, device=DEV)
+    key_mask[0, :77] = False   # left padding
+    key_mask[1, 150:] = False  # right padding
+    key_mask[2, :] = False     # a row of padding only: zeros
+    kw = dict(is_causal=True, enable_gqa=True, key_mask=key_mask, causal_offset=Nk - Nq)
+    tri = _cfg("triton", dense_tail=16)
+    out = pisa_attention(q, k, v, config=tri, **kw)
+    n_calls = len(calls)
+    assert n_calls == 1
+    ref = pisa_attention(q, k, v, config=_cfg("reference", dense_tail=16), **kw)
+    tol = dict(atol=2e-3, rtol=2e-3) if dtype == torch.float16 else dict(atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(out, ref, **tol)
+    assert torch.equal(out[2], torch.zeros_like(out[2]))
+    k2, v2 = k.clone(), v.clone()
+    k2[~key_mask[:, None, :].expand(-1, Hkv, -1)] = float("nan")
+    v2[~key_mask[:, None, :].expand(-1, Hkv, -1)] = float("nan")
+    assert torch.equal(pisa_attention(q, k2, v2, config=tri, **kw), out)
+    n_calls = len(calls)
+    qg = q.clone().requires_grad_()
+    pisa_attention(qg, k, v, config=tri, **kw).sum().backward()  # SDPA, with gradients
+    assert len(calls) == n_calls and torch.isfinite(qg.grad).all()

@@ -20,7 +20,8 @@ from . import reference
 from .runtime import (DECODE_MAX_QUERIES, MAX_HEAD_DIM, stage_range, tracing,
                       triton_available, triton_interpreting, triton_targets_gpu)
 
-__all__ = ["Plan", "plan", "select_blocks", "attention_forward", "attention_backward"]
+__all__ = ["Plan", "plan", "select_blocks", "attention_forward", "attention_backward",
+           "triton_refusal"]
 
 KERNELS = ("auto", "triton", "reference")
 SDPA, TRITON, DECODE, REFERENCE = "sdpa", "triton", "triton-decode", "reference"
@@ -79,7 +80,7 @@ def _warn_once(reason: str,
         warnings.warn(f"pisa_compile: {reason}; {instead}", stacklevel=4)
 
 
-def _triton_refusal(q: Tensor, v: Tensor, kernel: str) -> Optional[str]:
+def triton_refusal(q: Tensor, v: Tensor, kernel: str) -> Optional[str]:
     """Why the Triton kernels cannot take these inputs (``None``: they can)."""
     if kernel == "reference":
         return "kernel='reference'"
@@ -198,7 +199,7 @@ def plan(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal
         why = "explicit attn_mask (the fused selection reads no mask yet)"
         _warn_once(why, "dense SDPA runs under the mask instead (exact, dense speed)")
         return Plan(None, SDPA, f"{why}: dense SDPA under the mask")
-    why = _triton_refusal(q, v, kernel)
+    why = triton_refusal(q, v, kernel)
     if why is not None:
         if kernel == "triton" or (kernel == "auto" and q.device.type == "cuda"):
             _warn_once(why)  # not what was asked for: say so

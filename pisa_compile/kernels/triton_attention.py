@@ -120,7 +120,8 @@ def _key_extent(kpos, kvalid):
 @triton.jit
 def _key_live(kpos, kvalid, km_row, skmn, HAS_KEY_MASK: tl.constexpr):
     """``kvalid`` with the key mask's padding keys (``km_row``: this batch's row) taken out,
-    so they are never loaded and every later step sees them as missing keys."""
+    so every later step sees them as missing keys (their V and, in the backward, K are never
+    loaded)."""
     if HAS_KEY_MASK:
         km = tl.load(km_row + kpos.to(tl.int64) * skmn, mask=kvalid, other=0)
         kvalid = kvalid & (km != 0)
@@ -220,9 +221,11 @@ def _fwd_kernel(
     n_it = _n_iters(e0, e1, C, BLOCK_N)
     for it in range(0, n_it):
         kpos, kvalid = _keys(bi_row, e0, e1, it, Nk, C, BLOCK_N)
-        kvalid = _key_live(kpos, kvalid, km_row, skmn, HAS_KEY_MASK)
+        # K is loaded before the key mask is applied, so the two loads overlap (a padding
+        # key's score is masked below and its V is never loaded).
         kt = tl.load(k_base + kpos[None, :].to(tl.int64) * skn + offs_d[:, None] * skd,
                      mask=kvalid[None, :] & (offs_d[:, None] < D), other=0.0)
+        kvalid = _key_live(kpos, kvalid, km_row, skmn, HAS_KEY_MASK)
         s = tl.dot(q, kt) * qk_scale
         any_pad, k_hi = _key_extent(kpos, kvalid)
         s = _masked_scores(s, b, head, qi, row_ok, kpos, kvalid, any_pad, k_hi, q_lo, Mask,

@@ -591,10 +591,11 @@ def _leaf_lse2(qv, qpos, row_ok, kbase, skn, skd, km_row, skmn, leaf, Nk, offset
     for c0 in tl.static_range(0, C, KC):
         kp = leaf * C + c0 + kc
         kin = (kp < Nk) & (c0 + kc < C)
-        if HAS_KEY_MASK:
-            kin = kin & (tl.load(km_row + kp.to(tl.int64) * skmn, mask=kin, other=0) != 0)
+        # K before the key mask, so the two loads overlap; a padding key's score is masked.
         kk = tl.load(kbase + kp.to(tl.int64)[:, None] * skn + d[None, :] * skd,
                      mask=kin[:, None] & dm[None, :], other=0.0)
+        if HAS_KEY_MASK:
+            kin = kin & (tl.load(km_row + kp.to(tl.int64) * skmn, mask=kin, other=0) != 0)
         if LOWP:
             sk = tl.dot(qv, tl.trans(kk.to(qv.dtype)))
         else:
@@ -690,7 +691,8 @@ def _rescore_kernel(
 # --tune sweeps them):
 # - row_block: rows per scoring chunk. 64 = one warpgroup's wgmma M: 4 warps, about 255
 #   registers, no spills (128K causal: 17.7 ms against 20.3 ms at 128 rows);
-# - num_warps: None = 4, or 8 when a chunk's [row_block, pool] scores reach 8192 entries;
+# - num_warps: None = 4, or 8 when a chunk's [row_block, pool] scores reach 8192 entries
+#   and the summaries are loaded up front;
 # - num_stages, maxnreg: None = Triton's defaults. The default pipelines the per-chunk q loads
 #   (cp.async) at about 255 registers, 2 programs per SM; num_stages=1, maxnreg=168 trades the
 #   prefetch for a third program per SM;
@@ -703,9 +705,12 @@ def _rescore_kernel(
 # - late_loads: each internal level loads a child's summaries right before its dots instead
 #   of all children up front: 64 KB of shared memory per program instead of 144 KB (defaults,
 #   D = 128, compiled offline for sm90 by benchmarks/kernel_resources.py), so two 4-warp
-#   programs fit an SM, at more spilled registers. Not yet timed on a GPU.
+#   programs fit an SM, at more spilled registers. None = on for box-bound walks (whose
+#   children's boxes are what fills shared memory), with 4 warps: the defaults select in 11.65
+#   ms instead of 14.0 (8 warps, loads up front) at 32K, the same blocks.
+#   profiles/select_tune.json, run d.
 SELECT_TUNING = dict(row_block=64, num_warps=None, num_stages=None, maxnreg=None, unroll=1,
-                     late_loads=False)
+                     late_loads=None)
 
 # Launch settings of the exact rescoring kernel (``leaf_scoring="exact"``): rows per chunk
 # (capped so that the [rows, shortlist] fp32 scores fit in registers), keys per dot.
@@ -804,9 +809,9 @@ def select_launch(G: int, Nq: int, Nk: int, D: int, *, block_size: int, top_k: i
                 W=max(16, triton.next_power_of_2(short)) if short else P,
                 EXACT=exact, SHORT=short, UNROLL=cdiv(R, RB) <= min(16, unroll),
                 BOUND=bool(bound_block), NS=block_size // bound_block if bound_block else 1,
-                LATE=bool(tune["late_loads"]))
+                LATE=bool(bound_block) if tune["late_loads"] is None else bool(tune["late_loads"]))
     options = {key: tune[key] for key in ("num_stages", "maxnreg") if tune[key] is not None}
-    options["num_warps"] = tune["num_warps"] or (8 if RB * P >= 8192 else 4)
+    options["num_warps"] = tune["num_warps"] or (4 if meta["LATE"] or RB * P < 8192 else 8)
     return meta, options
 
 

@@ -35,6 +35,15 @@ def _check_int(name: str, value: int, lo: int, hi: Optional[int] = None,
         raise ValueError(f"PisaConfig.{name} must be {what}, got {value}")
 
 
+def _unknown_options(where: str, names) -> TypeError:
+    """The error for option names that are not fields: each with its closest field."""
+    import difflib
+    valid = PisaConfig.field_names()
+    hints = [f"{n!r}" + (f" (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(
+        n, valid, n=1)) else "") for n in sorted(names)]
+    return TypeError(f"{where}: unknown option(s) {', '.join(hints)}; valid: {', '.join(valid)}")
+
+
 @dataclass(frozen=True)
 class PisaConfig:
     """Options of PISA (Pyramid Top-K Sparse Attention); see ``DESIGN.md``, "The algorithm".
@@ -89,6 +98,7 @@ class PisaConfig:
 
     Raises:
         ValueError: a field is out of range; the message names the field and the range.
+        TypeError: an unknown option name; the message lists the valid ones and the closest.
     """
 
     block_size: int = 64
@@ -104,6 +114,13 @@ class PisaConfig:
     min_seq_len: int = 32768
     dense_tail: int = 64
     kernel: str = "auto"
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "PisaConfig":
+        # The dataclass's own TypeError names neither the valid fields nor the likely one.
+        unknown = set(kwargs) - set(cls.field_names())
+        if unknown:
+            raise _unknown_options(cls.__name__, unknown)
+        return super().__new__(cls)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -166,10 +183,9 @@ class PisaConfig:
                 value is out of range. TypeError: an override is not a field (the message
                 lists them).
         """
-        unknown = sorted(set(overrides) - set(cls.field_names()))
+        unknown = set(overrides) - set(cls.field_names())
         if unknown:
-            raise TypeError(f"PisaConfig.preset: unknown option(s) {unknown}; valid: "
-                            f"{', '.join(cls.field_names())}")
+            raise _unknown_options("PisaConfig.preset", unknown)
         if not isinstance(name, str) or name not in PRESETS:
             raise ValueError(f"PisaConfig.preset: unknown preset {name!r}; expected one of "
                              f"{sorted(PRESETS)}")

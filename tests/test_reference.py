@@ -358,8 +358,13 @@ def test_presets():
         PisaConfig.preset("turbo")
     with pytest.raises(ValueError, match="unknown preset \\['fast'\\]"):
         PisaConfig.from_options({"preset": ["fast"]})
-    with pytest.raises(TypeError, match="unknown option\\(s\\) \\['topk'\\]; valid: block_size"):
+    hint = "unknown option\\(s\\) 'topk' \\(did you mean 'top_k'\\?\\); valid: block_size"
+    with pytest.raises(TypeError, match="PisaConfig.preset: " + hint):
         PisaConfig.preset("fast", topk=8)
+    with pytest.raises(TypeError, match="PisaConfig: " + hint):
+        PisaConfig(topk=8)
+    with pytest.raises(TypeError, match="PisaConfig: " + hint):
+        PisaConfig().replace(topk=8)
 
 
 def test_causal_needs_a_local_block():

@@ -145,6 +145,7 @@ def test_key_masked_dense_rows_take_the_split_k_kernel(monkeypatch, Nq, dtype):
     key_mask = torch.ones(B, Nk, dtype=torch.bool, device=DEV)
     key_mask[0, :77] = False   # left padding
     key_mask[1, 150:] = False  # right padding
+    key_mask[1, 20:40] = False  # and a hole: read per key
     key_mask[2, :] = False     # a row of padding only: zeros
     kw = dict(is_causal=True, enable_gqa=True, key_mask=key_mask, causal_offset=Nk - Nq)
     tri = _cfg("triton", dense_tail=16)

@@ -16,7 +16,10 @@ Nq``). Rows, median ms by ``triton.testing.do_bench``, no gradient:
 - ``SDPA, mask, repeat_kv``: what transformers' SDPA attention runs with a mask (K/V
   repeated to the query heads, a ``[B, 1, Nq, N]`` bool mask);
 - ``SDPA, mask, enable_gqa``;
-- ``SDPA, no mask``: the same rows without padding (FlashAttention), for scale.
+- ``SDPA, no mask``: the same rows without padding (FlashAttention), for scale;
+- with ``--splits``, decode steps only: ``split-K xS``, the kernel behind ``pisa`` launched
+  directly with ``S`` times its default number of slices per block list
+  (``triton_decode.num_splits``: about two programs per SM), to tune that default.
 """
 
 from __future__ import annotations
@@ -33,7 +36,23 @@ from pisa_compile.kernels.geometry import dense_mask
 HQ, HKV, D = 32, 8, 128
 
 
-def calls(batch: int, n: int, nq: int, left_pad: int) -> dict:
+def split_k_calls(q, k, v, key_mask, factors) -> dict:
+    """``split-K xS``: ``decode_attention`` over every key block as ``pisa`` runs it, with
+    ``S`` times the default number of slices."""
+    from pisa_compile.kernels import triton_decode as td
+    from pisa_compile.kernels.geometry import cdiv
+    B, nq, n = q.shape[0], q.shape[2], k.shape[2]
+    L = cdiv(n, 64)
+    bi = torch.arange(L, device="cuda", dtype=torch.int32).expand(B, HKV, 1, L)
+    bc = torch.full((B, HKV, 1), L, device="cuda", dtype=torch.int32)
+    tq = PisaConfig().dense_tail + PisaConfig().query_tile
+    base, _ = td.num_splits(B * HKV, L, q.device)  # one program per (batch, KV head)
+    return {f"split-K x{f}": (lambda f=f: td.decode_attention(
+        q, k, v, None, True, D ** -0.5, bi, bc, block_size=64, query_tile=tq,
+        key_mask=key_mask, causal_offset=n - nq, n_splits=base * f)) for f in factors}
+
+
+def calls(batch: int, n: int, nq: int, left_pad: int, factors=()) -> dict:
     """The timed callables of one case (see the module docstring)."""
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(batch, HQ, nq, D, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -57,6 +76,7 @@ def calls(batch: int, n: int, nq: int, left_pad: int) -> dict:
         # FlashAttention's causal flag is bottom-right (SDPA's is top-left).
         "SDPA, no mask": lambda: torch.ops.aten._scaled_dot_product_flash_attention(
             q, k, v, 0.0, nq > 1, False, scale=D ** -0.5)[0],
+        **(split_k_calls(q, k, v, key_mask, factors) if nq == 1 else {}),
     }, (q, k, v, key_mask, mask, kr, vr)
 
 
@@ -65,6 +85,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", type=int, nargs="*", default=[8192, 32768, 131072])
     ap.add_argument("--batches", type=int, nargs="*", default=[1, 8])
+    ap.add_argument("--splits", type=int, nargs="*", default=[],
+                    help="also time the split-K kernel with these multiples of its default "
+                         "slices (e.g. 1 2 4 8)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     rows: dict = {}
@@ -73,7 +96,7 @@ def main(argv=None) -> int:
             for batch in args.batches:
                 for nq in (1, 64):
                     for left_pad in (0, n // 4):
-                        fns, tensors = calls(batch, n, nq, left_pad)
+                        fns, tensors = calls(batch, n, nq, left_pad, args.splits)
                         ref = fns["SDPA, mask, repeat_kv"]()
                         case = f"N={n // 1024}K B={batch} Nq={nq} left_pad={left_pad}"
                         row = {"max_abs_diff_pisa_vs_sdpa": float(

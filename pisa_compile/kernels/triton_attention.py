@@ -44,7 +44,6 @@ from torch import Tensor
 
 from .geometry import cdiv
 from .runtime import MAX_HEAD_DIM, launcher
-from .triton_keymask import key_mask_args, key_run, live_keys
 from .triton_util import LN2, LOG2E, pow2
 
 __all__ = ["sparse_attention", "sparse_attention_backward", "transposed_index", "tile_params"]
@@ -119,6 +118,17 @@ def _key_extent(kpos, kvalid):
 
 
 @triton.jit
+def _key_live(kpos, kvalid, km_row, skmn, HAS_KEY_MASK: tl.constexpr):
+    """``kvalid`` with the key mask's padding keys (``km_row``: this batch's row) taken out,
+    so every later step sees them as missing keys (their V and, in the backward, K are never
+    loaded)."""
+    if HAS_KEY_MASK:
+        km = tl.load(km_row + kpos.to(tl.int64) * skmn, mask=kvalid, other=0)
+        kvalid = kvalid & (km != 0)
+    return kvalid
+
+
+@triton.jit
 def _apply_mask(s, b, head, qi, row_ok, kpos, kvalid, Mask, smb, smh, smq, smk, mask_thr,
                 q_offset, IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
                 MASK_BOOL: tl.constexpr):
@@ -165,9 +175,9 @@ def _masked_scores(s, b, head, qi, row_ok, kpos, kvalid, any_pad, k_hi, q_lo, Ma
 
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, Mask, KeyMask, KeyRun, BI, BC, Out, Lse, OPart, LPart,
+    Q, K, V, Mask, KeyMask, BI, BC, Out, Lse, OPart, LPart,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
-    smb, smh, smq, smk, skmb, skmn, skrb, sob, soh, son, sod, slb, slh, sln,
+    smb, smh, smq, smk, skmb, skmn, sob, soh, son, sod, slb, slh, sln,
     sib, sih, sit, scb, sch, sct,
     Hkv, Nq, Nk, q_offset, qk_scale, mask_thr, ENTRIES_PER_SPLIT, part_stride_o, part_stride_l,
     G: tl.constexpr, TQ: tl.constexpr, TQE: tl.constexpr, C: tl.constexpr,
@@ -204,7 +214,6 @@ def _fwd_kernel(
     k_base = K + b64 * skb + hkv.to(tl.int64) * skh
     v_base = V + b64 * svb + hkv.to(tl.int64) * svh
     km_row = KeyMask + b64 * skmb
-    k_lo, k_hi_run, one_run = key_run(KeyRun, b, skrb, HAS_KEY_MASK)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -216,7 +225,7 @@ def _fwd_kernel(
         # key's score is masked below and its V is never loaded).
         kt = tl.load(k_base + kpos[None, :].to(tl.int64) * skn + offs_d[:, None] * skd,
                      mask=kvalid[None, :] & (offs_d[:, None] < D), other=0.0)
-        kvalid = live_keys(kpos, kvalid, km_row, skmn, k_lo, k_hi_run, one_run, HAS_KEY_MASK)
+        kvalid = _key_live(kpos, kvalid, km_row, skmn, HAS_KEY_MASK)
         s = tl.dot(q, kt) * qk_scale
         any_pad, k_hi = _key_extent(kpos, kvalid)
         s = _masked_scores(s, b, head, qi, row_ok, kpos, kvalid, any_pad, k_hi, q_lo, Mask,
@@ -276,9 +285,9 @@ def _bwd_delta_kernel(O, DO, Delta, Hq, Nq,
 
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, Mask, KeyMask, KeyRun, BI, BC, DO, Lse, Delta, DQ,
+    Q, K, V, Mask, KeyMask, BI, BC, DO, Lse, Delta, DQ,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
-    smb, smh, smq, smk, skmb, skmn, skrb, sdob, sdoh, sdon, sdod, slb, slh, sln,
+    smb, smh, smq, smk, skmb, skmn, sdob, sdoh, sdon, sdod, slb, slh, sln,
     sdqb, sdqh, sdqn, sdqd, sib, sih, sit, scb, sch, sct,
     Hkv, Nq, Nk, q_offset, qk_scale, sm_scale, mask_thr,
     G: tl.constexpr, TQ: tl.constexpr, TQE: tl.constexpr, C: tl.constexpr,
@@ -314,13 +323,12 @@ def _bwd_dq_kernel(
     k_base = K + b64 * skb + hkv.to(tl.int64) * skh
     v_base = V + b64 * svb + hkv.to(tl.int64) * svh
     km_row = KeyMask + b64 * skmb
-    k_lo, k_hi_run, one_run = key_run(KeyRun, b, skrb, HAS_KEY_MASK)
 
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     n_it = _n_iters(0, count, C, BLOCK_N)
     for it in range(0, n_it):
         kpos, kvalid = _keys(bi_row, 0, count, it, Nk, C, BLOCK_N)
-        kvalid = live_keys(kpos, kvalid, km_row, skmn, k_lo, k_hi_run, one_run, HAS_KEY_MASK)
+        kvalid = _key_live(kpos, kvalid, km_row, skmn, HAS_KEY_MASK)
         k = tl.load(k_base + kpos[:, None].to(tl.int64) * skn + offs_d[None, :] * skd,
                     mask=kvalid[:, None] & (offs_d[None, :] < D), other=0.0)
         v = tl.load(v_base + kpos[:, None].to(tl.int64) * svn + offs_dv[None, :] * svd,
@@ -341,10 +349,9 @@ def _bwd_dq_kernel(
 
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, Mask, KeyMask, KeyRun, Offsets, Tiles, Work, SlotBase, DO, Lse, Delta, dK, dV,
-    PartK, PartV,
+    Q, K, V, Mask, KeyMask, Offsets, Tiles, Work, SlotBase, DO, Lse, Delta, dK, dV, PartK, PartV,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
-    smb, smh, smq, smk, skmb, skmn, skrb, sdob, sdoh, sdon, sdod, slb, slh, sln,
+    smb, smh, smq, smk, skmb, skmn, sdob, sdoh, sdon, sdod, slb, slh, sln,
     sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd,
     Hkv, Nq, Nk, q_offset, L, BHL, TM, SEG, qk_scale, sm_scale, mask_thr,
     G: tl.constexpr, TQ: tl.constexpr, TQE: tl.constexpr, C: tl.constexpr,
@@ -395,9 +402,7 @@ def _bwd_dkdv_kernel(
     kpos = tl.where(kvalid, kpos, 0)
     # Key-masked keys get dk = dv = 0 (stored, as every key of the leaf is).
     kstore = kvalid
-    k_lo, k_hi_run, one_run = key_run(KeyRun, b, skrb, HAS_KEY_MASK)
-    kvalid = live_keys(kpos, kvalid, KeyMask + b.to(tl.int64) * skmb, skmn, k_lo, k_hi_run,
-                      one_run, HAS_KEY_MASK)
+    kvalid = _key_live(kpos, kvalid, KeyMask + b.to(tl.int64) * skmb, skmn, HAS_KEY_MASK)
     # Scalar flags broadcast as int vectors: the interpreter turns bool-vector & bool-scalar
     # into int32, which tl.load then refuses as a mask.
     zero_n = offs_n * 0
@@ -625,6 +630,18 @@ def _mask_args(attn_mask: Optional[Tensor], q: Tensor, Nk: int):
     return m, m.stride(), True, False, float(thr)
 
 
+def _key_mask_args(key_mask: Optional[Tensor], q: Tensor, Nk: int):
+    """``(tensor, (stride_b, stride_n), has_key_mask)`` of a ``[B, Nk]`` key mask, read as
+    bytes (``q`` stands in for an absent one: never read)."""
+    if key_mask is None:
+        return q, (0, 0), False
+    if key_mask.dim() != 2 or key_mask.shape[1] != Nk or key_mask.shape[0] not in (1, q.shape[0]):
+        raise ValueError(f"key_mask must be [B={q.shape[0]}, Nk={Nk}], got shape "
+                         f"{tuple(key_mask.shape)}")
+    km = key_mask.to(torch.uint8)  # a value cast (Inductor cannot lower bool->uint8 views)
+    return km, (km.stride(0) if km.shape[0] > 1 else 0, km.stride(1)), True
+
+
 def _common(q, k, v, attn_mask, is_causal, block_indices, block_counts, block_size, query_tile,
             tuning=None, key_mask=None):
     _check(q, k, v, block_indices, block_counts, query_tile)
@@ -635,13 +652,13 @@ def _common(q, k, v, attn_mask, is_causal, block_indices, block_counts, block_si
     tqe = min(Tq, Nq)
     tp = tile_params(G, tqe, D, Dv, block_size, q.dtype, tuning)
     mask, mstr, has_mask, mask_bool, thr = _mask_args(attn_mask, q, Nk)
-    km, runs, kmstr, has_km = key_mask_args(key_mask, q, Nk)
+    km, kmstr, has_km = _key_mask_args(key_mask, q, Nk)
     bi = block_indices.contiguous()
     bc = block_counts.contiguous()
     meta = dict(G=G, TQ=Tq, TQE=tqe, C=block_size, D=D, DV=Dv, IS_CAUSAL=bool(is_causal),
                 HAS_MASK=has_mask, MASK_BOOL=mask_bool, HAS_KEY_MASK=has_km, **tp)
-    # The key mask rides with the explicit mask: (mask, key mask, its runs), their strides.
-    return (B, Hq, Hkv, Nq, Nk, D, Dv, bi, bc, (mask, km, runs), (*mstr, *kmstr), thr, meta)
+    # The key mask rides with the explicit mask: (mask, key mask), strides of both.
+    return (B, Hq, Hkv, Nq, Nk, D, Dv, bi, bc, (mask, km), (*mstr, *kmstr), thr, meta)
 
 
 def sparse_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal: bool,

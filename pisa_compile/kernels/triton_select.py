@@ -69,7 +69,6 @@ from . import reference
 from .geometry import block_width, cdiv, level_sizes, local_bound, query_offset, sink_start
 from .runtime import launcher, stage_range
 from .triton_pyramid import n_levels, pyramid_buffers
-from .triton_keymask import key_mask_args, key_run, live_keys
 from .triton_util import LOG2E
 
 
@@ -580,9 +579,9 @@ def _select_kernel(
 
 
 @triton.jit
-def _leaf_lse2(qv, qpos, row_ok, kbase, skn, skd, km_row, skmn, k_lo, k_hi, one_run, leaf, Nk,
-               offset, qk_scale, d, D: tl.constexpr, C: tl.constexpr, KC: tl.constexpr,
-               CAUSAL: tl.constexpr, HAS_KEY_MASK: tl.constexpr, LOWP: tl.constexpr):
+def _leaf_lse2(qv, qpos, row_ok, kbase, skn, skd, km_row, skmn, leaf, Nk, offset, qk_scale,
+               d, D: tl.constexpr, C: tl.constexpr, KC: tl.constexpr, CAUSAL: tl.constexpr,
+               HAS_KEY_MASK: tl.constexpr, LOWP: tl.constexpr):
     """Base-2 LSE ``[RB]`` of each row's scores over leaf ``leaf``'s visible keys (``-inf``:
     none), in key chunks of ``KC`` with an online max, as flash attention's row statistics."""
     kc = tl.arange(0, KC)
@@ -592,11 +591,11 @@ def _leaf_lse2(qv, qpos, row_ok, kbase, skn, skd, km_row, skmn, k_lo, k_hi, one_
     for c0 in tl.static_range(0, C, KC):
         kp = leaf * C + c0 + kc
         kin = (kp < Nk) & (c0 + kc < C)
-        # K before the key mask, so a per-key mask load overlaps it; a padding key's score
-        # is masked.
+        # K before the key mask, so the two loads overlap; a padding key's score is masked.
         kk = tl.load(kbase + kp.to(tl.int64)[:, None] * skn + d[None, :] * skd,
                      mask=kin[:, None] & dm[None, :], other=0.0)
-        kin = live_keys(kp, kin, km_row, skmn, k_lo, k_hi, one_run, HAS_KEY_MASK)
+        if HAS_KEY_MASK:
+            kin = kin & (tl.load(km_row + kp.to(tl.int64) * skmn, mask=kin, other=0) != 0)
         if LOWP:
             sk = tl.dot(qv, tl.trans(kk.to(qv.dtype)))
         else:
@@ -616,8 +615,8 @@ def _leaf_lse2(qv, qpos, row_ok, kbase, skn, skd, km_row, skmn, k_lo, k_hi, one_
 
 @triton.jit
 def _rescore_kernel(
-    q_ptr, k_ptr, km_ptr, run_ptr, lcnt_ptr, short_ptr, fidx_ptr, fcnt_ptr, idx_ptr, bcnt_ptr,
-    trace_ptr, sqb, sqh, sqn, sqd, skb, skh, skn, skd, skmb, skmn, skrb,
+    q_ptr, k_ptr, km_ptr, lcnt_ptr, short_ptr, fidx_ptr, fcnt_ptr, idx_ptr, bcnt_ptr, trace_ptr,
+    sqb, sqh, sqn, sqd, skb, skh, skn, skd, skmb, skmn,
     Hkv, Nq, Nk, total, T, M, offset, scale, trace_stride,
     D: tl.constexpr, G: tl.constexpr, TQ: tl.constexpr, C: tl.constexpr, KC: tl.constexpr,
     BD: tl.constexpr, TOPK: tl.constexpr, W: tl.constexpr, RB: tl.constexpr, MP: tl.constexpr,
@@ -658,7 +657,6 @@ def _rescore_kernel(
         qbase = q_ptr + b.to(tl.int64) * sqb + (h * G).to(tl.int64) * sqh
         kbase = k_ptr + b.to(tl.int64) * skb + h.to(tl.int64) * skh
         km_row = km_ptr + b.to(tl.int64) * skmb
-        k_lo, k_hi, one_run = key_run(run_ptr, b, skrb, HAS_KEY_MASK)
         qk_scale = scale * LOG2E
         for c in range((n_rows + RB - 1) // RB):
             qv, row_ok = _q_rows(qbase, qoff0, c, rr, n_rows, q_first, sqh, sqn, sqd, d, D, BD,
@@ -667,9 +665,8 @@ def _rescore_kernel(
             s = tl.full([RB, W], float("-inf"), tl.float32)
             for j in range(n_ok):  # the shortlist is compact: slots [0, n_ok)
                 leaf = tl.load(short_row + j)
-                lse = _leaf_lse2(qv, qpos, row_ok, kbase, skn, skd, km_row, skmn, k_lo, k_hi,
-                                 one_run, leaf, Nk, offset, qk_scale, d, D, C, KC, CAUSAL,
-                                 HAS_KEY_MASK, LOWP)
+                lse = _leaf_lse2(qv, qpos, row_ok, kbase, skn, skd, km_row, skmn, leaf, Nk,
+                                 offset, qk_scale, d, D, C, KC, CAUSAL, HAS_KEY_MASK, LOWP)
                 s = tl.where((ws == j)[None, :], lse[:, None], s)
             S += _pool_share2(s, ok & ~bad, row_ok)
     picked = _top_mask(_prioritise(S, bad, ok), ok, TOPK, W)
@@ -912,11 +909,10 @@ def select_blocks(q: Tensor, k: Tensor, is_causal: bool, scale: float, *, block_
         # [RB, W] fp32 scores stay in registers: fewer rows per chunk for a wide shortlist.
         RBx = min(rt["row_block"], max(16, 8192 // W),
                   max(16, triton.next_power_of_2(min(G * Tq, G * Nq))))
-        km_r, runs, kmstr, _ = key_mask_args(key_mask, q, Nk)
         launcher(_rescore_kernel, q)[(T, B * Hkv)](
-            q, k, km_r, runs, lcnt, short_idx, sel_idx, sel_counts, idx, counts,
+            q, k, km, lcnt, short_idx, sel_idx, sel_counts, idx, counts,
             counts if trace is None else trace,
-            *q.stride(), *k.stride(), *kmstr,
+            *q.stride(), *k.stride(), *((0, 0) if key_mask is None else km.stride()),
             Hkv, Nq, Nk, total, T, M, 0 if offset is None else offset, float(scale),
             0 if trace is None else trace.shape[3] * TW,
             D=D, G=G, TQ=Tq, C=C, KC=max(16, min(C, rt["key_block"])), BD=meta["BD"],

@@ -117,9 +117,10 @@ class PisaConfig:
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "PisaConfig":
         # The dataclass's own TypeError names neither the valid fields nor the likely one.
-        unknown = set(kwargs) - set(cls.field_names())
-        if unknown:
-            raise _unknown_options(cls.__name__, unknown)
+        # A frozenset, not dataclasses.fields: Dynamo traces this where a compiled function
+        # builds a config (pisa_attention's default).
+        if kwargs and not _FIELD_NAMES.issuperset(kwargs):
+            raise _unknown_options(cls.__name__, set(kwargs) - _FIELD_NAMES)
         return super().__new__(cls)
 
     def __post_init__(self) -> None:
@@ -230,6 +231,8 @@ class PisaConfig:
         return dict(zip(names, self.selection_args()))
 
 
+_FIELD_NAMES = frozenset(PisaConfig.field_names())
+
 # Named option sets (PisaConfig.preset, or options={"preset": name} in torch.compile).
 PRESETS: dict[str, dict] = {
     "quality": {},
@@ -278,8 +281,11 @@ def split_options(options: Optional[Mapping[str, Any]] = None,
             continue
         name = str(key).replace("-", "_")
         if name not in known:
+            import difflib
+            close = difflib.get_close_matches(str(key), pisa_keys, n=1)
             raise ValueError(
-                f"unknown option {key!r} for backend 'pisa'. Valid keys: the PISA keys "
+                f"unknown option {key!r} for backend 'pisa'"
+                + (f" (did you mean {close[0]!r}?)" if close else "") + ". Valid keys: the PISA keys "
                 f"{', '.join(pisa_keys)}; or any torch._inductor.config key (e.g. "
                 f"'max_autotune', 'triton.cudagraphs')")
         expected = inductor_config.get_type(name)

@@ -410,12 +410,13 @@ def pisa_attention(
 
 def _dense(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
            key_mask: Optional[Tensor], is_causal: bool, causal_offset, window: Optional[int],
-           scale, enable_gqa: bool, max_rows: Optional[int] = None,
-           kernel: str = "reference") -> Tensor:
-    """Dense SDPA over what the structured arguments stand for: the dense path of
+           scale, enable_gqa: bool, *, kernel: str, max_rows: Optional[int] = None) -> Tensor:
+    """Dense attention over what the structured arguments stand for: the dense path of
     :func:`pisa_attention` and its dense tail (arguments as there, checked; ``max_rows``: a
     static bound on ``Nq`` where it is symbolic, given for the tail and decode calls;
-    ``kernel``: the config's). Returns ``[B, Hq, Nq, Dv]``."""
+    ``kernel``: the config's). SDPA, except the tail and decode calls under a key mask
+    without gradients on the Triton path (:func:`_dense_split_k`). Returns
+    ``[B, Hq, Nq, Dv]``."""
     if (key_mask is not None and attn_mask is None and window is None and max_rows is not None
             and not isinstance(scale, Tensor) and not _needs_grad(q, k, v)
             and dispatch.triton_refusal(q, v, kernel) is None):
@@ -440,6 +441,8 @@ def _dense(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
 
 
 def _needs_grad(*tensors: Tensor) -> bool:
+    """Whether autograd will record a call on ``tensors`` (the split-K path has no backward
+    of its own worth running: one program would walk every key block)."""
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
@@ -460,9 +463,11 @@ def _dense_split_k(q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor, is_causal:
     block_indices = torch.arange(n_blocks, device=q.device, dtype=torch.int32).expand(
         B, Hkv, 1, n_blocks)
     block_counts = torch.full((B, Hkv, 1), n_blocks, device=q.device, dtype=torch.int32)
-    out, _lse = _attention_op(q, k, v, None, key_mask, block_indices, block_counts, is_causal,
-                              causal_offset, float(scale), _SPLIT_K_BLOCK, max_rows,
-                              dispatch.DECODE)
+    # Through the autograd Function, so that forward-mode AD raises as on the sparse path
+    # instead of getting no tangent from the bare op.
+    out, _lse = _Attention.apply(q, k, v, None, key_mask, block_indices, block_counts, is_causal,
+                                 causal_offset, float(scale), _SPLIT_K_BLOCK, max_rows,
+                                 dispatch.DECODE)
     return out
 
 

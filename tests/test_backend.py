@@ -189,6 +189,74 @@ def test_a_checkpoint_body_that_writes_a_mask_keeps_it_explicit(writes):
     torch.testing.assert_close(out, f(*args), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("top_k", [6, 1], ids=["exact", "sparse"])
+def test_a_mask_built_outside_a_checkpointed_region_is_structure_inside(top_k):
+    """transformers builds the causal+padding mask once, outside the decoder layers that
+    gradient checkpointing wraps: the site inside the region proves it in the calling graph
+    and takes ``is_causal`` and the ``[B, Nk]`` key mask (passed into the region), as the same
+    site without checkpointing does: the same output and gradients (the exact regime equals
+    eager; the sparse one equals the uncheckpointed compile)."""
+    from torch.utils.checkpoint import checkpoint
+    opts = dict(min_seq_len=0, block_size=4, top_k=top_k, query_tile=4, dense_tail=0)
+    proj = torch.nn.Linear(16, 16)
+    pad = torch.ones(2, 24, dtype=torch.bool)
+    pad[0, :5] = False
+
+    def attend(q, k, v, m):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+
+    def make(ckpt):
+        def f(q, k, v, pad):
+            i = torch.arange(q.shape[-2])
+            m = (i[None, :] <= i[:, None])[None, None] & pad[:, None, None, :]
+            out = checkpoint(attend, q, k, v, m, use_reentrant=False) if ckpt else \
+                attend(q, k, v, m)
+            return proj(out).square().mean()
+        return f
+
+    args = _qkv(requires_grad=True)
+    report = pisa_compile.explain(make(True), *args, pad, options=opts)
+    assert [s.mask for s in report.sites] == ["bool->is_causal+padding"], str(report)
+    results = []
+    for ckpt in (True, False):
+        counters.clear()
+        torch._dynamo.reset()
+        loss = torch.compile(make(ckpt), backend="pisa", options=opts)(*args, pad)
+        results.append((loss, torch.autograd.grad(loss, (*args, proj.weight))))
+        assert dict(counters["pisa"]) == {"rewritten": 1}
+    if top_k == 6:
+        ref = make(False)(*args, pad)
+        results.append((ref, torch.autograd.grad(ref, (*args, proj.weight))))
+    else:
+        assert (results[0][0] - make(False)(*args, pad)).abs() > 1e-5  # sparse ran
+    for loss, grads in results[1:]:
+        torch.testing.assert_close(results[0][0], loss)
+        for a, b in zip(results[0][1], grads):
+            torch.testing.assert_close(a, b)
+
+
+def test_a_region_that_writes_its_mask_keeps_it_explicit_inside():
+    """A region that fills the mask it was handed before attending with it: the site inside
+    must not take the structure the mask was built with (equal to eager)."""
+    from torch.utils.checkpoint import checkpoint
+    opts = dict(min_seq_len=0, block_size=4, top_k=1, query_tile=4, dense_tail=0)
+
+    def attend(q, k, v, m):
+        m.fill_(True)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+
+    def f(q, k, v):
+        i = torch.arange(q.shape[-2])
+        m = (i[None, :] <= i[:, None]).expand(2, 1, -1, -1).clone()
+        return checkpoint(attend, q, k, v, m, use_reentrant=False)
+
+    args = _qkv()
+    report = pisa_compile.explain(f, *args, options=opts)
+    assert "causal" not in report.sites[0].mask, str(report)
+    opts["top_k"] = 6  # the exact regime: the output is eager's
+    torch.testing.assert_close(torch.compile(f, backend="pisa", options=opts)(*args), f(*args))
+
+
 def test_attention_in_other_subgraphs_is_reported_dense():
     """Attention inside an ``autograd.Function`` (whose backward the user wrote) is not
     rewritten, and the report says so instead of listing no site."""

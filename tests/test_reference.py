@@ -367,6 +367,20 @@ def test_presets():
         PisaConfig().replace(topk=8)
 
 
+def test_a_config_built_inside_a_compiled_function_traces():
+    """``pisa_attention`` without a config builds ``PisaConfig()`` in the traced code, and a
+    function may build or change one: one graph, no break (``fullgraph=True``)."""
+    q = torch.randn(1, 2, 32, 16)
+
+    def f(q):
+        cfg = PisaConfig(min_seq_len=0, block_size=8, top_k=2).replace(top_k=3)
+        return pisa_attention(q, q, q, is_causal=True) + pisa_attention(
+            q, q, q, is_causal=True, config=cfg)
+
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(f, backend="eager", fullgraph=True)(q), f(q))
+
+
 def test_causal_needs_a_local_block():
     q = torch.randn(1, 1, 64, 16)
     with pytest.raises(ValueError, match="local_blocks >= 1"):

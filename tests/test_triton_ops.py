@@ -132,7 +132,8 @@ def test_launcher_wraps_kernels_only_while_traced(monkeypatch):
 def test_key_masked_dense_rows_take_the_split_k_kernel(monkeypatch, Nq, dtype):
     """The dense tail and decode calls under a key mask run the split-K kernel over every key
     block when nothing needs a gradient (SDPA under the mask otherwise), equal SDPA under
-    the dense mask, and never read a padding key: NaN there leaves the output bit-identical."""
+    the dense mask, and padding keys never reach the output: NaN there leaves it
+    bit-identical."""
     from pisa_compile import ops
     calls = []
     real = ops._dense_split_k
@@ -160,6 +161,8 @@ def test_key_masked_dense_rows_take_the_split_k_kernel(monkeypatch, Nq, dtype):
     k2[~key_mask[:, None, :].expand(-1, Hkv, -1)] = float("nan")
     v2[~key_mask[:, None, :].expand(-1, Hkv, -1)] = float("nan")
     assert torch.equal(pisa_attention(q, k2, v2, config=tri, **kw), out)
+    with pytest.raises(RuntimeError, match="jvp"):  # forward-mode AD: refused, never zero
+        torch.func.jvp(lambda x: pisa_attention(x, k, v, config=tri, **kw), (q,), (q,))
     n_calls = len(calls)
     qg = q.clone().requires_grad_()
     pisa_attention(qg, k, v, config=tri, **kw).sum().backward()  # SDPA, with gradients

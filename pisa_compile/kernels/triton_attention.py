@@ -649,7 +649,9 @@ def _common(q, k, v, attn_mask, is_causal, block_indices, block_counts, block_si
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     G = Hq // Hkv
     Tq = query_tile
-    tqe = min(Tq, Nq)
+    # A constexpr: a power of two bounds the compiles a short call's length makes (the dense
+    # tail and decode through decode_attention see every length up to their bound).
+    tqe = min(Tq, triton.next_power_of_2(Nq))
     tp = tile_params(G, tqe, D, Dv, block_size, q.dtype, tuning)
     mask, mstr, has_mask, mask_bool, thr = _mask_args(attn_mask, q, Nk)
     km, kmstr, has_km = _key_mask_args(key_mask, q, Nk)

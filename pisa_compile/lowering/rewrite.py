@@ -16,6 +16,7 @@ import dataclasses
 import inspect
 import math
 import operator
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -102,6 +103,43 @@ def _same_shape(a: Node, b: Node) -> bool:
             and all(P.known_equal(x, y) for x, y in zip(va.shape, vb.shape)))
 
 
+class _Outer:
+    """An activation-checkpoint body's view of its caller: each body placeholder's operand in
+    the calling graph, so that a mask built outside the region is proved where it is built.
+    ``thread`` makes an outer node (a proved key mask) an input of the body: a placeholder
+    appended to the body and an operand appended to the call (``apply`` only)."""
+
+    def __init__(self, call: Node, body: GraphModule, apply: bool):
+        self.call, self.body, self.apply = call, body, apply
+        placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+        self.operands = dict(zip(placeholders, call.args[1:]))
+
+    def thread(self, node: Node) -> Node:
+        if not self.apply:
+            return node  # explain: analysed, nothing is built
+        for ph, operand in self.operands.items():
+            if operand is node:
+                return ph
+        last = [n for n in self.body.graph.nodes if n.op == "placeholder"][-1]
+        with self.body.graph.inserting_after(last):
+            ph = self.body.graph.placeholder(f"{node.name}_pisa")
+        ph.meta.update({k: v for k, v in node.meta.items() if k in ("example_value", "val")})
+        self.call.args = (*self.call.args, node)
+        self.operands[ph] = node
+        return ph
+
+
+# The checkpoint body being rewritten (set by _rewrite_subgraphs around its rewrite_graph).
+_OUTER: ContextVar[Optional[_Outer]] = ContextVar("pisa_outer", default=None)
+
+
+def _through_boundary(mask: Any) -> Any:
+    """The operand a checkpoint body's mask placeholder stands for, else ``mask``."""
+    outer = _OUTER.get()
+    return outer.operands.get(mask, mask) if outer is not None and isinstance(mask, Node) \
+        else mask
+
+
 def _structure(masks: list, n_queries, n_keys) -> Optional[M.Struct]:
     """The structure every mask together stands for (their attended entries intersected),
     or None when one is not proved (:mod:`.masks` has the proof rules). ``masks``:
@@ -111,6 +149,7 @@ def _structure(masks: list, n_queries, n_keys) -> Optional[M.Struct]:
     site with one mask (what eager gives rows that see no key)."""
     out: Any = M.ONES
     for kind, mask, extra, dtype in masks:
+        mask = _through_boundary(mask)  # a mask built outside a checkpointed region
         if kind == "bool":
             s = M.bool_structure(mask, extra)
         else:
@@ -171,6 +210,15 @@ def _take_structure(graph, plan: _Plan, s: M.Struct, qv: Any, kv: Any, site: Sit
     if s.checked and not _asserts_enforced():
         site.mask += "(a buffer: kept as a mask, device-side checks are off)"
         return False
+    outer = _OUTER.get()
+    crossed = outer is not None and any(
+        m in outer.operands for m in [plan.mask, *(m for _, m, *_ in plan.masks)])
+    if crossed and (s.checked or (s.upper is not None and s.upper[1])
+                    or (s.lower is not None and s.lower[1])):
+        # Their nodes (a buffer, symbolic sizes) live outside the region.
+        site.mask += "(built outside the checkpointed region with a symbolic offset or a " \
+                     "checked buffer: kept as a mask)"
+        return False
     if s.key is not None:
         km = P.val(s.key)
         if not (isinstance(km, torch.Tensor) and isinstance(qv, torch.Tensor) and qv.dim() == 4
@@ -186,7 +234,10 @@ def _take_structure(graph, plan: _Plan, s: M.Struct, qv: Any, kv: Any, site: Sit
     plan.mask, plan.masks = None, []
     plan.is_causal = s.upper is not None
     plan.causal_offset = s.upper if s.upper is not None and s.upper != (0, ()) else None
-    plan.key_mask, plan.key_cut, plan.key_nonzero = s.key, s.key_cut, s.key_nonzero
+    key = s.key
+    if crossed and key is not None and key.graph is not graph:
+        key = outer.thread(key)  # the key mask becomes an input of the body
+    plan.key_mask, plan.key_cut, plan.key_nonzero = key, s.key_cut, s.key_nonzero
     # A finite fill (finfo.min) makes eager's rows that see no key the mean of v (not in
     # float16, where finfo.min + s keeps s / 32). Structure leaves a row empty only through
     # the key mask: a causal row sees key 0 and a window the diagonal.
@@ -856,8 +907,9 @@ def _rewrite_subgraphs(gm: GraphModule, node: Node, config: PisaConfig, apply: b
                        done: dict) -> list[Site]:
     """The sites inside the bodies ``node`` calls. An activation-checkpoint region's body
     (``torch.utils.checkpoint``) is rewritten in a copy that replaces it, so a module shared
-    with another caller (``explain``'s copy of the graph) is never changed; it sees its masks
-    as inputs, so they stay explicit there. Other bodies (``autograd.Function``, ``cond``,
+    with another caller (``explain``'s copy of the graph) is never changed; a mask it takes
+    as an input is proved in the calling graph, where it is built (constant causal offsets
+    and key padding; the key mask is then passed into the body as one more operand). Other bodies (``autograd.Function``, ``cond``,
     ...) are analysed and reported, not rewritten. ``done``: sites per body already seen."""
     checkpoint = P.is_checkpoint(node)
     sites = []
@@ -867,7 +919,16 @@ def _rewrite_subgraphs(gm: GraphModule, node: Node, config: PisaConfig, apply: b
             rewrite = apply and checkpoint
             if rewrite:
                 body = GraphModule(body, copy_graph(body.graph))
-            inner = rewrite_graph(body, config, rewrite)
+            # Masks built outside the region are proved where they are built, when this call
+            # is the body's only caller (its operands are then the body's inputs).
+            callers = [u for a in gm.graph.nodes if a.op == "get_attr" and a.target == name
+                       for u in a.users]
+            token = _OUTER.set(_Outer(node, body, rewrite)
+                               if checkpoint and callers == [node] else None)
+            try:
+                inner = rewrite_graph(body, config, rewrite)
+            finally:
+                _OUTER.reset(token)
             if rewrite and any(s.rewritten for s in inner):
                 setattr(gm, name, body)
             for s in inner:
@@ -1053,8 +1114,9 @@ def _note(n_keys, has_mask: bool, config: PisaConfig, device: torch.device,
     if n_queries is not None and window is None and T and (
             statically_known_true(n_queries <= T)
             or causal and statically_known_true(n_queries < T + config.query_tile)):
-        return f"runs plain SDPA: every query in the dense tail (Nq={n_queries}, " \
-               f"dense_tail={T})"
+        how = ("runs dense (the split-K kernel over every key block under its key mask "
+               "when no gradient is wanted, else SDPA)" if padded else "runs plain SDPA")
+        return f"{how}: every query in the dense tail (Nq={n_queries}, dense_tail={T})"
     notes = []
     if not statically_known_true(n_keys >= config.min_seq_len):
         notes.append(f"plain SDPA while Nk={n_keys} < min_seq_len={config.min_seq_len}")

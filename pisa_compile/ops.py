@@ -284,13 +284,28 @@ def plan(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None,
         ``"reference"``) and the ``reason``
         a stage does not take the fused Triton path. See ``kernels.dispatch.plan``.
     """
-    config = _config(config)
-    return dispatch.plan(q, k, v, _mask4(attn_mask), is_causal, kernel=config.kernel,
-                         min_seq_len=config.min_seq_len, local_blocks=config.local_blocks,
-                         bound_block=config.effective_bound_block,
-                         window=_effective_window(window, q.shape[2], causal_offset),
-                         dense_rows=_tail_rows(q.shape[2], is_causal, config),
-                         key_padding=key_mask is not None)
+    how = _plan(q, k, v, attn_mask, is_causal, config=_config(config), window=window,
+                causal_offset=causal_offset, key_mask=key_mask)
+    if (how.reason == dispatch.IN_DENSE_TAIL and key_mask is not None and attn_mask is None
+            and how.attention == dispatch.SDPA and not _needs_grad(q, k, v)
+            and _effective_window(window, q.shape[2], causal_offset) is None
+            and dispatch.triton_refusal(q, v, _config(config).kernel) is None):
+        # as _dense runs it
+        how = how._replace(attention=dispatch.DECODE,
+                           reason=how.reason + ", under a key mask: split-K over every key")
+    return how
+
+
+def _plan(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal: bool, *,
+          config: PisaConfig, window: Optional[int], causal_offset, key_mask) -> Plan:
+    """:func:`plan` as :func:`pisa_attention` branches on it (the dense rows as SDPA)."""
+    window = _effective_window(window, q.shape[2], causal_offset)
+    how = dispatch.plan(q, k, v, _mask4(attn_mask), is_causal, kernel=config.kernel,
+                        min_seq_len=config.min_seq_len, local_blocks=config.local_blocks,
+                        bound_block=config.effective_bound_block, window=window,
+                        dense_rows=_tail_rows(q.shape[2], is_causal, config),
+                        key_padding=key_mask is not None)
+    return how
 
 
 def _tail_rows(n_queries, is_causal: bool, config: PisaConfig):
@@ -372,7 +387,7 @@ def pisa_attention(
     scale = _check_scale(scale, q)
     if attn_mask is not None and attn_mask.requires_grad:
         raise ValueError("attn_mask must not require grad: PISA gives no gradient for the mask")
-    how = plan(q, k, v, attn_mask, is_causal, config=config, window=window,
+    how = _plan(q, k, v, attn_mask, is_causal, config=config, window=window,
                causal_offset=causal_offset, key_mask=key_mask)
     if how.attention == dispatch.WINDOW:
         from .kernels.window import window_attention
@@ -393,11 +408,16 @@ def pisa_attention(
     if is_causal and config.dense_tail > 0:
         # The last rows (a prompt's question) attend densely; plan() left some sparse rows.
         head = q.shape[2] - _tail_rows(q.shape[2], is_causal, config)
-        tail = _dense(q[:, :, head:], k, v, None, key_mask, True, causal_offset + head, None,
+        q_tail, q = q[:, :, head:], q[:, :, :head]
+        if _needs_grad(q, k, v):
+            # Saved for the backward, a slice of symbolic length gets a layout of Inductor's
+            # own; AOTAutograd then fixes its strides to the first call's sizes (the next
+            # length fails assert_size_stride, torch 2.13). A contiguous copy keeps its layout.
+            q_tail, q = q_tail.contiguous(), q.contiguous()
+        tail = _dense(q_tail, k, v, None, key_mask, True, causal_offset + head, None,
                       scale, enable_gqa, max_rows=tail_bound, kernel=config.kernel)
         if tail.requires_grad:
             tail = _ContiguousGrad.apply(tail)
-        q = q[:, :, :head]
     # The selection has no gradient: detached inputs keep it out of autograd (and torch.func).
     block_indices, block_counts = _select_blocks_op(
         q.detach(), k.detach(), attn_mask, key_mask, is_causal, causal_offset, scale,
@@ -591,61 +611,95 @@ def check_causal_buffer(q: Tensor, buffer: Tensor) -> Tensor:
     return q
 
 
-def eager_empty_rows(out: Tensor, q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor, *,
-                     is_causal: bool, causal_offset=0, window: Optional[int] = None,
-                     scale=None) -> Tensor:
+def eager_empty_rows(out: Tensor, q: Tensor, k: Tensor, v: Tensor,
+                     key_mask: Optional[Tensor] = None, *, attn_mask: Optional[Tensor] = None,
+                     is_causal: bool = False, causal_offset=0, window: Optional[int] = None,
+                     scale=None, score_grad: bool = True) -> Tensor:
     """``out`` with each row that sees no key replaced by what eager attention gives it under
-    a finite additive mask (transformers' ``finfo.min``): every score of such a row becomes
-    the fill itself (``finfo.min + s`` rounds to ``finfo.min`` in float32 and bfloat16), so
-    the softmax is uniform over all ``Nk`` keys and the row is the mean of ``v``; its
-    gradient still flows through ``s`` as autograd sees ``fill + s``. With ``C = K^T (V -
-    mean V)`` the row is ``mean V + (t - t.detach()) / Nk`` for ``t = scale * q C``: that
-    value, and to first order (all autograd takes) that softmax, at ``O(Nq * D * Dv)``
-    (``C`` is ``D x Dv`` per KV head).
+    a finite fill (transformers' ``finfo.min``; ``masked_fill`` with such a value).
 
-    The pass adds this after the op where it replaced such a mask by structure
-    (``key_mask``; a causal row always sees key 0). Left-padded rows are the empty ones, and
-    transformers' causal LM loss reads the last of them (it predicts the first real token).
+    An added fill: every score of such a row becomes the fill itself (``finfo.min + s``
+    rounds to ``finfo.min`` in float32 and bfloat16), so the softmax is uniform over all
+    ``Nk`` keys and the row is the mean of ``v``; its gradient still flows through ``s`` as
+    autograd sees ``fill + s``. With ``C = K^T (V - mean V)`` the row is ``mean V + (t -
+    t.detach()) / Nk`` for ``t = scale * q C``: that value, and to first order (all autograd
+    takes) that softmax, at ``O(Nq * D * Dv)`` (``C`` is ``D x Dv`` per KV head). A
+    ``masked_fill`` replaces the scores, so there (``score_grad=False``) ``q`` and ``k`` get
+    no gradient from the row.
+
+    The pass adds this after the op wherever a site's single mask has a finite fill: where it
+    replaced the mask by structure (``key_mask``; a causal row always sees key 0, a window
+    its diagonal), and where the mask stays explicit (``attn_mask``). Left-padded rows are
+    the empty ones, and transformers' causal LM loss reads the last of them (it predicts the
+    first real token).
 
     Args:
         out: ``[B, Hq, Nq, Dv]``, the op's output (zeros on empty rows).
         q, k, v: the op's inputs ``[B, Hq, Nq, D]``, ``[B, Hkv, Nk, D]``, ``[B, Hkv, Nk, Dv]``
             (``Hq`` a multiple of ``Hkv``).
-        key_mask: bool or integer ``[B, Nk]`` (nonzero = may be attended).
-        is_causal, causal_offset, window: the structure the op was given (query ``i`` sees
-            keys ``i + causal_offset - window < j <= i + causal_offset``).
+        key_mask: bool or integer ``[B, Nk]`` (nonzero = may be attended), with the
+            structure below; or None with ``attn_mask``.
+        attn_mask: the op's explicit mask instead, broadcastable to ``[B, Hq, Nq, Nk]``: bool
+            (True = attend; a ``masked_fill`` with a finite fill) or float (added; an entry
+            at or below ``finfo.min / 2`` is masked). A float row whose entries are all
+            masked but not all equal (a mix of fills, or ``-inf`` beside them) follows its
+            largest entries in eager: such a row becomes NaN here rather than a silent
+            zero. A float row of ``-inf`` alone keeps the op's zeros (SDPA's fused kernels
+            give it zeros too).
+        is_causal, causal_offset, window: the structure the op was given with ``key_mask``
+            (query ``i`` sees keys ``i + causal_offset - window < j <= i + causal_offset``).
         scale: the softmax scale; None for ``1 / sqrt(D)``.
+        score_grad: False for a replaced score (``masked_fill``): no gradient to ``q``, ``k``.
 
     Returns:
         A tensor like ``out``: eager's value in float32, and in bfloat16 up to eager's
-        rounding of ``1 / Nk``. Not float16: there ``finfo.min + s`` keeps ``s / 32``, so
-        eager's row follows its largest scores (or is NaN), and the pass leaves such rows to
-        the op. The gradients are those of the explicit ops (transformers' eager attention,
-        SDPA's math backend); SDPA's fused kernels give such rows ``Nk`` times larger ones
-        (their saved logsumexp loses the ``log Nk``).
+        rounding of ``1 / Nk``. Not float16 with an added fill: there ``finfo.min + s`` keeps
+        ``s / 32``, so eager's row follows its largest scores (or is NaN), and the pass leaves
+        such rows to the op. The gradients are those of the explicit ops (transformers' eager
+        attention, SDPA's math backend); SDPA's fused kernels give such rows ``Nk`` times
+        larger ones (their saved logsumexp loses the ``log Nk``).
+
+    Raises:
+        ValueError: neither or both of ``key_mask`` and ``attn_mask``.
     """
+    if (key_mask is None) == (attn_mask is None):
+        raise ValueError("eager_empty_rows: pass exactly one of key_mask and attn_mask")
     B, Hq, Nq, _ = out.shape
     Hkv, Nk = k.shape[1], k.shape[2]
-    seen = torch.nn.functional.pad((key_mask != 0).to(torch.int32).cumsum(-1), (1, 0))
-    if is_causal:
-        pos = torch.arange(Nq, device=out.device) + causal_offset  # each row's last key
-        hi = (pos + 1).clamp(max=Nk)
-        lo = ((pos + 1 - window).clamp(min=0, max=Nk) if window is not None
-              else torch.zeros_like(hi))
-        count = seen[:, hi] - seen[:, lo]  # [B, Nq]
+    mixed = None
+    if attn_mask is not None:
+        m = attn_mask
+        if m.dtype == torch.bool:
+            empty = ~m.any(-1, keepdim=True)
+        else:
+            hidden = m <= torch.finfo(m.dtype).min / 2
+            top, low = m.amax(-1, keepdim=True), m.amin(-1, keepdim=True)
+            empty = hidden.all(-1, keepdim=True) & (top > float("-inf"))
+            mixed = empty & (top != low)  # eager follows the largest fills: not a mean
+        empty, mixed = (None if t is None else t.expand(B, Hq, Nq, 1) for t in (empty, mixed))
     else:
-        count = seen[:, -1:].expand(B, Nq)
-    empty = (count == 0)[:, None, :, None]
+        seen = torch.nn.functional.pad((key_mask != 0).to(torch.int32).cumsum(-1), (1, 0))
+        if is_causal:
+            pos = torch.arange(Nq, device=out.device) + causal_offset  # each row's last key
+            hi = (pos + 1).clamp(max=Nk)
+            lo = ((pos + 1 - window).clamp(min=0, max=Nk) if window is not None
+                  else torch.zeros_like(hi))
+            count = seen[:, hi] - seen[:, lo]  # [B, Nq]
+        else:
+            count = seen[:, -1:].expand(B, Nq)
+        empty = (count == 0)[:, None, :, None]
     acc = torch.promote_types(v.dtype, torch.float32)
     mean = v.mean(2, keepdim=True, dtype=acc)  # [B, Hkv, 1, Dv]
     group = Hq // Hkv
     row = mean.repeat_interleave(group, 1)
-    if q.requires_grad or k.requires_grad or v.requires_grad:  # training only
+    if score_grad and (q.requires_grad or k.requires_grad):  # training only
         # v only through the mean (p does not depend on it): detached here
         c = k.to(acc).transpose(-1, -2) @ (v.to(acc) - mean).detach()  # [B, Hkv, D, Dv]
         t = (q.to(acc) @ c.repeat_interleave(group, 1)) * (
             q.shape[-1] ** -0.5 if scale is None else scale)
         row = row + (t - t.detach()) / Nk
+    if mixed is not None:
+        row = torch.where(mixed, float("nan"), row)
     return torch.where(empty, row.to(out.dtype), out)
 
 

@@ -10,6 +10,9 @@ selection; padded keys and keys past a row's causal position never reach that ro
 
 from __future__ import annotations
 
+import math
+import unittest.mock
+
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -485,3 +488,160 @@ def test_float16_empty_rows_are_left_to_the_op():
     real = am.bool()[:, None, :, None].expand_as(got)
     torch.testing.assert_close(got[real], want[real], atol=2e-3, rtol=2e-3)
     assert torch.equal(got[~real], torch.zeros_like(got[~real]))
+
+
+def _random_float_mask(fill_mixed=False):
+    """A ``[2, 1, 24, 24]`` finfo.min mask with no structure: random holes, row 3 of batch 0
+    and row 7 of batch 1 fully masked (row 5 of batch 1 mixes -inf in, with ``fill_mixed``)."""
+    g = torch.Generator().manual_seed(5)
+    hide = torch.rand(2, 1, 24, 24, generator=g) < 0.4
+    hide[0, :, 3] = hide[1, :, 7] = True
+    m = torch.zeros(hide.shape).masked_fill(hide, torch.finfo(torch.float32).min)
+    if fill_mixed:
+        m[1, :, 5] = torch.finfo(torch.float32).min
+        m[1, :, 5, :4] = float("-inf")
+    return m
+
+
+def _explicit_sdpa(q, k, v, m):
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=m)
+
+
+def _explicit_added(q, k, v, m):
+    return ((q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5 + m).softmax(-1) @ v
+
+
+def _explicit_masked_fill(q, k, v, m):
+    s = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    return s.masked_fill(m != 0, torch.finfo(s.dtype).min).softmax(-1) @ v
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("fn", [_explicit_sdpa, _explicit_added, _explicit_masked_fill],
+                         ids=lambda f: f.__name__.strip("_"))
+def test_explicit_finite_fill_rows_that_see_no_key_match_eager(fn):
+    """A mask the pass cannot prove stays explicit; where its fill is finite (``finfo.min``
+    added, or ``masked_fill`` with it), eager gives a row that sees no key the mean of v
+    (uniform weights), and so does the compiled site (``ops.eager_empty_rows`` with
+    ``attn_mask``), gradients included: the added fill passes the scores' gradient, the
+    replaced one none."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 24, 16, requires_grad=True) for _ in range(3))
+    m = _random_float_mask()
+    report = pisa_compile.explain(fn, q, k, v, m, options=OPTS_EXACT_NO_TAIL)
+    assert [s.decision for s in report.sites] == ["rewritten"], str(report)
+    assert "->" not in report.sites[0].mask, str(report)
+    got = torch.compile(fn, backend="pisa", options=OPTS_EXACT_NO_TAIL)(q, k, v, m)
+    with torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.MATH]):
+        want = fn(q, k, v, m)
+    empty = torch.zeros(2, 1, 24, 1, dtype=torch.bool)
+    empty[0, :, 3] = empty[1, :, 7] = True
+    assert not torch.equal(got * empty, torch.zeros_like(got))  # those rows are not zeros
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    gout = torch.randn_like(got)
+    for a, b in zip(torch.autograd.grad(got, [q, k, v], gout),
+                    torch.autograd.grad(want, [q, k, v], gout)):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_an_explicit_row_of_mixed_fills_is_nan_not_a_silent_zero():
+    """A row whose entries are all masked but not equal (``-inf`` beside ``finfo.min``):
+    eager follows the ``finfo.min`` keys alone, which the correction does not compute; the
+    row is NaN, and every other row equals eager."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 24, 16) for _ in range(3))
+    m = _random_float_mask(fill_mixed=True)
+    got = torch.compile(_explicit_added, backend="pisa", options=OPTS_EXACT_NO_TAIL)(q, k, v, m)
+    want = _explicit_added(q, k, v, m)
+    assert got[1, :, 5].isnan().all()
+    keep = torch.ones(2, 1, 24, 1, dtype=torch.bool)
+    keep[1, :, 5] = False
+    torch.testing.assert_close(torch.where(keep, got, 0), want * keep, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("dtype", [torch.long, torch.int32, torch.float32, torch.bool])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("fill", [float("-inf"), torch.finfo(torch.float32).min])
+def test_hand_written_padding_of_any_dtype_is_structure(dtype, causal, fill):
+    """``masked_fill(pad[:, None, None, :] == 0, fill)`` with the tokenizer's int mask (or a
+    float or bool one) is proved padding; with a finite fill the rows that see no key (an
+    all-padding batch row; left padding under the causal mask) equal eager too."""
+    torch.manual_seed(0)
+    n = 40
+    q, k, v = (torch.randn(3, 2, n, 16, requires_grad=True) for _ in range(3))
+    pad = (torch.arange(n)[None] >= torch.tensor([0, 9, n])[:, None]).to(dtype)
+
+    def fn(q, k, v, pad):
+        s = (q @ k.transpose(-1, -2)) * 0.25
+        if causal:
+            s = s.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), fill)
+        s = s.masked_fill(pad[:, None, None, :] == 0, fill)
+        return s.softmax(-1) @ v
+
+    report = pisa_compile.explain(fn, q, k, v, pad, options=OPTS_EXACT_NO_TAIL)
+    want_mask = "->is_causal+padding" if causal else "->padding"
+    assert [s.mask[-len(want_mask):] for s in report.sites] == [want_mask], str(report)
+    got = torch.compile(fn, backend="pisa", options=OPTS_EXACT_NO_TAIL)(q, k, v, pad)
+    want = fn(q, k, v, pad)
+    seen = want.isfinite().all(-1, keepdim=True)  # -inf: eager's empty rows are NaN
+    assert bool(seen.all()) == (fill != float("-inf"))  # the all-padding row sees no key
+    torch.testing.assert_close(got * seen, want.nan_to_num() * seen, atol=1e-5, rtol=1e-4)
+    if fill != float("-inf"):
+        gout = torch.randn_like(got)
+        for a, b in zip(torch.autograd.grad(got, [q, k, v], gout),
+                        torch.autograd.grad(want, [q, k, v], gout)):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_an_attention_mask_with_its_own_batch_symbol_is_structure(impl, caplog):
+    """Without duck sizing (as in a second dynamic compile in one process) the tokenizer's
+    ``attention_mask`` gets a batch symbol of its own: the padding is still proved (the op
+    reads ``attention_mask[:B]``, as the gather does), and the training loss, which reads
+    the last left-padded row, equals eager."""
+    import logging
+    import torch.fx.experimental._config as fx_config
+    caplog.set_level(logging.INFO, logger="pisa_compile")
+    model = _tiny("llama", impl, layers=1).train()
+    ids, am = _left_padded(N=40, pads=(0, 9, 25))
+    labels = ids.masked_fill(am == 0, -100)
+    want = model(input_ids=ids, attention_mask=am, labels=labels, use_cache=False).loss
+    with unittest.mock.patch.object(fx_config, "use_duck_shape", False):
+        got = torch.compile(model, backend="pisa", options=OPTS_EXACT, dynamic=True)(
+            input_ids=ids, attention_mask=am, labels=labels, use_cache=False).loss
+    sites = [r.getMessage() for r in caplog.records if "pisa site" in r.getMessage()]
+    assert sites and all("->is_causal+padding: rewritten" in m for m in sites), sites
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("impl,opts", [("sdpa", OPTS_EXACT), ("eager", OPTS_SPARSE)])
+def test_training_at_changing_lengths_under_dynamic_shapes(impl, opts):
+    """One compiled model, ``dynamic=True``, trained on left-padded batches of 64, 72 and 90
+    tokens with the dense tail on: the slices of q around the tail have symbolic lengths,
+    and a backward saved them with the first length's strides (the second length failed
+    ``assert_size_stride``). Each step's loss and gradients equal eager's (exact regime), or
+    those of the same selection in the sparse one (the compiled loss is finite and moves)."""
+    model = _tiny("llama", impl, layers=1).train()
+    compiled = torch.compile(model, backend="pisa", options=dict(opts, dense_tail=16),
+                             dynamic=True)
+    losses = []
+    for step, n in enumerate((64, 72, 90)):
+        ids, am = _left_padded(N=n, pads=(0, 17, n - 9), seed=step)
+        labels = ids.masked_fill(am == 0, -100)
+        model.zero_grad()
+        loss = compiled(input_ids=ids, attention_mask=am, labels=labels, use_cache=False).loss
+        loss.backward()
+        got = [p.grad.clone() for p in model.parameters()]
+        losses.append(loss.item())
+        if opts is OPTS_EXACT:
+            model.zero_grad()
+            want = model(input_ids=ids, attention_mask=am, labels=labels, use_cache=False).loss
+            want.backward()
+            torch.testing.assert_close(loss, want, atol=1e-5, rtol=1e-5)
+            for a, p in zip(got, model.parameters()):
+                torch.testing.assert_close(a, p.grad, atol=1e-4, rtol=1e-4)
+    assert all(map(math.isfinite, losses)) and len(set(losses)) == 3

@@ -153,6 +153,12 @@ def test_key_masked_dense_rows_take_the_split_k_kernel(monkeypatch, Nq, dtype):
     out = pisa_attention(q, k, v, config=tri, **kw)
     n_calls = len(calls)
     assert n_calls == 1
+    plan_kw = {n: kw[n] for n in ("is_causal", "key_mask", "causal_offset")}
+    whole = "triton-decode" if Nq <= 16 else "triton"  # else: the sparse rows' kernel
+    assert plan(q, k, v, config=tri, **plan_kw).attention == whole
+    with torch.enable_grad():  # what plan() says for a call that wants gradients
+        assert plan(q.clone().requires_grad_(), k, v, config=tri,
+                                 **plan_kw).attention == ("sdpa" if Nq <= 16 else "triton")
     ref = pisa_attention(q, k, v, config=_cfg("reference", dense_tail=16), **kw)
     tol = dict(atol=2e-3, rtol=2e-3) if dtype == torch.float16 else dict(atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(out, ref, **tol)

@@ -94,6 +94,9 @@ class Struct:
     # true when the graph was compiled, so the op must check them on every call.
     checked: tuple = ()
     key_nonzero: bool = False  # ``key`` is not bool: a key attends where it is nonzero
+    # Rows of ``key`` read (``key[:key_rows]``) when its batch is not provably the rows read:
+    # a graph where attention_mask got its own batch symbol (no duck sizing).
+    key_rows: Any = None
     # A float mask's value off the structure (additive_structure): a finite one (finfo.min)
     # makes eager's rows that see no key uniform, where -inf and bool masks give zeros.
     fill: Optional[float] = None
@@ -246,11 +249,9 @@ def _subgraph_writes(u: Node) -> Optional[list]:
     gm = u.graph.owning_module
     body = getattr(gm, u.args[0].target, None) if P.is_checkpoint(u) and gm is not None \
         else None
-    if isinstance(body, torch.fx.GraphModule):
-        holders = [n for n in body.graph.nodes if n.op == "placeholder"]
-        if len(holders) == len(u.args) - 1:
-            return [a for a, ph in zip(u.args[1:], holders)
-                    if isinstance(a, Node) and _mutated(ph)]
+    pairs = P.checkpoint_operands(u, body) if isinstance(body, torch.fx.GraphModule) else None
+    if pairs is not None:
+        return [a for ph, a in pairs.items() if isinstance(a, Node) and _mutated(ph)]
     return operands
 
 
@@ -338,7 +339,8 @@ def both(x: Any, y: Any) -> Any:
     kx = x if x.key is not None else y
     return Struct(True, x.n_queries if x.n_queries is not None else y.n_queries, x.n_keys,
                   upper, lower, kx.key, kx.key_cut,
-                  x.checked + tuple(n for n in y.checked if n not in x.checked), kx.key_nonzero)
+                  x.checked + tuple(n for n in y.checked if n not in x.checked), kx.key_nonzero,
+                  kx.key_rows)
 
 
 def _index_axis(index: Any) -> Optional[int]:
@@ -455,12 +457,13 @@ def _key_gather(node: Node, ev) -> Optional[Struct]:
         return None
     if (bi.axis, bi.const, bi.terms, ki.axis, ki.const, ki.terms) != (-4, 0, (), -1, 0, ()):
         return None
-    if not P.known_equal(sv.shape[0], bi.length):
-        return None
     if _mutated(_root(src)):
         return None
+    # key[:B] where its rows are not provably B: the op reads the same rows, and the cut
+    # raises where the gather would (fewer rows).
     return Struct(True, None, ki.length, key=src,
-                  key_cut=not P.known_equal(sv.shape[1], ki.length))
+                  key_cut=not P.known_equal(sv.shape[1], ki.length),
+                  key_rows=None if P.known_equal(sv.shape[0], bi.length) else bi.length)
 
 
 class _Top:
@@ -710,6 +713,11 @@ def _evaluate(node: Node, ev) -> Any:
         if isinstance(x, Struct) and not isinstance(c, Node) and c in (0, 1, True, False):
             keep = (c in (1, True)) == (_name(node) in ("eq", "__eq__"))
             return x if keep else x.negated()
+        if (isinstance(x, KeyVal) and not isinstance(c, (Node, bool)) and c == 0
+                and isinstance(c, (int, float))):
+            # a tokenizer's int mask tested against 0: attend where the key is nonzero
+            s = Struct(True, None, P.val(x.key).shape[1], key=x.key, key_nonzero=True)
+            return s if _name(node) in ("ne", "__ne__") else s.negated()
         return None
     if P._fn(node, torch.tril, torch.triu) or P._meth(node, "tril", "triu"):
         diag = P.arg(node, 1, "diagonal", 0)
@@ -743,7 +751,9 @@ def _float_of(x: Any) -> Optional[float]:
 def _same_struct(a: Struct, b: Struct) -> bool:
     """Equal structures (sizes compared without adding shape guards)."""
     return (a.attend, a.upper, a.lower, a.key, a.key_cut, a.key_nonzero, a.checked) == (
-        b.attend, b.upper, b.lower, b.key, b.key_cut, b.key_nonzero, b.checked) and all(
+        b.attend, b.upper, b.lower, b.key, b.key_cut, b.key_nonzero, b.checked) and (
+        (a.key_rows is None) == (b.key_rows is None)) and (
+        a.key_rows is None or P.known_equal(a.key_rows, b.key_rows)) and all(
         (x is None and y is None) or (x is not None and y is not None and P.known_equal(x, y))
         for x, y in ((a.n_queries, b.n_queries), (a.n_keys, b.n_keys)))
 

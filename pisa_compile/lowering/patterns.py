@@ -132,6 +132,15 @@ def is_checkpoint(node: Any) -> bool:
             and getattr(node.args[0], "op", None) == "get_attr")
 
 
+def checkpoint_operands(call: Node, body: Any) -> Optional[dict]:
+    """Each placeholder of a checkpoint ``body`` (a GraphModule) and the operand ``call``
+    (:func:`is_checkpoint`) passes it, in order; None when their counts differ."""
+    holders = [n for n in body.graph.nodes if n.op == "placeholder"]
+    if len(holders) != len(call.args) - 1:
+        return None
+    return dict(zip(holders, call.args[1:]))
+
+
 def describe(node: Any) -> str:
     """A short human name for a node's operation: ``tanh``, ``Tensor.clamp``, ``add``."""
     if not isinstance(node, Node):

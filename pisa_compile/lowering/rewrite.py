@@ -70,8 +70,12 @@ class _Plan:
     key_mask: Optional[Node] = None  # [B, Nk] bool key mask proved from the graph
     key_cut: bool = False            # pass key_mask[:, :Nk] (masks.Struct.key_cut)
     key_nonzero: bool = False        # pass key_mask != 0 (masks.Struct.key_nonzero)
+    key_rows: bool = False           # pass key_mask[:B] (masks.Struct.key_rows)
     window: Optional[int] = None     # causal sliding window: keys per query
-    eager_empty: bool = False        # rows that see no key as eager's finfo.min mask gives
+    # Rows that see no key as eager gives them under a finite fill (ops.eager_empty_rows):
+    # "add" (finfo.min added), "replace" (masked_fill), or None (the op's zeros).
+    empty_rows: Optional[str] = None
+    fills: list = field(default_factory=list)     # each masked_fill's constant, in order
     checked: tuple = ()              # buffers the structure was read from (checked per call)
     scale: Any = None                # None: SDPA's default 1/sqrt(D); else list of factors
     enable_gqa: bool = False
@@ -111,8 +115,8 @@ class _Outer:
 
     def __init__(self, call: Node, body: GraphModule, apply: bool):
         self.call, self.body, self.apply = call, body, apply
-        placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
-        self.operands = dict(zip(placeholders, call.args[1:]))
+        # unmatched counts: no operand is known, so no mask is proved across the boundary
+        self.operands = P.checkpoint_operands(call, body) or {}
 
     def thread(self, node: Node) -> Node:
         if not self.apply:
@@ -169,6 +173,38 @@ def _structure(masks: list, n_queries, n_keys) -> Optional[M.Struct]:
     return out if masks else None
 
 
+def _empty_rows_kind(kind: str, fill: Any, dtype: Any) -> Optional[str]:
+    """``kind`` ("add" or "replace", see ``_Plan.empty_rows``) where eager gives rows that
+    see no key the mean of v: a finite fill (a fill of None: not known until run time), and
+    for an added one not float16 (there ``finfo.min + s`` keeps ``s / 32``)."""
+    if isinstance(fill, (int, float)) and not math.isfinite(fill):
+        return None
+    if fill is not None and not isinstance(fill, (int, float)):
+        return None
+    return None if kind == "add" and dtype == torch.float16 else kind
+
+
+def _explicit_empty_rows(plan: "_Plan") -> Optional[str]:
+    """``_Plan.empty_rows`` for a mask the op gets as is: SDPA's float ``attn_mask`` (added)
+    or a hand-written site's one added mask, or its ``masked_fill`` masks of one fill. Other
+    mixes keep the op's zeros (eager's row then depends on how they combine)."""
+    if plan.mask is not None and not plan.masks:
+        mv = P.val(plan.mask)
+        if isinstance(mv, torch.Tensor) and mv.dtype.is_floating_point:
+            return _empty_rows_kind("add", None, plan.dtype)
+        return None
+    if plan.mask is None and len(plan.masks) == 1 and plan.masks[0][0] == "add":
+        return _empty_rows_kind("add", None, plan.dtype)
+    return _empty_rows_kind("replace", plan.fills[0], None) if _one_fill(plan) else None
+
+
+def _one_fill(plan: "_Plan") -> bool:
+    """Only ``masked_fill`` masks, all with one fill: a row they hide whole holds that fill
+    alone (eager's weights are uniform there)."""
+    return (plan.mask is None and bool(plan.masks) and all(m[0] == "bool" for m in plan.masks)
+            and len(set(plan.fills)) == 1)
+
+
 def _fmt_offset(off: tuple) -> str:
     c, terms = off
     parts = [f"{'-' if k < 0 else '+'}{'' if abs(k) == 1 else abs(k)}{n}" for n, k in terms]
@@ -222,7 +258,8 @@ def _take_structure(graph, plan: _Plan, s: M.Struct, qv: Any, kv: Any, site: Sit
     if s.key is not None:
         km = P.val(s.key)
         if not (isinstance(km, torch.Tensor) and isinstance(qv, torch.Tensor) and qv.dim() == 4
-                and P.known_equal(km.shape[0], qv.shape[0])
+                and P.known_equal(km.shape[0] if s.key_rows is None else s.key_rows,
+                                  qv.shape[0])
                 and (s.key_cut or P.known_equal(km.shape[1], kv.shape[-2]))):
             return False
     off = None
@@ -231,6 +268,7 @@ def _take_structure(graph, plan: _Plan, s: M.Struct, qv: Any, kv: Any, site: Sit
         if off is None or not statically_known_true(off >= 0):
             site.mask += f"(causal offset {_fmt_offset(s.upper)} not provably >= 0)"
             return False
+    one_fill = _one_fill(plan)
     plan.mask, plan.masks = None, []
     plan.is_causal = s.upper is not None
     plan.causal_offset = s.upper if s.upper is not None and s.upper != (0, ()) else None
@@ -238,11 +276,15 @@ def _take_structure(graph, plan: _Plan, s: M.Struct, qv: Any, kv: Any, site: Sit
     if crossed and key is not None and key.graph is not graph:
         key = outer.thread(key)  # the key mask becomes an input of the body
     plan.key_mask, plan.key_cut, plan.key_nonzero = key, s.key_cut, s.key_nonzero
-    # A finite fill (finfo.min) makes eager's rows that see no key the mean of v (not in
-    # float16, where finfo.min + s keeps s / 32). Structure leaves a row empty only through
-    # the key mask: a causal row sees key 0 and a window the diagonal.
-    plan.eager_empty = (s.key is not None and s.fill is not None and math.isfinite(s.fill)
-                        and getattr(qv, "dtype", None) != torch.float16)
+    plan.key_rows = s.key_rows is not None
+    # Structure leaves a row empty only through the key mask: a causal row sees key 0 and a
+    # window the diagonal.
+    if s.key is None:
+        plan.empty_rows = None
+    elif s.fill is not None:  # a float mask: its fill was added
+        plan.empty_rows = _empty_rows_kind("add", s.fill, getattr(qv, "dtype", None))
+    elif one_fill:
+        plan.empty_rows = _empty_rows_kind("replace", plan.fills[0], None)
     plan.window = window
     plan.checked = s.checked
     found = []
@@ -403,13 +445,22 @@ def _check_shapes(plan: _Plan) -> tuple:
 
 # -- site analysis ---------------------------------------------------------------------------------
 
+def _dropout_reason(dp: Any) -> str:
+    """Why a ``dropout_p`` that is not a literal 0 keeps the site dense."""
+    if isinstance(dp, (int, float)):
+        return f"dropout active in training (dropout_p={dp})"
+    # e.g. Tensor.item: with dynamic=True Dynamo may pass a module's float as an input
+    return (f"dropout_p is a value known only at run time ({P.describe(dp)}), so dropout "
+            "cannot be ruled out; dynamic=False, or a literal 0.0, keeps it a constant")
+
+
 def _analyze_sdpa(node: Node, site: Site) -> _Plan:
     b = P.sdpa_args(node)
     q, k, v, mask = b["query"], b["key"], b["value"], b["attn_mask"]
     site.mask = _mask_kind(mask, b["is_causal"] is True)
     dp = b["dropout_p"]
     if not (isinstance(dp, (int, float)) and dp == 0):
-        raise LeaveDense(f"dropout active in training (dropout_p={P.describe(dp)})")
+        raise LeaveDense(_dropout_reason(dp))
     scale = b["scale"]
     if scale is not None and not P.is_number(scale):
         raise LeaveDense("the scale is a tensor" if P.is_tensor_node(scale)
@@ -604,6 +655,7 @@ def _plan_masks(plan: _Plan, masks: list) -> None:
                 raise LeaveDense(f"mask fill value {P.describe(mask_op.fill)} is not -inf or "
                                  f"<= finfo({sv.dtype}).min/2")
             plan.masks.append(("bool", mask_op.mask, mask_op.attend_if, dtype))
+            plan.fills.append(P.constant_of(mask_op.fill))
         _check_mask_grad(mask_op.mask)
 
 
@@ -750,6 +802,8 @@ def _apply(gm: GraphModule, plan: _Plan, config: PisaConfig) -> Node:
         return n if _identity(p) else emit("call_method", "permute", (n, *p))
 
     q, k, v = perm(plan.q, plan.q_perm), perm(plan.k, plan.k_perm), perm(plan.v, plan.v_perm)
+    if plan.key_mask is None and plan.empty_rows is None:
+        plan.empty_rows = _explicit_empty_rows(plan)
     mask = plan.mask
     float_terms, bool_term = [], None
     for kind, m, extra, dtype in plan.masks:
@@ -788,6 +842,8 @@ def _apply(gm: GraphModule, plan: _Plan, config: PisaConfig) -> Node:
         km = plan.key_mask
         if plan.key_cut:  # key[:, :Nk]: raises where the dense gather would
             km = emit("call_method", "narrow", (km, 1, 0, emit("call_method", "size", (k, 2))))
+        if plan.key_rows:  # key[:B]: raises where the dense gather would
+            km = emit("call_method", "narrow", (km, 0, 0, emit("call_method", "size", (q, 0))))
         if plan.key_nonzero:  # an int attention_mask read as (mask != 0)
             km = emit("call_method", "ne", (km, 0))
         structure["key_mask"] = km
@@ -798,11 +854,12 @@ def _apply(gm: GraphModule, plan: _Plan, config: PisaConfig) -> Node:
     out = emit("call_function", pisa_attention, (q, k, v),
                dict(attn_mask=mask, dropout_p=0.0, is_causal=plan.is_causal, scale=scale,
                     enable_gqa=plan.enable_gqa, config=config, **structure))
-    if plan.eager_empty:
-        out = emit("call_function", eager_empty_rows, (out, q, k, v, structure["key_mask"]),
-                   dict(is_causal=plan.is_causal, scale=scale,
-                        causal_offset=structure.get("causal_offset", 0),
-                        window=structure.get("window")))
+    if plan.empty_rows is not None:
+        where = (dict(is_causal=plan.is_causal, causal_offset=structure.get("causal_offset", 0),
+                      window=structure.get("window")) if mask is None else dict(attn_mask=mask))
+        out = emit("call_function", eager_empty_rows,
+                   (out, q, k, v, structure.get("key_mask")),
+                   dict(scale=scale, score_grad=plan.empty_rows == "add", **where))
     if plan.rank3:
         out = emit("call_method", "squeeze", (out, 0))
     out = perm(out, plan.out_perm)
@@ -966,7 +1023,7 @@ def _analyze_mha(node: Node, site: Site) -> dict:
         raise LeaveDense("nn.MultiheadAttention with add_zero_attn")
     dp, training = a["dropout_p"], a["training"]
     if not (training is False or (isinstance(dp, (int, float)) and dp == 0)):
-        raise LeaveDense(f"dropout active in training (dropout_p={P.describe(dp)})")
+        raise LeaveDense(_dropout_reason(dp))
     if not all(isinstance(a[n], bool) for n in ("is_causal", "use_separate_proj_weight")):
         raise LeaveDense("is_causal / use_separate_proj_weight are not constants")
     if not isinstance(a["num_heads"], int):

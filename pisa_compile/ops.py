@@ -286,10 +286,11 @@ def plan(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None,
     """
     how = _plan(q, k, v, attn_mask, is_causal, config=_config(config), window=window,
                 causal_offset=causal_offset, key_mask=key_mask)
-    if (how.reason == dispatch.IN_DENSE_TAIL and key_mask is not None and attn_mask is None
-            and how.attention == dispatch.SDPA and not _needs_grad(q, k, v)
-            and _effective_window(window, q.shape[2], causal_offset) is None
-            and dispatch.triton_refusal(q, v, _config(config).kernel) is None):
+    if (how.reason == dispatch.IN_DENSE_TAIL and how.attention == dispatch.SDPA
+            and _masked_rows(q, k, v, key_mask, attn_mask,
+                             _effective_window(window, q.shape[2], causal_offset),
+                             _config(config).dense_tail, None,
+                             _config(config).kernel) == "split-k"):
         # as _dense runs it
         how = how._replace(attention=dispatch.DECODE,
                            reason=how.reason + ", under a key mask: split-K over every key")
@@ -434,13 +435,17 @@ def _dense(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
     """Dense attention over what the structured arguments stand for: the dense path of
     :func:`pisa_attention` and its dense tail (arguments as there, checked; ``max_rows``: a
     static bound on ``Nq`` where it is symbolic, given for the tail and decode calls;
-    ``kernel``: the config's). SDPA, except the tail and decode calls under a key mask
-    without gradients on the Triton path (:func:`_dense_split_k`). Returns
-    ``[B, Hq, Nq, Dv]``."""
-    if (key_mask is not None and attn_mask is None and window is None and max_rows is not None
-            and not isinstance(scale, Tensor) and not _needs_grad(q, k, v)
-            and dispatch.triton_refusal(q, v, kernel) is None):
+    ``kernel``: the config's). SDPA, except the tail calls under a key mask without
+    gradients on the Triton path (:func:`_dense_split_k`). Returns ``[B, Hq, Nq, Dv]``."""
+    rows = _masked_rows(q, k, v, key_mask, attn_mask, window, max_rows, scale, kernel)
+    if rows == "split-k":
         return _dense_split_k(q, k, v, key_mask, is_causal, causal_offset, scale, max_rows)
+    if rows == "gqa-sdpa":
+        mask = dense_mask(q.shape[0], q.shape[2], k.shape[2], is_causal, causal_offset,
+                          key_mask, q.device)  # [B, 1, 1, Nk]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                             enable_gqa=q.shape[1] != k.shape[1])
+        return out.masked_fill(~mask.any(-1, keepdim=True), 0)  # a row of padding only
     if is_causal and key_mask is None and window is None:
         if statically_known_true(causal_offset >= k.shape[2] - 1):
             # Every query sees every key (a decode step over its cache): no mask, so SDPA
@@ -458,6 +463,25 @@ def _dense(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
         is_causal = False
     # 4-D as on the sparse path (SDPA itself refuses a 1-D mask that broadcasts).
     return _dense_sdpa(q, k, v, _mask4(attn_mask), is_causal, scale, enable_gqa, max_rows)
+
+
+def _masked_rows(q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor], attn_mask: Optional[Tensor],
+                 window: Optional[int], max_rows: Optional[int], scale, kernel: str
+                 ) -> Optional[str]:
+    """How :func:`_dense` runs a few rows (``max_rows`` given: the tail, a decode step) under
+    a key mask alone: ``"gqa-sdpa"`` for one row on CUDA (SDPA with the mask and
+    ``enable_gqa``: 0.06 / 0.15 ms at 32K / 128K, B=1, against the split-K kernel's 0.25 /
+    0.46 on the H200, ``profiles/bench_dense_rows.json``), ``"split-k"`` for more rows
+    without gradients on the Triton path (64 rows at 32K: 0.26 ms against SDPA's 0.74),
+    else None (the masked SDPA of :func:`_dense_sdpa`)."""
+    if key_mask is None or attn_mask is not None or window is not None or max_rows is None \
+            or isinstance(scale, Tensor):
+        return None
+    if q.device.type == "cuda" and statically_known_true(q.shape[2] == 1):
+        return "gqa-sdpa"
+    if not _needs_grad(q, k, v) and dispatch.triton_refusal(q, v, kernel) is None:
+        return "split-k"
+    return None
 
 
 def _needs_grad(*tensors: Tensor) -> bool:

@@ -177,3 +177,29 @@ def test_cuda_graph_capture():
     torch.cuda.synchronize()
     for a, b in zip(eager, static):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("G", [1, 4, 7])
+@pytest.mark.parametrize("Nq", [1, 40])
+def test_key_masked_decode_and_tail_rows_match_the_masked_reference(G, Nq):
+    """A decode step (one row: SDPA with the mask and ``enable_gqa``) and a dense tail (the
+    split-K kernel) under a key mask with left padding, a hole and a batch row of padding
+    only: equal dense attention under the mask in float32, zeros on the empty row, and
+    ``plan`` names the path that runs."""
+    from pisa_compile import pisa_attention, plan
+    from pisa_compile.kernels.geometry import dense_mask
+    B, Hkv, Nk, D = 3, 2, 3000, 128
+    q, k, v = _inputs(B, Hkv, G, Nq, Nk, D, D, torch.bfloat16)
+    km = torch.ones(B, Nk, dtype=torch.bool, device=DEV)
+    km[0, :700] = False
+    km[1, 100:900] = False
+    km[2] = False
+    kw = dict(is_causal=True, causal_offset=Nk - Nq, key_mask=km)
+    cfg = PisaConfig(min_seq_len=0, dense_tail=64)
+    with torch.no_grad():
+        out = pisa_attention(q, k, v, enable_gqa=True, config=cfg, **kw)
+    vis = dense_mask(B, Nq, Nk, True, Nk - Nq, km)
+    want = ref.dense_attention(*_f32(q, k, v), attn_mask=vis)
+    torch.testing.assert_close(out.float(), want, **TOL[torch.bfloat16])
+    assert torch.equal(out[2], torch.zeros_like(out[2]))
+    assert plan(q, k, v, config=cfg, **kw).attention == ("sdpa" if Nq == 1 else "triton-decode")

@@ -14,6 +14,7 @@ dense (whose own difference is the bf16 tolerance).
 
     python -m benchmarks.bench_masks --json profiles/bench_masks.json
     python -m benchmarks.bench_masks --left-padding --json profiles/bench_masks_padding.json
+    python -m benchmarks.bench_masks --left-padding --min-seq-len 0 --json profiles/bench_masks_padding_pisa.json
     python -m benchmarks.bench_masks --window 4096 --json profiles/bench_masks_window.json
     python -m benchmarks.bench_masks --nanogpt --json profiles/bench_masks_nanogpt.json
 
@@ -117,8 +118,9 @@ def _reference_stages(counters) -> int:
     return int(sum(v for k, v in counters["pisa"].items() if k.startswith("reference_")))
 
 
-def left_padding(body, n: int, pads: list[int], reps: int) -> list[dict]:
-    """Rows of the left-padding bench (see the module docstring)."""
+def left_padding(body, n: int, pads: list[int], reps: int, options=None) -> list[dict]:
+    """Rows of the left-padding bench (see the module docstring); ``options``: the pisa
+    backend's ``torch.compile(options=...)`` (None: the defaults)."""
     from torch._dynamo.utils import counters
 
     from pisa_compile.backend import pisa_backend
@@ -131,7 +133,8 @@ def left_padding(body, n: int, pads: list[int], reps: int) -> list[dict]:
     for backend in ("pisa", "inductor"):
         torch._dynamo.reset()
         counters.clear()
-        f = torch.compile(body, backend=pisa_backend if backend == "pisa" else "inductor")
+        f = (torch.compile(body, backend=pisa_backend, options=options) if backend == "pisa"
+             else torch.compile(body))
         with torch.no_grad():
             torch.cuda.reset_peak_memory_stats()
             ms = _time(lambda: f(ids, attention_mask=mask, position_ids=pos), reps)
@@ -145,6 +148,7 @@ def left_padding(body, n: int, pads: list[int], reps: int) -> list[dict]:
                     max_abs=round(float((got - alone).abs().max()), 4),
                     rel_fro=round(float((got - alone).norm() / alone.norm()), 5))
         rows.append(dict(n=n, batch=B, pads=pads, backend=backend,
+                         options=options if backend == "pisa" else None,
                          call="model(ids, attention_mask=left padding, position_ids)",
                          ms=round(ms, 2), peak_gib=round(peak, 2),
                          reference_stages=_reference_stages(counters),
@@ -160,6 +164,9 @@ def main(argv=None):
     ap.add_argument("--lengths", default="32768", help="comma-separated sequence lengths")
     ap.add_argument("--left-padding", action="store_true",
                     help="the batch-of-4 left-padding bench at 16K instead")
+    ap.add_argument("--min-seq-len", type=int, default=None,
+                    help="with --left-padding: the pisa backend's min_seq_len (the defaults "
+                         "run plain SDPA below 32768 keys)")
     ap.add_argument("--window", type=int, default=None,
                     help="a Mistral-shaped stack with this sliding window")
     ap.add_argument("--nanogpt", action="store_true",
@@ -176,7 +183,8 @@ def main(argv=None):
     model = _model(args.window)
     body = model.model  # hidden states: the LM head's logits would dominate memory
     if args.left_padding:
-        rows = left_padding(body, 16384, [0, 1024, 3072, 7168], args.reps)
+        opts = None if args.min_seq_len is None else dict(min_seq_len=args.min_seq_len)
+        rows = left_padding(body, 16384, [0, 1024, 3072, 7168], args.reps, opts)
         if args.json:
             with open(args.json, "w") as fh:
                 json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,

@@ -465,21 +465,22 @@ def _dense(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
     return _dense_sdpa(q, k, v, _mask4(attn_mask), is_causal, scale, enable_gqa, max_rows)
 
 
-def _masked_rows(q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor], attn_mask: Optional[Tensor],
-                 window: Optional[int], max_rows: Optional[int], scale, kernel: str
-                 ) -> Optional[str]:
-    """How :func:`_dense` runs a few rows (``max_rows`` given: the tail, a decode step) under
-    a key mask alone: ``"gqa-sdpa"`` for one row on CUDA (SDPA with the mask and
-    ``enable_gqa``: 0.06 / 0.15 ms at 32K / 128K, B=1, against the split-K kernel's 0.25 /
-    0.46 on the H200, ``profiles/bench_dense_rows.json``), ``"split-k"`` for more rows
-    without gradients on the Triton path (64 rows at 32K: 0.26 ms against SDPA's 0.74),
-    else None (the masked SDPA of :func:`_dense_sdpa`)."""
-    if key_mask is None or attn_mask is not None or window is not None or max_rows is None \
+def _masked_rows(q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor],
+                 attn_mask: Optional[Tensor], window: Optional[int], max_rows: Optional[int],
+                 scale, kernel: str) -> Optional[str]:
+    """How :func:`_dense` runs rows under a key mask alone: ``"gqa-sdpa"`` for one row on
+    CUDA (SDPA with the mask and ``enable_gqa``: 0.06 / 0.15 ms at 32K / 128K, B=1, against
+    the split-K kernel's 0.25 / 0.46 on the H200, ``profiles/bench_dense_rows.json``);
+    ``"split-k"`` for a few rows (``max_rows`` given: the dense tail) without gradients on
+    the Triton path (64 rows at 32K: 0.26 ms against SDPA's 0.74); else None (the masked
+    SDPA of :func:`_dense_sdpa`)."""
+    if key_mask is None or attn_mask is not None or window is not None \
             or isinstance(scale, Tensor):
         return None
     if q.device.type == "cuda" and statically_known_true(q.shape[2] == 1):
-        return "gqa-sdpa"
-    if not _needs_grad(q, k, v) and dispatch.triton_refusal(q, v, kernel) is None:
+        return "gqa-sdpa"  # also below min_seq_len: generate()'s decode steps
+    if max_rows is not None and not _needs_grad(q, k, v) \
+            and dispatch.triton_refusal(q, v, kernel) is None:
         return "split-k"
     return None
 

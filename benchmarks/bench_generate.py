@@ -1,0 +1,135 @@
+"""``generate()`` end to end with the tokenizer's ``attention_mask`` (issue #16): time to the
+first token and time per new token, ``backend="pisa"`` against ``torch.compile()`` (Inductor,
+dense SDPA), side by side in one process.
+
+The Llama-3.2-1B-shaped 4-layer stack of ``bench_masks`` (bf16, random init), greedy, a
+``DynamicCache`` (``generate``'s default), ``model.forward`` compiled with ``dynamic=True``.
+Per length ``N`` and batch ``B`` (rows left-padded by ``--pad`` tokens after the first):
+
+- ``ttft_ms``: median of ``generate(max_new_tokens=1)`` (the prefill and one token);
+- ``per_token_ms``: ``(generate(max_new_tokens=T) - generate(max_new_tokens=1)) / (T - 1)``,
+  medians of ``--reps``; ``min_new_tokens=T`` so that no row stops early;
+- ``same_tokens``: the share of new tokens equal to the dense run's (random init: the logits
+  are near-ties, so this is no quality measure).
+
+    python -m benchmarks.bench_generate --lengths 8192 32768 --new-tokens 32 \\
+        --json profiles/bench_generate.json
+
+``--device cpu --tiny`` runs a 2-layer toy model (the CPU smoke test).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+
+def _model(tiny: bool, device: str):
+    import transformers
+    shape = (dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+             if tiny else
+             dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192,
+                  num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=8,
+                  head_dim=64))
+    cfg = transformers.LlamaConfig(max_position_embeddings=140000, pad_token_id=0,
+                                   bos_token_id=1, eos_token_id=2, **shape)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    return transformers.LlamaForCausalLM(cfg).to(device, dtype).eval()
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _timed(fn, reps: int, device: str) -> tuple[float, object]:
+    out, ts = None, []
+    for _ in range(reps):
+        _sync(device)
+        t0 = time.perf_counter()
+        out = fn()
+        _sync(device)
+        ts.append((time.perf_counter() - t0) * 1e3)
+    return sorted(ts)[len(ts) // 2], out
+
+
+def run(model, backend: str, n: int, batch: int, pad: int, new_tokens: int, reps: int,
+        device: str, options=None) -> dict:
+    """One row: compile ``model.forward`` with ``backend``, warm up, time (see the module
+    docstring). Returns the row with the generated tokens under ``"tokens"``."""
+    from torch._dynamo.utils import counters
+
+    from pisa_compile.backend import pisa_backend
+    torch._dynamo.reset()
+    counters.clear()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, model.config.vocab_size, (batch, n), generator=g).to(device)
+    am = torch.ones(batch, n, dtype=torch.long, device=device)
+    am[1:, :pad] = 0
+    ids[1:, :pad] = 0
+    eager_forward = model.forward
+    model.forward = (torch.compile(eager_forward, backend=pisa_backend, options=options,
+                                   dynamic=True) if backend == "pisa"
+                     else torch.compile(eager_forward, dynamic=True))
+    kw = dict(attention_mask=am, do_sample=False, pad_token_id=0)
+    try:
+        with torch.no_grad():
+            model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
+            first, _ = _timed(lambda: model.generate(ids, max_new_tokens=1, **kw), reps, device)
+            full, out = _timed(lambda: model.generate(
+                ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw), reps, device)
+    finally:
+        model.forward = eager_forward
+    ref_stages = int(sum(v for k, v in counters["pisa"].items() if k.startswith("reference_")))
+    return dict(n=n, batch=batch, pad=pad, backend=backend, options=options,
+                new_tokens=new_tokens, ttft_ms=round(first, 2),
+                per_token_ms=round((full - first) / (new_tokens - 1), 3),
+                reference_stages=ref_stages, tokens=out[:, n:].cpu())
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--lengths", type=int, nargs="*", default=[8192, 32768])
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--pad", type=int, default=0,
+                    help="left padding of every row after the first (tokens)")
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tiny", action="store_true", help="a 2-layer toy model (CPU smoke)")
+    ap.add_argument("--min-seq-len", type=int, default=None,
+                    help="the pisa backend's min_seq_len (None: the defaults)")
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    if args.new_tokens < 2:
+        ap.error("--new-tokens must be at least 2")
+    model = _model(args.tiny, args.device)
+    opts = None if args.min_seq_len is None else dict(min_seq_len=args.min_seq_len)
+    rows = []
+    for n in args.lengths:
+        pair = [run(model, b, n, args.batch, args.pad, args.new_tokens, args.reps,
+                    args.device, opts if b == "pisa" else None) for b in ("pisa", "inductor")]
+        same = float((pair[0]["tokens"] == pair[1]["tokens"]).float().mean())
+        for r in pair:
+            r.pop("tokens")
+            r["same_tokens"] = round(same, 3)
+            print(r, flush=True)
+        rows += pair
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(dict(device=(torch.cuda.get_device_name() if args.device == "cuda"
+                                   else "cpu"), torch=torch.__version__,
+                           command="python -m benchmarks.bench_generate " + " ".join(
+                               argv if argv is not None else __import__("sys").argv[1:]),
+                           rows=rows), fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -110,6 +110,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.new_tokens < 2:
         ap.error("--new-tokens must be at least 2")
+    if args.pad and args.batch < 2:
+        ap.error("--pad pads the rows after the first: give --batch 2 or more")
     model = _model(args.tiny, args.device)
     opts = None if args.min_seq_len is None else dict(min_seq_len=args.min_seq_len)
     rows = []

@@ -172,6 +172,8 @@ def main(argv=None):
     ap.add_argument("--nanogpt", action="store_true",
                     help="a nanoGPT-style layer: registered tril buffer against is_causal")
     args = ap.parse_args(argv)
+    if args.min_seq_len is not None and not args.left_padding:
+        ap.error("--min-seq-len applies to --left-padding only")
     from torch._dynamo.utils import counters
     if args.nanogpt:
         rows = [r for n in args.lengths.split(",") for r in nanogpt(int(n), args.reps)]

@@ -289,8 +289,8 @@ def plan(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None,
     if (how.reason == dispatch.IN_DENSE_TAIL and how.attention == dispatch.SDPA
             and _masked_rows(q, k, v, key_mask, attn_mask,
                              _effective_window(window, q.shape[2], causal_offset),
-                             _config(config).dense_tail, None,
-                             _config(config).kernel) == "split-k"):
+                             few_rows=True, scale=None,
+                             kernel=_config(config).kernel) == "split-k"):
         # as _dense runs it
         how = how._replace(attention=dispatch.DECODE,
                            reason=how.reason + ", under a key mask: split-K over every key")
@@ -339,9 +339,10 @@ def pisa_attention(
     An explicit ``attn_mask`` on CUDA with ``kernel="auto"`` runs dense SDPA under it (the
     fused selection reads no mask yet; :func:`plan` gives the reason); ``kernel="triton"``
     keeps it sparse, with the reference selection. The last ``config.dense_tail`` queries
-    of a causal call, and every call of that few queries (decode), are dense (with a
-    ``key_mask`` and no gradient wanted, on the Triton path, through the split-K decode
-    kernel over every key block; otherwise dense SDPA).
+    of a causal call, and every call of that few queries (decode), are dense: with a
+    ``key_mask``, a call of one query on CUDA through SDPA under the mask with
+    ``enable_gqa``, and more rows without gradients on the Triton path through the split-K
+    decode kernel over every key block; otherwise dense SDPA.
 
     Args:
         q: ``[B, Hq, Nq, D]`` float16, bfloat16, float32 or float64.
@@ -410,7 +411,7 @@ def pisa_attention(
         # The last rows (a prompt's question) attend densely; plan() left some sparse rows.
         head = q.shape[2] - _tail_rows(q.shape[2], is_causal, config)
         q_tail, q = q[:, :, head:], q[:, :, :head]
-        if _needs_grad(q, k, v):
+        if isinstance(head, torch.SymInt) and _needs_grad(q, k, v):
             # Saved for the backward, a slice of symbolic length gets a layout of Inductor's
             # own; AOTAutograd then fixes its strides to the first call's sizes (the next
             # length fails assert_size_stride, torch 2.13). A contiguous copy keeps its layout.
@@ -437,7 +438,8 @@ def _dense(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
     static bound on ``Nq`` where it is symbolic, given for the tail and decode calls;
     ``kernel``: the config's). SDPA, except the tail calls under a key mask without
     gradients on the Triton path (:func:`_dense_split_k`). Returns ``[B, Hq, Nq, Dv]``."""
-    rows = _masked_rows(q, k, v, key_mask, attn_mask, window, max_rows, scale, kernel)
+    rows = _masked_rows(q, k, v, key_mask, attn_mask, window, few_rows=max_rows is not None,
+                        scale=scale, kernel=kernel)
     if rows == "split-k":
         return _dense_split_k(q, k, v, key_mask, is_causal, causal_offset, scale, max_rows)
     if rows == "gqa-sdpa":
@@ -466,21 +468,21 @@ def _dense(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
 
 
 def _masked_rows(q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor],
-                 attn_mask: Optional[Tensor], window: Optional[int], max_rows: Optional[int],
+                 attn_mask: Optional[Tensor], window: Optional[int], *, few_rows: bool,
                  scale, kernel: str) -> Optional[str]:
     """How :func:`_dense` runs rows under a key mask alone: ``"gqa-sdpa"`` for one row on
     CUDA (SDPA with the mask and ``enable_gqa``: 0.06 / 0.15 ms at 32K / 128K, B=1, against
     the split-K kernel's 0.25 / 0.46 on the H200, ``profiles/bench_dense_rows.json``);
-    ``"split-k"`` for a few rows (``max_rows`` given: the dense tail) without gradients on
-    the Triton path (64 rows at 32K: 0.26 ms against SDPA's 0.74); else None (the masked
-    SDPA of :func:`_dense_sdpa`)."""
+    ``"split-k"`` for a few rows (``few_rows``: the dense tail, whose row count has a static
+    bound) without gradients on the Triton path (64 rows at 32K: 0.26 ms against SDPA's
+    0.74); else None (the masked SDPA of :func:`_dense_sdpa`). ``scale``: None where not
+    known (:func:`plan`)."""
     if key_mask is None or attn_mask is not None or window is not None \
             or isinstance(scale, Tensor):
         return None
     if q.device.type == "cuda" and statically_known_true(q.shape[2] == 1):
         return "gqa-sdpa"  # also below min_seq_len: generate()'s decode steps
-    if max_rows is not None and not _needs_grad(q, k, v) \
-            and dispatch.triton_refusal(q, v, kernel) is None:
+    if few_rows and not _needs_grad(q, k, v) and dispatch.triton_refusal(q, v, kernel) is None:
         return "split-k"
     return None
 
@@ -664,13 +666,15 @@ def eager_empty_rows(out: Tensor, q: Tensor, k: Tensor, v: Tensor,
             (``Hq`` a multiple of ``Hkv``).
         key_mask: bool or integer ``[B, Nk]`` (nonzero = may be attended), with the
             structure below; or None with ``attn_mask``.
-        attn_mask: the op's explicit mask instead, broadcastable to ``[B, Hq, Nq, Nk]``: bool
-            (True = attend; a ``masked_fill`` with a finite fill) or float (added; an entry
-            at or below ``finfo.min / 2`` is masked). A float row whose entries are all
-            masked but not all equal (a mix of fills, or ``-inf`` beside them) follows its
-            largest entries in eager: such a row becomes NaN here rather than a silent
-            zero. A float row of ``-inf`` alone keeps the op's zeros (SDPA's fused kernels
-            give it zeros too).
+        attn_mask: the site's explicit mask instead, broadcastable to ``[B, Hq, Nq, Nk]``:
+            bool (True = attend; a ``masked_fill`` with a finite fill) or float (added, as
+            written before any scale; an entry at or below ``finfo.min / 2`` is masked). A
+            float row whose entries are all masked and equal is the mean of v. One whose
+            entries differ (``-inf`` beside ``finfo.min``, or two fills) keeps the op's
+            zeros: eager averages v over its largest entries, an ``Nq x Nk x Dv`` product
+            this correction does not pay for every call (NaN there would spread to the
+            whole batch through the next layer's padded keys). A row of ``-inf`` alone
+            keeps the op's zeros too (SDPA's fused kernels give zeros).
         is_causal, causal_offset, window: the structure the op was given with ``key_mask``
             (query ``i`` sees keys ``i + causal_offset - window < j <= i + causal_offset``).
         scale: the softmax scale; None for ``1 / sqrt(D)``.
@@ -691,17 +695,14 @@ def eager_empty_rows(out: Tensor, q: Tensor, k: Tensor, v: Tensor,
         raise ValueError("eager_empty_rows: pass exactly one of key_mask and attn_mask")
     B, Hq, Nq, _ = out.shape
     Hkv, Nk = k.shape[1], k.shape[2]
-    mixed = None
     if attn_mask is not None:
         m = attn_mask
         if m.dtype == torch.bool:
             empty = ~m.any(-1, keepdim=True)
-        else:
-            hidden = m <= torch.finfo(m.dtype).min / 2
+        else:  # every entry the same finite fill: the max is that fill and at most min / 2
             top, low = m.amax(-1, keepdim=True), m.amin(-1, keepdim=True)
-            empty = hidden.all(-1, keepdim=True) & (top > float("-inf"))
-            mixed = empty & (top != low)  # eager follows the largest fills: not a mean
-        empty, mixed = (None if t is None else t.expand(B, Hq, Nq, 1) for t in (empty, mixed))
+            empty = (top <= torch.finfo(m.dtype).min / 2) & (top == low) & (low > float("-inf"))
+        empty = empty.expand(B, Hq, Nq, 1)
     else:
         seen = torch.nn.functional.pad((key_mask != 0).to(torch.int32).cumsum(-1), (1, 0))
         if is_causal:
@@ -723,8 +724,6 @@ def eager_empty_rows(out: Tensor, q: Tensor, k: Tensor, v: Tensor,
         t = (q.to(acc) @ c.repeat_interleave(group, 1)) * (
             q.shape[-1] ** -0.5 if scale is None else scale)
         row = row + (t - t.detach()) / Nk
-    if mixed is not None:
-        row = torch.where(mixed, float("nan"), row)
     return torch.where(empty, row.to(out.dtype), out)
 
 

@@ -544,20 +544,44 @@ def test_explicit_finite_fill_rows_that_see_no_key_match_eager(fn):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
+def _explicit_added_then_scaled(q, k, v, m):
+    return (((q @ k.transpose(-1, -2)) + m) * q.shape[-1] ** -0.5).softmax(-1) @ v
+
+
 @pytest.mark.usefixtures("fresh_dynamo")
-def test_an_explicit_row_of_mixed_fills_is_nan_not_a_silent_zero():
+@pytest.mark.parametrize("case", ["scale_after_mask", "float32_mask_float16_q"])
+def test_explicit_empty_rows_are_judged_on_the_mask_as_added(case):
+    """Found in review: a scale after the mask (folded into it, which turns ``finfo.min``
+    into ``-inf``) and a float32 mask beside float16 q (summed in float32, where the fill is
+    absorbed) hid the rows that see no key; they equal eager's mean of v now."""
+    torch.manual_seed(0)
+    dtype = torch.float16 if case == "float32_mask_float16_q" else torch.float32
+    q, k, v = (torch.randn(2, 2, 24, 16, dtype=dtype) for _ in range(3))
+    m = _random_float_mask()
+    fn = _explicit_added_then_scaled if case == "scale_after_mask" else _explicit_sdpa
+    got = torch.compile(fn, backend="pisa", options=OPTS_EXACT_NO_TAIL)(q, k, v, m)
+    with torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.MATH]):
+        want = fn(q, k, v, m)
+    tol = dict(atol=2e-3, rtol=2e-3) if dtype == torch.float16 else dict(atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(got, want, **tol)
+    assert got[0, :, 3].abs().sum() > 0  # an empty row: the mean of v, not zeros
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_an_explicit_row_of_mixed_fills_keeps_the_ops_zeros():
     """A row whose entries are all masked but not equal (``-inf`` beside ``finfo.min``):
-    eager follows the ``finfo.min`` keys alone, which the correction does not compute; the
-    row is NaN, and every other row equals eager."""
+    eager averages v over the ``finfo.min`` keys alone, an ``Nq x Nk x Dv`` product the
+    correction does not pay for; the row keeps the op's zeros (NaN there would spread
+    through the next layer's padded keys), and every other row equals eager."""
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 2, 24, 16) for _ in range(3))
     m = _random_float_mask(fill_mixed=True)
     got = torch.compile(_explicit_added, backend="pisa", options=OPTS_EXACT_NO_TAIL)(q, k, v, m)
     want = _explicit_added(q, k, v, m)
-    assert got[1, :, 5].isnan().all()
+    assert torch.equal(got[1, :, 5], torch.zeros_like(got[1, :, 5]))
     keep = torch.ones(2, 1, 24, 1, dtype=torch.bool)
     keep[1, :, 5] = False
-    torch.testing.assert_close(torch.where(keep, got, 0), want * keep, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(got * keep, want * keep, atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.usefixtures("fresh_dynamo")

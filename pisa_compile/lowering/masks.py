@@ -1041,34 +1041,47 @@ def additive_structure(mask: Any, scale: float = 1.0,
         if v.region is None or not _masks(v.fill, scale, scores_dtype):
             return None
         return dataclasses.replace(v.region, fill=v.fill)
-    node = mask
+    node, dtypes = mask, [dtype]
     while node.op == "call_method" and node.target in ("to", "float", "half", "bfloat16",
                                                        "type_as", "contiguous", "expand"):
         src = node.args[0]
         if not (isinstance(src, Node) and (_dtype(src) or torch.bool).is_floating_point):
             return None  # a bool -> float cast turns the mask into 0/1, not 0/-inf
         node = src
+        dtypes.append(_dtype(node))
     if _mutated(node):
         return None
+    casts = dtypes[::-1]  # the fill's dtypes from where it is written to the mask's
     if P._fn(node, torch.where) and len(node.args) == 3:
         cond, a, b = node.args
         if not _same_last_two(cond, node):
             return None
         if _is_zero(a) and _masks(b, scale, scores_dtype):
-            return _with_fill(bool_structure(cond, True), b)
+            return _with_fill(bool_structure(cond, True), b, casts)
         if _is_zero(b) and _masks(a, scale, scores_dtype):
-            return _with_fill(bool_structure(cond, False), a)
+            return _with_fill(bool_structure(cond, False), a, casts)
         return None
     if P._fn(node, torch.masked_fill) or P._meth(node, "masked_fill"):
         base, m, fill = node.args[0], P.arg(node, 1, "mask"), P.arg(node, 2, "value")
         if (_is_zero(base) and _same_last_two(base, node) and _same_last_two(m, node)
                 and _masks(fill, scale, scores_dtype)):
-            return _with_fill(bool_structure(m, False), fill)
+            return _with_fill(bool_structure(m, False), fill, casts)
     return None
 
 
-def _with_fill(s: Optional[Struct], fill: Any) -> Optional[Struct]:
-    return None if s is None else dataclasses.replace(s, fill=_float_of(fill))
+def _with_fill(s: Optional[Struct], fill: Any, casts: list) -> Optional[Struct]:
+    """``s`` with the fill as the mask holds it: rounded through ``casts`` (dtypes, from the
+    node that writes it to the mask itself); ``finfo(float32).min`` cast to bfloat16 is
+    ``-inf``."""
+    value = _float_of(fill)
+    if s is None or value is None:
+        return None if s is None else dataclasses.replace(s, fill=None)
+    t = torch.tensor(value, dtype=torch.float64)
+    for d in casts:
+        if d is None or not d.is_floating_point:
+            return dataclasses.replace(s, fill=None)
+        t = t.to(d)
+    return dataclasses.replace(s, fill=float(t))
 
 
 def canonical_bool(node: Any) -> Optional[Node]:

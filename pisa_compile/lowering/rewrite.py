@@ -188,14 +188,24 @@ def _explicit_empty_rows(plan: "_Plan") -> Optional[str]:
     """``_Plan.empty_rows`` for a mask the op gets as is: SDPA's float ``attn_mask`` (added)
     or a hand-written site's one added mask, or its ``masked_fill`` masks of one fill. Other
     mixes keep the op's zeros (eager's row then depends on how they combine)."""
+    added = _added_dtype(plan, plan.dtype)
+    if added is not None:
+        return _empty_rows_kind("add", None, added)
+    return _empty_rows_kind("replace", plan.fills[0], None) if _one_fill(plan) else None
+
+
+def _added_dtype(plan: "_Plan", q_dtype: Any) -> Optional[torch.dtype]:
+    """The dtype of scores plus the site's one float mask (SDPA's ``attn_mask``, or a
+    hand-written site's one added mask), where eager judges its fill; None for any other
+    masks. ``q_dtype``: q's dtype (None if unknown)."""
     if plan.mask is not None and not plan.masks:
         mv = P.val(plan.mask)
         if isinstance(mv, torch.Tensor) and mv.dtype.is_floating_point:
-            return _empty_rows_kind("add", None, plan.dtype)
+            return mv.dtype if q_dtype is None else torch.promote_types(mv.dtype, q_dtype)
         return None
     if plan.mask is None and len(plan.masks) == 1 and plan.masks[0][0] == "add":
-        return _empty_rows_kind("add", None, plan.dtype)
-    return _empty_rows_kind("replace", plan.fills[0], None) if _one_fill(plan) else None
+        return plan.masks[0][3]
+    return None
 
 
 def _one_fill(plan: "_Plan") -> bool:
@@ -268,7 +278,7 @@ def _take_structure(graph, plan: _Plan, s: M.Struct, qv: Any, kv: Any, site: Sit
         if off is None or not statically_known_true(off >= 0):
             site.mask += f"(causal offset {_fmt_offset(s.upper)} not provably >= 0)"
             return False
-    one_fill = _one_fill(plan)
+    one_fill, added = _one_fill(plan), _added_dtype(plan, getattr(qv, "dtype", None))
     plan.mask, plan.masks = None, []
     plan.is_causal = s.upper is not None
     plan.causal_offset = s.upper if s.upper is not None and s.upper != (0, ()) else None
@@ -282,7 +292,7 @@ def _take_structure(graph, plan: _Plan, s: M.Struct, qv: Any, kv: Any, site: Sit
     if s.key is None:
         plan.empty_rows = None
     elif s.fill is not None:  # a float mask: its fill was added
-        plan.empty_rows = _empty_rows_kind("add", s.fill, getattr(qv, "dtype", None))
+        plan.empty_rows = _empty_rows_kind("add", s.fill, added)
     elif one_fill:
         plan.empty_rows = _empty_rows_kind("replace", plan.fills[0], None)
     plan.window = window
@@ -806,8 +816,10 @@ def _apply(gm: GraphModule, plan: _Plan, config: PisaConfig) -> Node:
         plan.empty_rows = _explicit_empty_rows(plan)
     mask = plan.mask
     float_terms, bool_term = [], None
+    written = plan.mask  # the explicit mask as the site adds it (eager_empty_rows reads it)
     for kind, m, extra, dtype in plan.masks:
         if kind == "add":
+            written = m  # before folding: that turns the fill into -inf
             m = _folded_additive(emit, m, extra, dtype, plan.dtype)
             float_terms.append(m)
         else:
@@ -856,7 +868,8 @@ def _apply(gm: GraphModule, plan: _Plan, config: PisaConfig) -> Node:
                     enable_gqa=plan.enable_gqa, config=config, **structure))
     if plan.empty_rows is not None:
         where = (dict(is_causal=plan.is_causal, causal_offset=structure.get("causal_offset", 0),
-                      window=structure.get("window")) if mask is None else dict(attn_mask=mask))
+                      window=structure.get("window")) if mask is None
+                 else dict(attn_mask=written if plan.empty_rows == "add" else mask))
         out = emit("call_function", eager_empty_rows,
                    (out, q, k, v, structure.get("key_mask")),
                    dict(scale=scale, score_grad=plan.empty_rows == "add", **where))

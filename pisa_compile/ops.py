@@ -185,7 +185,7 @@ def _check_inputs(q: Tensor, k: Tensor, v: Optional[Tensor], attn_mask: Optional
                 f"[B, Hq, Nq, Nk] = {list(target)}")
         if is_causal:
             raise ValueError("attn_mask and is_causal=True cannot both be set (as in SDPA)")
-    if is_causal and config.local_blocks < 1 and k.shape[2] >= config.min_seq_len:
+    if is_causal and config.local_blocks < 1:  # also below min_seq_len: fails on short inputs
         raise ValueError("is_causal=True needs PisaConfig.local_blocks >= 1")
 
 

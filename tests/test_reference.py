@@ -385,6 +385,8 @@ def test_causal_needs_a_local_block():
     q = torch.randn(1, 1, 64, 16)
     with pytest.raises(ValueError, match="local_blocks >= 1"):
         pisa_attention(q, q, q, is_causal=True, config=PisaConfig(local_blocks=0, min_seq_len=0))
+    with pytest.raises(ValueError, match="local_blocks >= 1"):  # short calls too, not later
+        pisa_attention(q, q, q, is_causal=True, config=PisaConfig(local_blocks=0))
 
 
 # the op under torch.library and torch.compile ------------------------------------------------

@@ -284,13 +284,13 @@ def plan(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None,
         ``"reference"``) and the ``reason``
         a stage does not take the fused Triton path. See ``kernels.dispatch.plan``.
     """
-    how = _plan(q, k, v, attn_mask, is_causal, config=_config(config), window=window,
+    config = _config(config)
+    how = _plan(q, k, v, attn_mask, is_causal, config=config, window=window,
                 causal_offset=causal_offset, key_mask=key_mask)
     if (how.reason == dispatch.IN_DENSE_TAIL and how.attention == dispatch.SDPA
             and _masked_rows(q, k, v, key_mask, attn_mask,
                              _effective_window(window, q.shape[2], causal_offset),
-                             few_rows=True, scale=None,
-                             kernel=_config(config).kernel) == "split-k"):
+                             few_rows=True, scale=None, kernel=config.kernel) == "split-k"):
         # as _dense runs it
         how = how._replace(attention=dispatch.DECODE,
                            reason=how.reason + ", under a key mask: split-K over every key")
@@ -300,13 +300,12 @@ def plan(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None,
 def _plan(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal: bool, *,
           config: PisaConfig, window: Optional[int], causal_offset, key_mask) -> Plan:
     """:func:`plan` as :func:`pisa_attention` branches on it (the dense rows as SDPA)."""
-    window = _effective_window(window, q.shape[2], causal_offset)
-    how = dispatch.plan(q, k, v, _mask4(attn_mask), is_causal, kernel=config.kernel,
-                        min_seq_len=config.min_seq_len, local_blocks=config.local_blocks,
-                        bound_block=config.effective_bound_block, window=window,
-                        dense_rows=_tail_rows(q.shape[2], is_causal, config),
-                        key_padding=key_mask is not None)
-    return how
+    return dispatch.plan(q, k, v, _mask4(attn_mask), is_causal, kernel=config.kernel,
+                         min_seq_len=config.min_seq_len, local_blocks=config.local_blocks,
+                         bound_block=config.effective_bound_block,
+                         window=_effective_window(window, q.shape[2], causal_offset),
+                         dense_rows=_tail_rows(q.shape[2], is_causal, config),
+                         key_padding=key_mask is not None)
 
 
 def _tail_rows(n_queries, is_causal: bool, config: PisaConfig):

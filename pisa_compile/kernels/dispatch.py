@@ -34,8 +34,9 @@ class Plan(NamedTuple):
     Attributes:
         select: ``"triton"`` or ``"reference"`` (``None`` when ``attention`` is ``"sdpa"``).
         attention: ``"sdpa"`` (plain dense SDPA: the exact regime by shape, a call within the
-            dense tail (under a ``key_mask`` with no gradient wanted, on the Triton path,
-            ``pisa_attention`` runs it through the split-K kernel over every key block), or on
+            dense tail (under a ``key_mask``, ``pisa_attention`` runs one query on CUDA through
+            SDPA with ``enable_gqa``, and more rows with no gradient wanted, on the Triton path,
+            through the split-K kernel over every key block), or on
             CUDA an explicit mask the fused selection cannot read), ``"triton"``,
             ``"triton-decode"`` (split-K over the blocks, for a few queries),
             ``"flex-window"`` (a sliding window: exact windowed attention through

@@ -1073,9 +1073,11 @@ def _with_fill(s: Optional[Struct], fill: Any, casts: list) -> Optional[Struct]:
     """``s`` with the fill as the mask holds it: rounded through ``casts`` (dtypes, from the
     node that writes it to the mask itself); ``finfo(float32).min`` cast to bfloat16 is
     ``-inf``."""
+    if s is None:
+        return None
     value = _float_of(fill)
-    if s is None or value is None:
-        return None if s is None else dataclasses.replace(s, fill=None)
+    if value is None:
+        return dataclasses.replace(s, fill=None)
     t = torch.tensor(value, dtype=torch.float64)
     for d in casts:
         if d is None or not d.is_floating_point:

@@ -177,9 +177,7 @@ def _empty_rows_kind(kind: str, fill: Any, dtype: Any) -> Optional[str]:
     """``kind`` ("add" or "replace", see ``_Plan.empty_rows``) where eager gives rows that
     see no key the mean of v: a finite fill (a fill of None: not known until run time), and
     for an added one not float16 (there ``finfo.min + s`` keeps ``s / 32``)."""
-    if isinstance(fill, (int, float)) and not math.isfinite(fill):
-        return None
-    if fill is not None and not isinstance(fill, (int, float)):
+    if fill is not None and not (isinstance(fill, (int, float)) and math.isfinite(fill)):
         return None
     return None if kind == "add" and dtype == torch.float16 else kind
 
@@ -1184,8 +1182,13 @@ def _note(n_keys, has_mask: bool, config: PisaConfig, device: torch.device,
     if n_queries is not None and window is None and T and (
             statically_known_true(n_queries <= T)
             or causal and statically_known_true(n_queries < T + config.query_tile)):
-        how = ("runs dense (the split-K kernel over every key block under its key mask "
-               "when no gradient is wanted, else SDPA)" if padded else "runs plain SDPA")
+        if not padded:
+            how = "runs plain SDPA"
+        elif device.type == "cuda" and statically_known_true(n_queries == 1):
+            how = "runs SDPA under its key mask with enable_gqa"  # ops._masked_rows
+        else:
+            how = ("runs dense (the split-K kernel over every key block under its key mask "
+                   "when no gradient is wanted, else SDPA)")
         return f"{how}: every query in the dense tail (Nq={n_queries}, dense_tail={T})"
     notes = []
     if not statically_known_true(n_keys >= config.min_seq_len):

@@ -122,6 +122,16 @@ CANDIDATES: dict[str, dict] = {
     # Finer leaves, the same keys: 32-key leaves, twice the blocks.
     "quality_c32_k32": {"preset": "quality", "min_seq_len": 2048, "block_size": 32,
                         "top_k": 32},
+    # A wider local window (8 leaves: the last 449-512 keys, as NSA's 512-key window): whether
+    # the loss the walk loses against the flat scan is recent context. beam 55 keeps the pool
+    # 128 wide with 9 forced leaves (pow2(2 * (55 + 9))).
+    "quality_local8": {"preset": "quality", "min_seq_len": 2048, "local_blocks": 8,
+                       "beam": 55},
+    "quality_local8_b23_s32": {"preset": "quality", "min_seq_len": 2048, "local_blocks": 8,
+                               "beam": 23, "shortlist": 32},
+    "fast_local8": {"preset": "fast", "local_blocks": 8},
+    "fast_local16": {"preset": "fast", "local_blocks": 16},
+    "fast_k32_local8": {"preset": "fast", "local_blocks": 8, "top_k": 32},
 }
 
 

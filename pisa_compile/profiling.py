@@ -448,7 +448,10 @@ def _no_pisa_stage(summary: dict, length: int, result: Optional[dict]) -> str:
         if entry["length"] == length:
             notes = {s.get("note", "") for s in entry["sites"] if s["decision"] == "rewritten"}
             if not entry["rewritten"]:
-                return "no attention site was rewritten (see rewrite_report.txt)"
+                reasons = sorted({s.get("reason", "") for s in entry["sites"]} - {""})
+                return ("no attention site was rewritten"
+                        + (f": {'; '.join(reasons)}" if reasons else "")
+                        + " (see rewrite_report.txt)")
             if notes - {""}:
                 return "; ".join(sorted(notes - {""}))
     return "the op ran no PISA kernel (see rewrite_report.txt)"

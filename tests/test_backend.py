@@ -102,11 +102,47 @@ def test_fullgraph():
 
 @pytest.mark.parametrize("fn", [hand_attention, sdpa], ids=["hand", "sdpa"])
 def test_dynamic(fn):
-    f = torch.compile(fn, backend="pisa", dynamic=True)
+    f = torch.compile(fn, backend="pisa", dynamic=True, options={"min_seq_len": 0})
     for n in (24, 40):
         args = _qkv(n=n, seed=n)
         torch.testing.assert_close(f(*args), fn(*args), rtol=1e-4, atol=1e-5)
     assert counters["pisa"]["rewritten"] >= 1 and counters["pisa"]["left_dense"] == 0
+
+
+def test_short_sdpa_sites_stay_in_the_graph_until_a_longer_call():
+    """Below ``min_seq_len`` an SDPA site stays as it is (Inductor compiles it, no op call per
+    step); a symbolic length is guarded, so the first longer call recompiles with the op and
+    shorter calls go back to the first graph."""
+    # dense_tail=0: the tail's rounding would specialize these small lengths (a tile count 1).
+    f = torch.compile(sdpa, backend="pisa", dynamic=True,
+                      options={"min_seq_len": 64, "dense_tail": 0})
+    for n, want in ((24, {"left_dense": 1}), (40, {"left_dense": 1}),
+                    (80, {"left_dense": 1, "rewritten": 1}),
+                    (32, {"left_dense": 1, "rewritten": 1}),
+                    (112, {"left_dense": 1, "rewritten": 1})):
+        args = _qkv(n=n, seed=n)
+        torch.testing.assert_close(f(*args), sdpa(*args), rtol=1e-4, atol=1e-5)
+        assert dict(counters["pisa"]) == want, (n, dict(counters["pisa"]))
+    (site,) = pisa_compile.explain(sdpa, *_qkv(n=24), options={"min_seq_len": 64}).sites
+    assert not site.rewritten and "Nk=24 < min_seq_len=64" in site.reason, site.reason
+
+
+def test_a_length_range_the_user_set_is_not_narrowed():
+    """A length marked dynamic with bounds across ``min_seq_len`` gets no guard (Dynamo would
+    fail the compile with a constraint violation, as it did when the op's own branch on the
+    length was traced): the site stays dense over the range, and says why."""
+    f = torch.compile(sdpa, backend="pisa", options={"min_seq_len": 64})
+    for n in (24, 80):
+        args = _qkv(n=n, seed=n)
+        for t in args:
+            torch._dynamo.mark_dynamic(t, 2, min=16, max=128)
+        torch.testing.assert_close(f(*args), sdpa(*args), rtol=1e-4, atol=1e-5)
+    assert dict(counters["pisa"]) == {"left_dense": 1}
+    args = _qkv(n=24)
+    for t in args:
+        torch._dynamo.mark_dynamic(t, 2, min=16, max=128)
+    (site,) = pisa_compile.explain(sdpa, *args, options={"min_seq_len": 64}).sites
+    assert "bounded across min_seq_len=64" in site.reason, site.reason
 
 
 def test_training_step_grads_match_eager():
@@ -291,7 +327,8 @@ def test_a_retraced_graph_is_counted_once():
                                                   dropout_p=self.p if self.training else 0.0)
 
     q = _qkv(requires_grad=True)[0]
-    torch.compile(Attn().train(), backend="pisa", dynamic=True)(q, q, q).sum().backward()
+    torch.compile(Attn().train(), backend="pisa", dynamic=True,
+                  options={"min_seq_len": 0})(q, q, q).sum().backward()
     assert dict(counters["pisa"]) == {"rewritten": 1}
 
 
@@ -333,7 +370,7 @@ def test_entry_point_without_import():
     code = (
         "import sys, torch\n"
         "f = torch.compile(lambda q, k, v: torch.nn.functional.scaled_dot_product_attention("
-        "q, k, v), backend='pisa')\n"
+        "q, k, v), backend='pisa', options={'min_seq_len': 0})\n"
         "q = torch.randn(1, 2, 8, 16)\n"
         "torch.testing.assert_close(f(q, q, q), "
         "torch.nn.functional.scaled_dot_product_attention(q, q, q))\n"

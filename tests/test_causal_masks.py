@@ -13,6 +13,8 @@ import pisa_compile
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 B, H, N, D = 2, 4, 24, 16
+# Below min_seq_len an SDPA site stays in the graph; the test sizes are far below the default.
+REWRITE = {"min_seq_len": 0}
 
 
 def _qkv(n=N, seed=0):
@@ -23,9 +25,9 @@ def _qkv(n=N, seed=0):
 def _mask_of(fn, *args):
     """The report's mask column for the single site, after checking compiled == eager."""
     ref = fn(*args)
-    out = torch.compile(fn, backend="pisa")(*args)
+    out = torch.compile(fn, backend="pisa", options=REWRITE)(*args)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
-    report = pisa_compile.explain(fn, *args)
+    report = pisa_compile.explain(fn, *args, options=REWRITE)
     assert [s.decision for s in report.sites] == ["rewritten"], str(report)
     return report.sites[0].mask
 
@@ -143,8 +145,8 @@ def test_llama_with_explicit_mask_is_causal():
     mp.setattr(masking, "_ignore_causal_mask_sdpa", lambda *a, **k: False)
     try:
         ref = model(ids).logits
-        out = torch.compile(model, backend="pisa")(ids).logits
-        report = pisa_compile.explain(model, ids)
+        out = torch.compile(model, backend="pisa", options=REWRITE)(ids).logits
+        report = pisa_compile.explain(model, ids, options=REWRITE)
     finally:
         mp.undo()
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)

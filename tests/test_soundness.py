@@ -364,11 +364,19 @@ def test_integral_numbers_are_accepted_as_options():
 
 
 def test_explain_says_when_a_site_runs_plain_sdpa():
+    """An SDPA site below min_seq_len stays in the graph, and says why; a hand-written one
+    becomes the op, whose note says it runs plain SDPA there."""
     q = torch.randn(1, 2, 64, 16)
     report = explain(lambda q: F.scaled_dot_product_attention(q, q, q, is_causal=True), q)
-    assert report[0].rewritten
-    assert report[0].note == "runs plain SDPA: Nk=64 < min_seq_len=32768"
-    assert "runs plain SDPA" in str(report)
+    assert not report[0].rewritten
+    assert report[0].reason == "Nk=64 < min_seq_len=32768: the graph keeps its SDPA (Inductor)"
+    assert "min_seq_len" in str(report)
+
+    def hand(q):
+        s = (q @ q.transpose(-2, -1)) * 0.25
+        return s.softmax(-1) @ q
+    (site,) = explain(hand, q).sites
+    assert site.rewritten and site.note == "runs plain SDPA: Nk=64 < min_seq_len=32768"
     assert pisa_compile.plan(q, q, q, config=PisaConfig()).attention == "sdpa"
 
 

@@ -1133,6 +1133,8 @@ def rewrite_graph(gm: GraphModule, config: PisaConfig, apply: bool = True) -> li
             q, k, v = _check_shapes(plan)
             site.q_shape, site.k_shape, site.v_shape = fmt_shape(q), fmt_shape(k), fmt_shape(v)
             _check_no_writes(gm.graph, plan)
+            if is_sdpa and (short := _below_min_seq_len(k.shape[-2], config)):
+                raise LeaveDense(short)
             if apply:
                 _apply(gm, plan, config)
             site.decision, site.reason = REWRITTEN, ""
@@ -1169,6 +1171,42 @@ def _mha_has_mask(bound: dict, is_layer: bool, site: Site) -> bool:
     if padding:
         site.mask += "->padding"
     return has
+
+
+def _below_min_seq_len(n_keys, config: PisaConfig) -> Optional[str]:
+    """The reason an SDPA site stays as it is because it has fewer than ``min_seq_len`` keys,
+    or None.
+
+    The op would run plain SDPA there (``kernels.dispatch.plan``); left in the graph, Inductor
+    compiles the same SDPA without the op's wrapper around it (``generate()``'s decode steps
+    were 6.6% slower than Inductor's at 8K). A symbolic length is decided by a guard, as the
+    traced op's own branch on it was, so a call past ``min_seq_len`` recompiles once with the
+    op. A length whose range was bounded (``mark_dynamic(min=, max=)``) across
+    ``min_seq_len`` gets no guard (Dynamo would reject it as a constraint violation, and so
+    the op's branch): the site stays dense over the whole range.
+    """
+    limit = config.min_seq_len
+    if limit <= 0 or statically_known_true(n_keys >= limit):
+        return None
+    why = f"Nk={n_keys} < min_seq_len={limit}: the graph keeps its SDPA (Inductor)"
+    if statically_known_true(n_keys < limit):
+        return why
+    from torch.utils._sympy.numbers import int_oo
+    node = n_keys.node
+    env = node.shape_env
+    # torch >= 2.12 renamed var_to_val (and warns on the old name).
+    backed = getattr(env, "backed_var_to_val", None)
+    backed = env.var_to_val if backed is None else backed
+    for sym in node.expr.free_symbols:
+        if sym not in backed:
+            return None  # unbacked: no hint to decide on; the op decides per call
+        vr = env.var_to_range.get(sym)
+        if vr is None or vr.lower > 2 or vr.upper is not int_oo:
+            return (f"the range of Nk={n_keys} is bounded across min_seq_len={limit} (a "
+                    f"guard on it would break the compile): the graph keeps its SDPA")
+    if n_keys < limit:  # a guard: Dynamo recompiles for a longer call
+        return why + "; a call with more keys recompiles with PISA"
+    return None
 
 
 def _note(n_keys, has_mask: bool, config: PisaConfig, device: torch.device,

@@ -90,7 +90,10 @@ def run(model, backend: str, n: int, batch: int, pad: int, new_tokens: int, reps
     return dict(n=n, batch=batch, pad=pad, backend=backend, options=options,
                 new_tokens=new_tokens, ttft_ms=round(first, 2),
                 per_token_ms=round((full - first) / (new_tokens - 1), 3),
-                reference_stages=ref_stages, tokens=out[:, n:].cpu())
+                reference_stages=ref_stages, graphs=int(counters["stats"]["unique_graphs"]),
+                sites={k: v for k, v in counters["pisa"].items()
+                       if k in ("rewritten", "left_dense")},
+                tokens=out[:, n:].cpu())
 
 
 def main(argv=None):
@@ -102,6 +105,8 @@ def main(argv=None):
                     help="left padding of every row after the first (tokens)")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="times the pisa/Inductor pair runs, alternating (host noise)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="a 2-layer toy model (CPU smoke)")
     ap.add_argument("--min-seq-len", type=int, default=None,
@@ -110,12 +115,14 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.new_tokens < 2:
         ap.error("--new-tokens must be at least 2")
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
     if args.pad and args.batch < 2:
         ap.error("--pad pads the rows after the first: give --batch 2 or more")
     model = _model(args.tiny, args.device)
     opts = None if args.min_seq_len is None else dict(min_seq_len=args.min_seq_len)
     rows = []
-    for n in args.lengths:
+    for n in [n for n in args.lengths for _ in range(args.rounds)]:
         pair = [run(model, b, n, args.batch, args.pad, args.new_tokens, args.reps,
                     args.device, opts if b == "pisa" else None) for b in ("pisa", "inductor")]
         same = float((pair[0]["tokens"] == pair[1]["tokens"]).float().mean())

@@ -123,8 +123,8 @@ CANDIDATES: dict[str, dict] = {
     "quality_c32_k32": {"preset": "quality", "min_seq_len": 2048, "block_size": 32,
                         "top_k": 32},
     # A wider local window (8 leaves: the last 449-512 keys, as NSA's 512-key window): whether
-    # the loss the walk loses against the flat scan is recent context. beam 55 keeps the pool
-    # 128 wide with 9 forced leaves (pow2(2 * (55 + 9))).
+    # the loss the walk loses against the flat scan is recent context. (beam 55 meant to keep
+    # the pool 128 wide, but the local bound is 9 leaves, 10 forced: it is 256 wide.)
     "quality_local8": {"preset": "quality", "min_seq_len": 2048, "local_blocks": 8,
                        "beam": 55},
     "quality_local8_b23_s32": {"preset": "quality", "min_seq_len": 2048, "local_blocks": 8,

@@ -106,7 +106,7 @@ def main(argv=None):
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=1,
-                    help="times the pisa/Inductor pair runs, alternating (host noise)")
+                    help="times each length runs the pair, the first one of the two alternating")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="a 2-layer toy model (CPU smoke)")
     ap.add_argument("--min-seq-len", type=int, default=None,
@@ -122,9 +122,14 @@ def main(argv=None):
     model = _model(args.tiny, args.device)
     opts = None if args.min_seq_len is None else dict(min_seq_len=args.min_seq_len)
     rows = []
-    for n in [n for n in args.lengths for _ in range(args.rounds)]:
-        pair = [run(model, b, n, args.batch, args.pad, args.new_tokens, args.reps,
-                    args.device, opts if b == "pisa" else None) for b in ("pisa", "inductor")]
+    for i, n in enumerate(n for n in args.lengths for _ in range(args.rounds)):
+        # Odd rounds run Inductor first: an order effect shows as a swap between rounds.
+        order = ("pisa", "inductor") if i % args.rounds % 2 == 0 else ("inductor", "pisa")
+        pair = {b: run(model, b, n, args.batch, args.pad, args.new_tokens, args.reps,
+                       args.device, opts if b == "pisa" else None) for b in order}
+        pair[order[0]]["ran_first"] = True
+        pair[order[1]]["ran_first"] = False
+        pair = [pair["pisa"], pair["inductor"]]
         same = float((pair[0]["tokens"] == pair[1]["tokens"]).float().mean())
         for r in pair:
             r.pop("tokens")

@@ -42,7 +42,7 @@ def _float_mask(n=N, seed=2):
     return torch.zeros(n, n).masked_fill(_masked(n, seed), torch.finfo(torch.float32).min)
 
 
-# Below min_seq_len an SDPA site stays in the graph (rewrite._below_min_seq_len); the test
+# Below min_seq_len an SDPA site stays in the graph (rewrite._short_sdpa_reason); the test
 # sizes are far below the default, so the tests that exercise the rewrite lower it.
 REWRITE = {"min_seq_len": 0}
 

@@ -22,7 +22,8 @@ from typing import Any, Optional
 
 import torch
 from torch.fx import GraphModule, Node
-from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols, statically_known_true
+from torch.utils._sympy.numbers import int_oo
 
 from ..config import PisaConfig
 from ..ops import check_causal_buffer, eager_empty_rows, pisa_attention
@@ -71,6 +72,9 @@ class _Plan:
     key_cut: bool = False            # pass key_mask[:, :Nk] (masks.Struct.key_cut)
     key_nonzero: bool = False        # pass key_mask != 0 (masks.Struct.key_nonzero)
     key_rows: bool = False           # pass key_mask[:B] (masks.Struct.key_rows)
+    # A key mask proved in a checkpoint body's caller: made an input of the body by _apply
+    # (not by the analysis, which must leave the graphs as they are if the site stays dense).
+    key_outer: Optional["_Outer"] = None
     window: Optional[int] = None     # causal sliding window: keys per query
     # Rows that see no key as eager gives them under a finite fill (ops.eager_empty_rows):
     # "add" (finfo.min added), "replace" (masked_fill), or None (the op's zeros).
@@ -282,7 +286,7 @@ def _take_structure(graph, plan: _Plan, s: M.Struct, qv: Any, kv: Any, site: Sit
     plan.causal_offset = s.upper if s.upper is not None and s.upper != (0, ()) else None
     key = s.key
     if crossed and key is not None and key.graph is not graph:
-        key = outer.thread(key)  # the key mask becomes an input of the body
+        plan.key_outer = outer  # _apply makes the key mask an input of the body
     plan.key_mask, plan.key_cut, plan.key_nonzero = key, s.key_cut, s.key_nonzero
     plan.key_rows = s.key_rows is not None
     # Structure leaves a row empty only through the key mask: a causal row sees key 0 and a
@@ -810,6 +814,8 @@ def _apply(gm: GraphModule, plan: _Plan, config: PisaConfig) -> Node:
         return n if _identity(p) else emit("call_method", "permute", (n, *p))
 
     q, k, v = perm(plan.q, plan.q_perm), perm(plan.k, plan.k_perm), perm(plan.v, plan.v_perm)
+    if plan.key_outer is not None:
+        plan.key_mask = plan.key_outer.thread(plan.key_mask)
     if plan.key_mask is None and plan.empty_rows is None:
         plan.empty_rows = _explicit_empty_rows(plan)
     mask = plan.mask
@@ -1133,7 +1139,7 @@ def rewrite_graph(gm: GraphModule, config: PisaConfig, apply: bool = True) -> li
             q, k, v = _check_shapes(plan)
             site.q_shape, site.k_shape, site.v_shape = fmt_shape(q), fmt_shape(k), fmt_shape(v)
             _check_no_writes(gm.graph, plan)
-            if is_sdpa and (short := _below_min_seq_len(k.shape[-2], config)):
+            if is_sdpa and (short := _short_sdpa_reason(k.shape[-2], config)):
                 raise LeaveDense(short)
             if apply:
                 _apply(gm, plan, config)
@@ -1173,17 +1179,40 @@ def _mha_has_mask(bound: dict, is_layer: bool, site: Site) -> bool:
     return has
 
 
-def _below_min_seq_len(n_keys, config: PisaConfig) -> Optional[str]:
-    """The reason an SDPA site stays as it is because it has fewer than ``min_seq_len`` keys,
-    or None.
+def _user_bounded_symbols() -> Optional[set]:
+    """The size symbols of this compile whose range the user bounded
+    (``mark_dynamic(t, dim, min=, max=)``: a ``StrictMinMaxConstraint``, which Dynamo checks
+    every guard against), or None when that cannot be read (then any bounded range counts).
+    Read from Dynamo's tracing context: each input's per-dim constraints beside the symbols
+    it made for them (private API, hence the fallback)."""
+    try:
+        from torch._guards import TracingContext
+        from torch.fx.experimental.symbolic_shapes import StrictMinMaxConstraint
+        ctx = TracingContext.try_get()
+        if ctx is None:
+            return None
+        out = set()
+        for sc in ctx.tensor_to_context.values():
+            dims = [i for i, c in enumerate(getattr(sc, "constraint_sizes", None) or ())
+                    if isinstance(c, StrictMinMaxConstraint)]
+            for cache in (sc.shape_env_to_source_to_symbol_cache or {}).values() if dims else ():
+                out.update(sym for name, sym in cache.items()
+                           if any(name.endswith(f".size()[{i}]") for i in dims))
+        return out
+    except Exception:  # pragma: no cover - private API moved
+        return None
 
-    The op would run plain SDPA there (``kernels.dispatch.plan``); left in the graph, Inductor
-    compiles the same SDPA without the op's wrapper around it (``generate()``'s decode steps
-    were 6.6% slower than Inductor's at 8K). A symbolic length is decided by a guard, as the
-    traced op's own branch on it was, so a call past ``min_seq_len`` recompiles once with the
-    op. A length whose range was bounded (``mark_dynamic(min=, max=)``) across
-    ``min_seq_len`` gets no guard (Dynamo would reject it as a constraint violation, and so
-    the op's branch): the site stays dense over the whole range.
+
+def _short_sdpa_reason(n_keys, config: PisaConfig) -> Optional[str]:
+    """Why an SDPA site stays as it is, below ``min_seq_len`` keys, or None (rewrite it).
+
+    The op would run plain SDPA there (``kernels.dispatch.plan``); left in the graph, it is
+    Inductor's SDPA without the op's wrapper. A symbolic length is decided by a shape guard,
+    as the traced op's own branch on it was, so a longer call recompiles once with the op.
+    Two lengths get no guard and stay dense: one whose range the user bounded across
+    ``min_seq_len`` (Dynamo fails a compile whose guards narrow such a range, as the op's
+    branch did), and one known only at run time (unbacked: the op's branch on it failed the
+    compile too).
     """
     limit = config.min_seq_len
     if limit <= 0 or statically_known_true(n_keys >= limit):
@@ -1191,19 +1220,19 @@ def _below_min_seq_len(n_keys, config: PisaConfig) -> Optional[str]:
     why = f"Nk={n_keys} < min_seq_len={limit}: the graph keeps its SDPA (Inductor)"
     if statically_known_true(n_keys < limit):
         return why
-    from torch.utils._sympy.numbers import int_oo
+    if free_unbacked_symbols(n_keys):
+        return (f"Nk={n_keys} is known only at run time (no guard can pick PISA or SDPA): "
+                f"the graph keeps its SDPA")
     node = n_keys.node
-    env = node.shape_env
-    # torch >= 2.12 renamed var_to_val (and warns on the old name).
-    backed = getattr(env, "backed_var_to_val", None)
-    backed = env.var_to_val if backed is None else backed
+    user = _user_bounded_symbols()
     for sym in node.expr.free_symbols:
-        if sym not in backed:
-            return None  # unbacked: no hint to decide on; the op decides per call
-        vr = env.var_to_range.get(sym)
-        if vr is None or vr.lower > 2 or vr.upper is not int_oo:
-            return (f"the range of Nk={n_keys} is bounded across min_seq_len={limit} (a "
-                    f"guard on it would break the compile): the graph keeps its SDPA")
+        vr = node.shape_env.var_to_range.get(sym)
+        # 2..int_oo: a size symbol Dynamo made and nothing narrowed
+        bounded = vr is not None and (vr.lower > 2 or vr.upper is not int_oo)
+        if bounded and (user is None or sym in user):
+            return (f"the range of Nk={n_keys} was bounded across min_seq_len={limit} by "
+                    f"mark_dynamic (a guard on it would fail the compile): the graph keeps "
+                    f"its SDPA")
     if n_keys < limit:  # a guard: Dynamo recompiles for a longer call
         return why + "; a call with more keys recompiles with PISA"
     return None

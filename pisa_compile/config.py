@@ -80,7 +80,8 @@ class PisaConfig:
             bounds) of every node, and for leaves the LSE over their ``S``-key sub-blocks'
             bounds. A mean dilutes a one-line needle 64-fold; a bound keeps it (DESIGN.md
             "Bound scores"). Default 16.
-        min_seq_len: below this many keys the op is plain SDPA (>= 0). Default 32768: from
+        min_seq_len: below this many keys the op is plain SDPA, and the backend leaves an
+            SDPA call as it is (>= 0; DESIGN.md "Rewrite rules"). Default 32768: from
             there the default selection pays in training (forward+backward 2.2x faster than
             dense at 32K on the standard shape, H200, with the dense tail); its forward pays
             from about 36K (0.9x dense's speed at 32K, 1.6x at 64K).

@@ -480,7 +480,7 @@ def _masked_rows(q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor],
             or isinstance(scale, Tensor):
         return None
     if q.device.type == "cuda" and statically_known_true(q.shape[2] == 1):
-        return "gqa-sdpa"  # also below min_seq_len: generate()'s decode steps
+        return "gqa-sdpa"  # also below min_seq_len (a hand-written site's decode steps)
     if few_rows and not _needs_grad(q, k, v) and dispatch.triton_refusal(q, v, kernel) is None:
         return "split-k"
     return None

@@ -127,6 +127,73 @@ def test_short_sdpa_sites_stay_in_the_graph_until_a_longer_call():
     assert not site.rewritten and "Nk=24 < min_seq_len=64" in site.reason, site.reason
 
 
+def test_a_range_the_model_narrowed_still_recompiles_with_pisa():
+    """A branch in the model's own code narrows the length's range (``k.shape[2] > 8``): that
+    is not a bound the user set, so the site is guarded as usual and a long call gets PISA."""
+    def f(q, k, v):
+        if k.shape[2] > 8:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return q
+    g = torch.compile(f, backend="pisa", dynamic=True, options={"min_seq_len": 64,
+                                                                 "dense_tail": 0})
+    for n in (24, 40, 80, 112):
+        args = _qkv(n=n, seed=n)
+        torch.testing.assert_close(g(*args), f(*args), rtol=1e-4, atol=1e-5)
+    assert dict(counters["pisa"]) == {"left_dense": 1, "rewritten": 1}
+
+
+def test_an_unbacked_key_length_stays_dense():
+    """A key length known only at run time (keys picked by ``nonzero``) cannot be guarded:
+    the site keeps its SDPA and the program compiles, as under Inductor."""
+    torch._dynamo.config.capture_dynamic_output_shape_ops = True
+    try:
+        def f(q, k, v, keep):
+            idx = keep.nonzero().squeeze(1)
+            torch._check(idx.shape[0] >= 2)
+            return F.scaled_dot_product_attention(q, k.index_select(2, idx),
+                                                  v.index_select(2, idx))
+        q, k, v = _qkv(n=128)
+        keep = torch.arange(128) % 3 != 0
+        out = torch.compile(f, backend="pisa", options={"min_seq_len": 64})(q, k, v, keep)
+        torch.testing.assert_close(out, f(q, k, v, keep), rtol=1e-4, atol=1e-5)
+        assert dict(counters["pisa"]) == {"left_dense": 1}, dict(counters["pisa"])
+    finally:
+        torch._dynamo.config.capture_dynamic_output_shape_ops = False
+
+
+def test_a_short_checkpointed_site_leaves_the_graph_as_it_was():
+    """A padding mask built outside a checkpointed region, at a length below min_seq_len:
+    the site stays dense and the analysis leaves the region's call as it was (it used to add
+    the key mask as an operand the body never received)."""
+    from torch.utils.checkpoint import checkpoint
+    from pisa_compile.lowering.rewrite import copy_graph, rewrite_graph
+    pad = torch.ones(2, 24, dtype=torch.bool)
+    pad[0, :5] = False
+
+    def attend(q, k, v, m):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+
+    def f(q, k, v, pad):
+        i = torch.arange(q.shape[-2])
+        m = (i[None, :] <= i[:, None])[None, None] & pad[:, None, None, :]
+        return checkpoint(attend, q, k, v, m, use_reentrant=False).sum()
+
+    seen = []
+
+    def backend(gm, example_inputs):
+        before = [len(n.args) for n in gm.graph.nodes if n.op == "call_function"]
+        gm.graph = copy_graph(gm.graph)
+        sites = rewrite_graph(gm, pisa_compile.PisaConfig())
+        seen.append(([s.decision for s in sites], before,
+                     [len(n.args) for n in gm.graph.nodes if n.op == "call_function"]))
+        return gm.forward
+
+    args = _qkv(requires_grad=True)
+    torch.compile(f, backend=backend)(*args, pad)
+    ((decisions, before, after),) = seen
+    assert decisions == ["left dense"] and before == after, seen
+
+
 def test_a_length_range_the_user_set_is_not_narrowed():
     """A length marked dynamic with bounds across ``min_seq_len`` gets no guard (Dynamo would
     fail the compile with a constraint violation, as it did when the op's own branch on the

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._dynamo.utils import counters
 
 import pisa_compile
 
@@ -219,8 +220,9 @@ def test_symbolic_offsets_are_signed():
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, 2, 8, 16, generator=g)
     k, v = (torch.randn(1, 2, 24, 16, generator=g) for _ in range(2))
-    out = torch.compile(f, backend="pisa", dynamic=True)(q, k, v)
+    out = torch.compile(f, backend="pisa", dynamic=True, options=REWRITE)(q, k, v)
     torch.testing.assert_close(out, f(q, k, v), rtol=1e-4, atol=1e-5)
+    assert dict(counters["pisa"]) == {"rewritten": 1}, dict(counters["pisa"])
 
 
 def test_mask_moved_out_of_the_last_two_dims():

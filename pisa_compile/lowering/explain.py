@@ -21,8 +21,9 @@ def explain(model_or_fn, *args, options=None, **kwargs) -> Report:
         model_or_fn: an ``nn.Module`` or a function.
         *args, **kwargs: example inputs; the model is called once on them.
         options: the ``torch.compile(options=...)`` the backend would get (validated the same
-            way; PisaConfig keys shape the notes, e.g. which sites run plain SDPA below
-            ``min_seq_len``).
+            way; PisaConfig keys shape the decisions and notes: an SDPA site below
+            ``min_seq_len`` keys is left dense, a hand-written one rewritten with a note
+            that it runs plain SDPA there).
 
     Returns:
         A :class:`Report`: ``str(report)`` is a table of sites (form, shapes, mask kind,

@@ -31,7 +31,8 @@ class Site:
         decision: ``"rewritten"`` or ``"left dense"``.
         reason: why it was left dense (empty when rewritten).
         note: for a rewritten site, what will run where it is not the fused sparse path:
-            plain SDPA below ``min_seq_len``; for an explicit mask, dense SDPA under it on
+            plain SDPA below ``min_seq_len`` (hand-written and module sites; an SDPA site
+            there is left dense); for an explicit mask, dense SDPA under it on
             CUDA, the PyTorch reference selection elsewhere (empty when nothing needs saying).
         node: the FX node name of the site (the SDPA call or the softmax).
         source: ``file:line`` of the user code, where Dynamo recorded it.

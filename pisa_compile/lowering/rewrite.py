@@ -1139,7 +1139,8 @@ def rewrite_graph(gm: GraphModule, config: PisaConfig, apply: bool = True) -> li
             q, k, v = _check_shapes(plan)
             site.q_shape, site.k_shape, site.v_shape = fmt_shape(q), fmt_shape(k), fmt_shape(v)
             _check_no_writes(gm.graph, plan)
-            if is_sdpa and (short := _short_sdpa_reason(k.shape[-2], config)):
+            if is_sdpa and (short := _bounded_sdpa_reason(q.shape[-2], k.shape[-2])
+                            or _short_sdpa_reason(k.shape[-2], config)):
                 raise LeaveDense(short)
             if apply:
                 _apply(gm, plan, config)
@@ -1203,16 +1204,36 @@ def _user_bounded_symbols() -> Optional[set]:
         return None
 
 
+def _bounded_sdpa_reason(n_queries, n_keys) -> Optional[str]:
+    """Why an SDPA site whose lengths the user bounded (``mark_dynamic(min=, max=)``) stays
+    as it is, or None. The op branches on the lengths (``min_seq_len``, the dense tail's
+    bounds, one block or more), and Dynamo fails a compile whose guards narrow a range the
+    user set, where Inductor's SDPA compiles it."""
+    syms = set().union(*(n.node.expr.free_symbols for n in (n_queries, n_keys)
+                         if isinstance(n, torch.SymInt)))
+    if not syms:
+        return None
+    user, env = _user_bounded_symbols(), next(
+        n.node.shape_env for n in (n_queries, n_keys) if isinstance(n, torch.SymInt))
+    for sym in syms:
+        vr = env.var_to_range.get(sym)  # 2..int_oo: a size symbol nothing narrowed
+        if vr is not None and (vr.lower > 2 or vr.upper is not int_oo) and (
+                user is None or sym in user):
+            return (f"Nq={n_queries}, Nk={n_keys}: a length range set by mark_dynamic(min=, "
+                    f"max=) (the op's branches on the lengths would narrow it and fail the "
+                    f"compile): the graph keeps its SDPA")
+    return None
+
+
 def _short_sdpa_reason(n_keys, config: PisaConfig) -> Optional[str]:
     """Why an SDPA site stays as it is, below ``min_seq_len`` keys, or None (rewrite it).
 
     The op would run plain SDPA there (``kernels.dispatch.plan``); left in the graph, it is
     Inductor's SDPA without the op's wrapper. A symbolic length is decided by a shape guard,
     as the traced op's own branch on it was, so a longer call recompiles once with the op.
-    Two lengths get no guard and stay dense: one whose range the user bounded across
-    ``min_seq_len`` (Dynamo fails a compile whose guards narrow such a range, as the op's
-    branch did), and one known only at run time (unbacked: the op's branch on it failed the
-    compile too).
+    A length known only at run time (unbacked) gets no guard and stays dense: the op's
+    branch on it failed the compile. One whose range the user bounded is left to
+    :func:`_bounded_sdpa_reason`.
     """
     limit = config.min_seq_len
     if limit <= 0 or statically_known_true(n_keys >= limit):
@@ -1223,16 +1244,7 @@ def _short_sdpa_reason(n_keys, config: PisaConfig) -> Optional[str]:
     if free_unbacked_symbols(n_keys):
         return (f"Nk={n_keys} is known only at run time (no guard can pick PISA or SDPA): "
                 f"the graph keeps its SDPA")
-    node = n_keys.node
-    user = _user_bounded_symbols()
-    for sym in node.expr.free_symbols:
-        vr = node.shape_env.var_to_range.get(sym)
-        # 2..int_oo: a size symbol Dynamo made and nothing narrowed
-        bounded = vr is not None and (vr.lower > 2 or vr.upper is not int_oo)
-        if bounded and (user is None or sym in user):
-            return (f"the range of Nk={n_keys} was bounded across min_seq_len={limit} by "
-                    f"mark_dynamic (a guard on it would fail the compile): the graph keeps "
-                    f"its SDPA")
+    # (a range the user bounded never gets here: _bounded_sdpa_reason keeps it dense)
     if n_keys < limit:  # a guard: Dynamo recompiles for a longer call
         return why + "; a call with more keys recompiles with PISA"
     return None
@@ -1253,10 +1265,15 @@ def _note(n_keys, has_mask: bool, config: PisaConfig, device: torch.device,
             how = "runs plain SDPA"
         elif device.type == "cuda" and statically_known_true(n_queries == 1):
             how = "runs SDPA under its key mask with enable_gqa"  # ops._masked_rows
-        else:
+        elif device.type == "cuda" and config.kernel != "reference":
             how = ("runs dense (the split-K kernel over every key block under its key mask "
                    "when no gradient is wanted, else SDPA)")
-        return f"{how}: every query in the dense tail (Nq={n_queries}, dense_tail={T})"
+        else:
+            how = "runs SDPA under its key mask"
+        bound = (f"Nq={n_queries} <= dense_tail={T}" if statically_known_true(n_queries <= T)
+                 else f"Nq={n_queries} < dense_tail + query_tile = {T + config.query_tile}: "
+                      f"too few rows before the tail for one query tile")
+        return f"{how}: every query in the dense tail ({bound})"
     notes = []
     if not statically_known_true(n_keys >= config.min_seq_len):
         notes.append(f"plain SDPA while Nk={n_keys} < min_seq_len={config.min_seq_len}")

@@ -115,6 +115,8 @@ def test_cli_runs_and_writes_json(tmp_path):
     rc = cm.main(["--device", "cpu", "--length", "128", "--steps", "2", "--eval-lengths", "128",
                   "--per-cell", "1", "--bpb-windows", "2", "--train-bytes", "200000",
                   "--attention", "pisa",
+                  # 128 tokens: below the preset's min_seq_len the SDPA sites stay dense
+                  "--options", '{"preset": "fast", "min_seq_len": 0}',
                   "--out", str(out), "--checkpoint", str(ck)])
     import json
     res = json.loads(out.read_text())

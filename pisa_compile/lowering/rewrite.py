@@ -1209,20 +1209,23 @@ def _bounded_sdpa_reason(n_queries, n_keys) -> Optional[str]:
     as it is, or None. The op branches on the lengths (``min_seq_len``, the dense tail's
     bounds, one block or more), and Dynamo fails a compile whose guards narrow a range the
     user set, where Inductor's SDPA compiles it."""
-    syms = set().union(*(n.node.expr.free_symbols for n in (n_queries, n_keys)
-                         if isinstance(n, torch.SymInt)))
-    if not syms:
+    sizes = [n for n in (n_queries, n_keys) if isinstance(n, torch.SymInt)]
+    if not sizes:
         return None
-    user, env = _user_bounded_symbols(), next(
-        n.node.shape_env for n in (n_queries, n_keys) if isinstance(n, torch.SymInt))
-    for sym in syms:
-        vr = env.var_to_range.get(sym)  # 2..int_oo: a size symbol nothing narrowed
-        if vr is not None and (vr.lower > 2 or vr.upper is not int_oo) and (
-                user is None or sym in user):
-            return (f"Nq={n_queries}, Nk={n_keys}: a length range set by mark_dynamic(min=, "
-                    f"max=) (the op's branches on the lengths would narrow it and fail the "
-                    f"compile): the graph keeps its SDPA")
-    return None
+    env = sizes[0].node.shape_env
+    # 2..int_oo: a size symbol nothing narrowed; only a narrowed one needs the look at the
+    # tracing context (every input's constraints) for who narrowed it.
+    bounded = {sym for n in sizes for sym in n.node.expr.free_symbols
+               if (vr := env.var_to_range.get(sym)) is not None
+               and (vr.lower > 2 or vr.upper is not int_oo)}
+    if not bounded:
+        return None
+    user = _user_bounded_symbols()
+    if user is not None and not bounded & user:
+        return None
+    return (f"Nq={n_queries}, Nk={n_keys}: a length range set by mark_dynamic(min=, max=) "
+            f"(the op's branches on the lengths would narrow it and fail the compile): the "
+            f"graph keeps its SDPA")
 
 
 def _short_sdpa_reason(n_keys, config: PisaConfig) -> Optional[str]:

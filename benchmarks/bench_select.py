@@ -9,6 +9,7 @@ in one process on the same inputs (GPU only).
     python -m benchmarks.bench_select --sizes 32768 --tune-rescore   # exact rescoring's
     python -m benchmarks.bench_select --out profiles/select_gpu.json
     python -m benchmarks.bench_select --preset quality --sizes 32768 --tune --tune-rescore
+    python -m benchmarks.bench_select --preset quality --sizes 32768 --tune-flat --no-flat
     python -m pytest benchmarks/bench_select.py --benchmark-enable
 
 Shape: B=1, Hq=32, Hkv=8, D=128, bf16, causal; options: the ``"fast"`` preset (block_size=64,
@@ -60,7 +61,7 @@ TUNE = {
 }
 
 # --tune-rescore: launch options of the exact rescoring kernel, on a 32-leaf shortlist (the
-# setting the recorded sweep used; the defaults score 64 leaves per 16-query tile).
+# setting the recorded sweep used; the defaults score 128 leaves per 16-query tile).
 RESCORE_CFG = PisaConfig.preset("fast", min_seq_len=0, leaf_scoring="exact", beam=60,
                                  shortlist=32)
 TUNE_RESCORE = {
@@ -75,6 +76,15 @@ TUNE_RESCORE = {
     "rb64_w4_s4": dict(row_block=64, num_warps=4, num_stages=4),
     "rb32_w4": dict(row_block=32, num_warps=4),
     "rb32_w4_s3": dict(row_block=32, num_warps=4, num_stages=3),
+}
+
+# --tune-flat: launch options of the flat kernel (flat_leaves; the defaults up to 32K keys).
+TUNE_FLAT = {
+    "rb64_lb32_w4": dict(row_block=64, leaf_block=32, num_warps=4),
+    "rb64_lb16_w4": dict(row_block=64, leaf_block=16, num_warps=4),
+    "rb64_lb64_w4": dict(row_block=64, leaf_block=64, num_warps=4),
+    "rb64_lb32_w8": dict(row_block=64, leaf_block=32, num_warps=8),
+    "rb64_lb64_w8": dict(row_block=64, leaf_block=64, num_warps=8),
 }
 
 
@@ -132,7 +142,8 @@ def compiled_info(kernel) -> dict:
         for ck in cache[0].values():
             meta = ck.metadata
             key = f"w{meta.num_warps}_s{meta.num_stages}_r{getattr(meta, 'maxnreg', None)}"
-            info.setdefault(key, []).append(dict(n_regs=ck.n_regs, n_spills=ck.n_spills,
+            info.setdefault(key, []).append(dict(n_regs=getattr(ck, "n_regs", None),
+                                                 n_spills=getattr(ck, "n_spills", None),
                                                  shared=meta.shared))
     return info
 
@@ -143,12 +154,13 @@ def _ms(fn):
 
 
 def run(sizes, out_path=None, tune=False, tune_rescore=False, preset=None, only=None,
-        shape=None, no_flat=False):
+        shape=None, no_flat=False, tune_flat=False):
     global CFG, RESCORE_CFG
     if shape:
         SHAPE.update(zip(("Hq", "Hkv", "D"), shape))
     tunes = {k: v for k, v in TUNE.items() if not only or k in only}
     tunes_rescore = {k: v for k, v in TUNE_RESCORE.items() if not only or k in only}
+    tunes_flat = {k: v for k, v in TUNE_FLAT.items() if not only or k in only}
     if preset is not None:
         CFG = PisaConfig.preset(preset, min_seq_len=0)
         if CFG.leaf_scoring == "exact":
@@ -186,6 +198,15 @@ def run(sizes, out_path=None, tune=False, tune_rescore=False, preset=None, only=
                     row[f"rescore_{name}_diff_frac"] = float(diff.any(-1).float().mean())
                 except Exception as e:  # noqa: BLE001 (resource limits on some configs)
                     row[f"rescore_{name}_ms"] = repr(e)[:80]
+        if tune_flat:
+            ref_idx = pisa_select(q, k)[0]
+            for name, kw in tunes_flat.items():
+                try:
+                    row[f"flat_{name}_ms"] = _ms(lambda: pisa_select(q, k, flat=kw))
+                    diff = (pisa_select(q, k, flat=kw)[0] != ref_idx)
+                    row[f"flat_{name}_diff_frac"] = float(diff.any(-1).float().mean())
+                except Exception as e:  # noqa: BLE001 (resource limits on some configs)
+                    row[f"flat_{name}_ms"] = repr(e)[:80]
         try:
             row["flat_select_ms"] = None if no_flat else _ms(lambda: flat_select(q, k))
         except torch.OutOfMemoryError:
@@ -200,8 +221,9 @@ def run(sizes, out_path=None, tune=False, tune_rescore=False, preset=None, only=
             row["attn_fwd_error"] = repr(e)[:200]
         if row.get("flat_select_ms"):
             row["speedup_vs_flat"] = row["flat_select_ms"] / row["pisa_select_ms"]
-        if tune or tune_rescore:
+        if tune or tune_rescore or tune_flat:
             row["compiled"] = {"select": compiled_info(ts._select_kernel),
+                               "flat": compiled_info(ts._flat_kernel),
                                "rescore": compiled_info(ts._rescore_kernel)}
         print(json.dumps(row), flush=True)
         res["rows"].append(row)
@@ -244,10 +266,12 @@ if __name__ == "__main__":
     ap.add_argument("--out", default=None)
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--tune-rescore", action="store_true")
+    ap.add_argument("--tune-flat", action="store_true")
     ap.add_argument("--preset", default=None, help="a PisaConfig preset (default: fast)")
     ap.add_argument("--only", nargs="*", help="run only these --tune/--tune-rescore settings")
     ap.add_argument("--shape", type=int, nargs=3, metavar=("HQ", "HKV", "D"),
                     help="heads and head dim (default 32 8 128)")
     ap.add_argument("--no-flat", action="store_true", help="skip the flat baseline")
     a = ap.parse_args()
-    run(a.sizes, a.out, a.tune, a.tune_rescore, a.preset, a.only, a.shape, a.no_flat)
+    run(a.sizes, a.out, a.tune, a.tune_rescore, a.preset, a.only, a.shape, a.no_flat,
+        a.tune_flat)

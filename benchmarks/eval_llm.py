@@ -108,6 +108,21 @@ CANDIDATES: dict[str, dict] = {
     # Smaller query tiles: fewer rows share one selection (a single row's need weighs more).
     "quality_tq4": {"preset": "quality", "min_seq_len": 2048, "query_tile": 4},
     "quality_tq1": {"preset": "quality", "min_seq_len": 2048, "query_tile": 1},
+    # Every visible leaf in the pool (a single-level walk: the flat sub-block bound scan,
+    # then the shortlist's exact scores), on the PyTorch reference: the quality a flat kernel
+    # would give, before building it.
+    # The one-level pool (flat_leaves; 2 December 2026): every visible leaf ranked by its
+    # sub-block bounds, then the shortlist's exact scores. "quality" is the new defaults
+    # (shortlist 128); "quality_walk" the walk at every length.
+    "quality_walk": {"preset": "quality", "min_seq_len": 2048, "flat_leaves": 0},
+    "quality_flat_s64": {"preset": "quality", "min_seq_len": 2048, "shortlist": 64},
+    "quality_flat_k24_s64": {"preset": "quality", "min_seq_len": 2048, "shortlist": 64,
+                             "top_k": 24},
+    "quality_flat_k32_s64": {"preset": "quality", "min_seq_len": 2048, "shortlist": 64,
+                             "top_k": 32},
+    "quality_flat_b8_s64": {"preset": "quality", "min_seq_len": 2048, "shortlist": 64,
+                            "bound_block": 8},
+    "quality_flat_k32": {"preset": "quality", "min_seq_len": 2048, "top_k": 32},
     "quality_b124_all_k32": {"preset": "quality", "min_seq_len": 2048, "beam": 124,
                              "shortlist": None, "top_k": 32},
     "quality_b124_all_k64": {"preset": "quality", "min_seq_len": 2048, "beam": 124,
@@ -738,7 +753,11 @@ def evaluate(model, tokenizer, lengths: Sequence[int], configs: dict, *, repeats
                 continue
             use_attention(model, name, cfg,
                           ceiling=ceilings[name][1] if name in ceilings else None)
-            _retrieved(model, cases[0], device)  # warm-up: kernels compile once
+            # warm-up: kernels compile once (with no cases, the first loss window is it)
+            if cases:
+                _retrieved(model, cases[0], device)
+            else:
+                _tail_loss(model, windows[0], device)
             oks, times, by_task, misses = [], [], {}, []
             for case in cases:
                 ok, ms, miss = _retrieved(model, case, device)
@@ -747,16 +766,18 @@ def evaluate(model, tokenizer, lengths: Sequence[int], configs: dict, *, repeats
                 times.append(ms)
                 by_task.setdefault(case.task, []).append(ok)
             losses = [_tail_loss(model, w, device) for w in windows]
-            row = {"retrieval": sum(oks) / len(oks), "cases": len(oks),
+            # repeats=0: loss only (retrieval and prefill time None)
+            row = {"retrieval": sum(oks) / len(oks) if oks else None, "cases": len(oks),
                    "by_task": {t: sum(v) / len(v) for t, v in by_task.items()},
                    "loss": sum(losses) / len(losses), "loss_windows": len(losses),
-                   "prefill_ms": sorted(times)[len(times) // 2],
+                   "prefill_ms": sorted(times)[len(times) // 2] if times else None,
                    "hits": [int(o) for o in oks], "first_miss": misses}
             results[name][str(n)] = row
             row["loss_vs_dense"] = row["loss"] / results["dense"][str(n)]["loss"] - 1.0
-            progress(f"N={n} {name}: retrieval {row['retrieval']:.3f} ({len(oks)} cases), "
-                     f"loss {row['loss']:.4f} ({row['loss_vs_dense']:+.2%}), "
-                     f"prefill {row['prefill_ms']:.1f} ms")
+            hits = f"retrieval {row['retrieval']:.3f} ({len(oks)} cases), " if oks else ""
+            ms = f", prefill {row['prefill_ms']:.1f} ms" if times else ""
+            progress(f"N={n} {name}: {hits}loss {row['loss']:.4f} "
+                     f"({row['loss_vs_dense']:+.2%}){ms}")
             checkpoint(report)
     return report
 
@@ -798,7 +819,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gguf", required=True, help="path of the model's .gguf file")
     ap.add_argument("--lengths", type=int, nargs="*", default=[4096, 8192, 16384, 30000])
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="cases per (task, depth); 0: the loss only")
     ap.add_argument("--loss-windows", type=int, default=4)
     ap.add_argument("--configs", nargs="*", default=list(CANDIDATES),
                     help=f"option sets among {list(CANDIDATES)}")

@@ -41,6 +41,8 @@ def compile_select(preset: str, Hq: int, Hkv: int, D: int, N: int, tuning: dict)
 
     o = PisaConfig.preset(preset, min_seq_len=0).selection_options()
     meta, opts = ts.select_launch(Hq // Hkv, N, N, D, **o, tuning=tuning)
+    if meta.pop("FLAT"):
+        raise ValueError(f"N={N} runs on the flat kernel (flat_leaves), not the walk's")
     const = dict(meta, CAUSAL=True, HAS_LOCAL=o["local_blocks"] > 0, HAS_KEY_MASK=False,
                  LOWP=True, TRACE=False)
     fn = ts._select_kernel

@@ -49,10 +49,11 @@ class PisaConfig:
     """Options of PISA (Pyramid Top-K Sparse Attention); see ``DESIGN.md``, "The algorithm".
 
     The defaults are the ``"quality"`` preset, chosen on Qwen2.5-Coder-0.5B (H200, 45 needle
-    cases per length, ``profiles/eval_llm_bound.json``): the same retrieval as dense SDPA at
-    4K, 8K and 16K. ``PisaConfig.preset("fast")`` is the earlier, cheaper selection (pooled
-    leaves, 64-query tiles), which loses most needles past 4K on that model. ``README.md``
-    ("Speed and quality") gives both presets' measured quality and cost.
+    cases per length, ``profiles/eval_llm_flat.json``): retrieval within 2 points of dense
+    SDPA and loss within 1% at 4K, 8K, 16K and 30K (``min_seq_len`` lowered to measure them;
+    below it the op is dense). ``PisaConfig.preset("fast")`` is an earlier, cheaper selection
+    (pooled leaves, 64-query tiles), which loses most needles past 4K on that model.
+    ``README.md`` ("Speed and quality") gives both presets' measured quality and cost.
 
     Args:
         block_size: keys per leaf block ``C`` (power of two, 4..1024). Default 64.
@@ -73,18 +74,25 @@ class PisaConfig:
             roughly first (pooled, or box bounds with ``bound_block``) and only the
             ``max(M, top_k)`` best exactly; ``None`` scores every candidate leaf exactly.
             Unused with pooled scoring. With an explicit mask, partly visible leaves are
-            scored exactly on top of the ``M``. Default 64.
+            scored exactly on top of the ``M``. Default 128 (with the flat scan: within 1% of
+            dense's loss at 30K on Qwen2.5-Coder-0.5B, where 64 lost 1.7%).
         bound_block: ``None`` ranks pyramid nodes (and the shortlist, and pooled leaf picks)
             by pooled mean keys. An int ``S`` (power of two, capped at ``block_size``) ranks
             them by upper bounds of their logits instead: per-channel key boxes (Quest's page
             bounds) of every node, and for leaves the LSE over their ``S``-key sub-blocks'
             bounds. A mean dilutes a one-line needle 64-fold; a bound keeps it (DESIGN.md
             "Bound scores"). Default 16.
+        flat_leaves: a call with at most this many leaf blocks has a one-level pyramid: every
+            visible leaf is in the pool (a flat scan of the sub-block bounds, then the
+            shortlist's exact scores), instead of the walk's beam. Quadratic in the length, so
+            bounded: past it the walk keeps the cost at ``O(N log N)`` (>= 0; 0 always walks).
+            Used with ``leaf_scoring="exact"``, a ``shortlist`` and a ``bound_block`` (ignored
+            otherwise). Default 512 (32K keys of 64). DESIGN.md "Flat leaves".
         min_seq_len: below this many keys the op is plain SDPA, and the backend leaves an
             SDPA call as it is (>= 0; DESIGN.md "Rewrite rules"). Default 32768: from
-            there the default selection pays in training (forward+backward 2.2x faster than
-            dense at 32K on the standard shape, H200, with the dense tail); its forward pays
-            from about 36K (0.9x dense's speed at 32K, 1.6x at 64K).
+            there the default selection pays in training (forward+backward 1.9x faster than
+            dense at 32K on the standard shape, H200); its forward pays past 32K (0.74x
+            dense's speed at 32K, the flat scan's last length; 1.6x at 64K, 3.5x at 128K).
         dense_tail: the last ``dense_tail`` queries of an ``is_causal`` call without a
             window attend every visible key (dense SDPA; rounded up so that the sparse rows
             end on a query tile, fewer than ``dense_tail + query_tile``), and a call of at
@@ -110,8 +118,9 @@ class PisaConfig:
     local_blocks: int = 2
     query_tile: int = 16
     leaf_scoring: str = "exact"
-    shortlist: Optional[int] = 64
+    shortlist: Optional[int] = 128
     bound_block: Optional[int] = 16
+    flat_leaves: int = 512
     min_seq_len: int = 32768
     dense_tail: int = 64
     kernel: str = "auto"
@@ -140,6 +149,7 @@ class PisaConfig:
         _check_int("sink_blocks", self.sink_blocks, 0)
         _check_int("local_blocks", self.local_blocks, 0)
         _check_int("query_tile", self.query_tile, 1, 1024, pow2=True)
+        _check_int("flat_leaves", self.flat_leaves, 0)
         _check_int("min_seq_len", self.min_seq_len, 0)
         _check_int("dense_tail", self.dense_tail, 0)
         if self.leaf_scoring not in LEAF_SCORINGS:
@@ -168,6 +178,13 @@ class PisaConfig:
         return max(self.shortlist, self.top_k)
 
     @property
+    def effective_flat_leaves(self) -> int:
+        """``flat_leaves`` where it applies (exact leaves, a shortlist and box bounds), else 0."""
+        if self.effective_shortlist and self.bound_block is not None:
+            return self.flat_leaves
+        return 0
+
+    @property
     def effective_bound_block(self) -> int:
         """``bound_block`` capped at ``block_size`` (a whole leaf's box), 0 for ``None``."""
         return 0 if self.bound_block is None else min(self.bound_block, self.block_size)
@@ -177,8 +194,9 @@ class PisaConfig:
         """A named option set (:data:`PRESETS`) with ``overrides`` applied.
 
         ``"quality"`` is the defaults. ``"fast"`` is pooled leaves with 64-query tiles and
-        ``beam = top_k`` from ``2048`` keys: about 7x cheaper than ``"quality"`` at 32K-128K
-        (standard shape, H200) but it loses needles on a pretrained LLM (README "Speed and quality").
+        ``beam = top_k`` from ``2048`` keys, no flat scan: several times cheaper than
+        ``"quality"`` at 32K-128K (standard shape, H200) but it loses needles on a pretrained
+        LLM (README "Speed and quality").
 
         Raises:
             ValueError: ``name`` is not a preset (the message lists them), or an override's
@@ -214,11 +232,11 @@ class PisaConfig:
     def selection_args(self) -> tuple:
         """The selection options in the order of the ``pisa::select_blocks`` schema:
         ``block_size, top_k, branching, beam (resolved), sink_blocks, local_blocks,
-        query_tile, leaf_scoring, shortlist, bound_block`` (resolved: ``effective_*``,
-        0 for none)."""
+        query_tile, leaf_scoring, shortlist, bound_block, flat_leaves`` (resolved:
+        ``effective_*``, 0 for none)."""
         return (self.block_size, self.top_k, self.branching, self.effective_beam,
                 self.sink_blocks, self.local_blocks, self.query_tile, self.leaf_scoring,
-                self.effective_shortlist, self.effective_bound_block)
+                self.effective_shortlist, self.effective_bound_block, self.effective_flat_leaves)
 
     def attention_options(self) -> dict:
         """``block_size`` and ``query_tile``: what the attention kernels need to read a
@@ -228,7 +246,7 @@ class PisaConfig:
     def selection_options(self) -> dict:
         """:meth:`selection_args` by name (the keyword arguments of the selection kernels)."""
         names = ("block_size", "top_k", "branching", "beam", "sink_blocks", "local_blocks",
-                 "query_tile", "leaf_scoring", "shortlist", "bound_block")
+                 "query_tile", "leaf_scoring", "shortlist", "bound_block", "flat_leaves")
         return dict(zip(names, self.selection_args()))
 
 
@@ -238,7 +256,7 @@ _FIELD_NAMES = frozenset(PisaConfig.field_names())
 PRESETS: dict[str, dict] = {
     "quality": {},
     "fast": dict(beam=None, query_tile=64, leaf_scoring="pooled", shortlist=None,
-                 bound_block=None, min_seq_len=2048),
+                 bound_block=None, flat_leaves=0, min_seq_len=2048),
 }
 
 

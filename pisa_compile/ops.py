@@ -38,18 +38,20 @@ def _select_blocks_op(
     q: Tensor, k: Tensor, attn_mask: Optional[Tensor], key_mask: Optional[Tensor],
     is_causal: bool, causal_offset: int, scale: float, block_size: int, top_k: int,
     branching: int, beam: int, sink_blocks: int, local_blocks: int, query_tile: int,
-    leaf_scoring: str, shortlist: int, bound_block: int, impl: str,
+    leaf_scoring: str, shortlist: int, bound_block: int, flat_leaves: int, impl: str,
 ) -> tuple[Tensor, Tensor]:
     return dispatch.select_blocks(
         q, k, attn_mask, is_causal, scale, impl, block_size=block_size, top_k=top_k,
         branching=branching, beam=beam, sink_blocks=sink_blocks, local_blocks=local_blocks,
         query_tile=query_tile, leaf_scoring=leaf_scoring, shortlist=shortlist,
-        bound_block=bound_block, key_mask=key_mask, causal_offset=causal_offset)
+        bound_block=bound_block, flat_leaves=flat_leaves, key_mask=key_mask,
+        causal_offset=causal_offset)
 
 
 @_select_blocks_op.register_fake
 def _(q, k, attn_mask, key_mask, is_causal, causal_offset, scale, block_size, top_k, branching,
-      beam, sink_blocks, local_blocks, query_tile, leaf_scoring, shortlist, bound_block, impl):
+      beam, sink_blocks, local_blocks, query_tile, leaf_scoring, shortlist, bound_block,
+      flat_leaves, impl):
     B, Hkv, Nq, Nk = q.shape[0], k.shape[1], q.shape[2], k.shape[2]
     M = block_width(Nk, block_size, top_k, sink_blocks, local_blocks, query_tile)
     T = cdiv(Nq, query_tile)

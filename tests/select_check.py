@@ -14,19 +14,25 @@ import torch
 
 from pisa_compile.kernels import reference as ref
 from pisa_compile.kernels import triton_select as ts
-from pisa_compile.kernels.geometry import (block_width, forced_ranges, level_sizes,
+from pisa_compile.kernels.geometry import (block_width, flat_beam, forced_ranges, level_sizes,
                                            local_bound, sink_start)
 
 
-def _pyramid_args(config):
-    return config.block_size, config.branching, config.effective_beam
+def _beam(config, n_keys):
+    """The beam a call with ``n_keys`` keys selects with (``flat_leaves`` raises it)."""
+    return flat_beam(n_keys, config.block_size, config.branching, config.effective_beam,
+                     config.effective_flat_leaves)
+
+
+def _pyramid_args(config, n_keys):
+    return config.block_size, config.branching, _beam(config, n_keys)
 
 
 def check_pyramid(k, key_live, config):
     """The Triton pyramid equals the reference's: same levels, means to 1e-5, exact counts."""
     from pisa_compile.kernels import triton_pyramid as tp
-    m1, c1 = ref.build_pyramid(k, key_live, *_pyramid_args(config))
-    m2, c2 = tp.build_pyramid(k, key_live, *_pyramid_args(config))
+    m1, c1 = ref.build_pyramid(k, key_live, *_pyramid_args(config, k.shape[2]))
+    m2, c2 = tp.build_pyramid(k, key_live, *_pyramid_args(config, k.shape[2]))
     assert len(m1) == len(m2)
     for a, b in zip(m1, m2):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
@@ -38,14 +44,15 @@ def reference_trace(q, k, is_causal, scale, config, key_mask=None, causal_offset
     """Per level (top first): ``(level, pool [B,H,T,P], S [B,H,T,P], kept bool)``."""
     p = ref._Problem.make(q, k, None, is_causal, config.block_size, config.query_tile, key_mask,
                           causal_offset)
-    sel = ref._Select(config.top_k, config.branching, config.effective_beam, config.sink_blocks,
+    beam = _beam(config, k.shape[2])
+    sel = ref._Select(config.top_k, config.branching, beam, config.sink_blocks,
                       config.local_blocks, config.leaf_scoring == "exact",
                       config.effective_shortlist, config.effective_bound_block)
-    g, beam, top_k = config.branching, config.effective_beam, config.top_k
+    g, top_k = config.branching, config.top_k
     dev = q.device
     states, key_live = ref.leaf_states(p)
     states = states.to(dev)
-    mus, counts = ref.build_pyramid(k.float(), key_live.to(dev), *_pyramid_args(config))
+    mus, counts = ref.build_pyramid(k.float(), key_live.to(dev), *_pyramid_args(config, p.Nk))
     flags = ref._node_flags(states, g, len(mus))
     boxes = None
     if config.effective_bound_block:  # box bounds rank (no float bias here: sub_bias None)
@@ -113,8 +120,8 @@ def check_selection(q, k, is_causal, scale, config, tol=1e-4, max_tie_frac=0.05,
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     T = -(-Nq // config.query_tile)
-    n_levels = len(level_sizes(Nk, *_pyramid_args(config)))
-    TW = ts.trace_width(config.effective_beam)
+    n_levels = len(level_sizes(Nk, *_pyramid_args(config, Nk)))
+    TW = ts.trace_width(_beam(config, Nk))
     trace = torch.full((B, Hkv, T, n_levels, TW), -7, dtype=torch.int32, device=q.device)
     idx, cnt = ts.select_blocks(q, k, is_causal, scale, **config.selection_options(), trace=trace,
                                 **st)

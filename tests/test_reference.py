@@ -339,8 +339,8 @@ def test_config_errors_name_the_field(field, value, match):
 def test_option_values_resolve_against_top_k_and_block_size():
     """beam and shortlist never go below top_k (a user raising top_k need not raise them),
     a shortlist means nothing without exact scores, and a sub-block is at most a leaf."""
-    opts = PisaConfig(top_k=100).selection_options()
-    assert (opts["beam"], opts["shortlist"]) == (100, 100)
+    opts = PisaConfig(top_k=200).selection_options()
+    assert (opts["beam"], opts["shortlist"]) == (200, 200)
     assert PisaConfig(top_k=16, shortlist=8).selection_options()["shortlist"] == 16
     assert PisaConfig(leaf_scoring="pooled", shortlist=32).selection_options()["shortlist"] == 0
     assert PisaConfig(shortlist=None).selection_options()["shortlist"] == 0
@@ -352,7 +352,7 @@ def test_option_values_resolve_against_top_k_and_block_size():
 def test_presets():
     assert PisaConfig.preset("quality") == PisaConfig()
     fast = PisaConfig.preset("fast", top_k=8)
-    assert fast.selection_args() == (64, 8, 2, 8, 1, 2, 64, "pooled", 0, 0)
+    assert fast.selection_args() == (64, 8, 2, 8, 1, 2, 64, "pooled", 0, 0, 0)
     assert fast.min_seq_len == 2048
     with pytest.raises(ValueError, match="unknown preset 'turbo'; expected one of"):
         PisaConfig.preset("turbo")

@@ -342,16 +342,72 @@ def test_pool_bound_holds_without_mask():
 @settings(max_examples=10, deadline=None)
 @given(G=st.sampled_from([1, 3, 7]), Nk=st.integers(40, 260), extra_q=st.integers(0, 30),
        causal=st.booleans(), pad=st.integers(0, 35), shortlist=st.sampled_from([2, 5, 64]),
-       bound_block=st.sampled_from([1, 2, 8]), seed=st.integers(0, 2**31 - 1))
+       bound_block=st.sampled_from([1, 2, 8]), flat=st.booleans(),
+       seed=st.integers(0, 2**31 - 1))
 def test_default_style_selection_matches_reference(G, Nk, extra_q, causal, pad, shortlist,
-                                                   bound_block, seed):
-    """The defaults' kind of selection, scaled down: box-bound ranking through a wide beam, an
-    exact-scored shortlist (the rescoring kernel) and 4-query tiles, over GQA groups up to 7,
-    ragged lengths, a KV-cache offset (Nq < Nk) and left padding; level by level."""
+                                                   bound_block, flat, seed):
+    """The defaults' kind of selection, scaled down: box-bound ranking through a wide beam (or,
+    with ``flat``, every leaf in a one-level pool on the flat kernel), an exact-scored
+    shortlist (the rescoring kernel) and 4-query tiles, over GQA groups up to 7, ragged
+    lengths, a KV-cache offset (Nq < Nk) and left padding; level by level."""
     Nq = max(1, Nk - extra_q)
     cfg = PisaConfig(block_size=8, top_k=2, beam=5, query_tile=4, shortlist=shortlist,
-                     bound_block=bound_block, min_seq_len=0, kernel="triton")
+                     bound_block=bound_block, flat_leaves=64 if flat else 0, min_seq_len=0,
+                     kernel="triton")
     q, k = _qk(2, 1, G, Nq, Nk, 16, torch.float32, seed=seed % 1000)
     km = _left_padding(2, Nk, [0, min(pad, Nk - 1)])
-    check_selection(q, k, causal, 0.25, cfg, key_mask=km,
-                    causal_offset=Nk - Nq if causal else 0)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ts, "WALK_MAX_POOL", 0)  # a one-level pool of any width: the flat kernel
+        check_selection(q, k, causal, 0.25, cfg, key_mask=km,
+                        causal_offset=Nk - Nq if causal else 0)
+
+
+FLAT_CASES = [
+    # (B, Hkv, G, Nq, Nk, dtype, causal, left pads or None, config kwargs): a one-level pool
+    # on the flat kernel (flat_leaves), its shortlist exact-scored
+    (1, 2, 2, 512, 512, torch.float32, True, None, dict()),
+    (1, 1, 3, 384, 384, torch.float16, False, None, dict()),
+    (2, 1, 2, 500, 500, torch.float16, True, [0, 40], dict()),
+    (1, 1, 7, 200, 330, torch.float32, True, None, dict(top_k=3, shortlist=5)),  # KV cache
+    (1, 2, 4, 300, 300, torch.float32, True, None, dict(branching=3, sink_blocks=2)),
+]
+
+
+@pytest.mark.parametrize("case", FLAT_CASES, ids=lambda c: f"B{c[0]}H{c[1]}G{c[2]}q{c[3]}"
+                         f"k{c[4]}{'c' if c[6] else 'n'}{str(c[5])[-2:]}{'p' if c[7] else ''}")
+def test_flat_kernel_matches_reference(case, monkeypatch):
+    """``flat_leaves``: the flat kernel's shortlist, then the rescoring kernel's pick, equal
+    the reference's one-level walk tile by tile."""
+    B, Hkv, G, Nq, Nk, dtype, causal, pads, kw = case
+    cfg = PisaConfig(**{**dict(block_size=16, bound_block=4, top_k=4, shortlist=8,
+                               query_tile=16, beam=4, flat_leaves=64, min_seq_len=0,
+                               kernel="triton"), **kw})
+    L = -(-Nk // 16)
+    assert cfg.effective_flat_leaves == 64 and L > cfg.branching * cfg.beam  # a raised beam
+    monkeypatch.setattr(ts, "WALK_MAX_POOL", 0)
+    launched = []
+    real = ts.launcher
+    monkeypatch.setattr(ts, "launcher", lambda fn, x: launched.append(fn) or real(fn, x))
+    q, k = _qk(B, Hkv, G, Nq, Nk, 16, dtype, seed=Nk)
+    k[:, :, Nk // 3] *= 6  # a key far above the rest: ranks first wherever it is seen
+    km = None if pads is None else _left_padding(B, Nk, pads)
+    check_selection(q, k, causal, 0.25, cfg, tol=1e-5 if dtype == torch.float32 else 2e-3,
+                    key_mask=km, causal_offset=Nk - Nq if causal else 0)
+    assert ts._flat_kernel in launched and ts._select_kernel not in launched
+
+
+def test_flat_leaves_bounds_the_flat_scan():
+    """Past ``flat_leaves`` leaves the walk keeps its beam (O(N log N)); up to it the beam is
+    raised to one level; options without exact leaves, a shortlist and bounds never flatten."""
+    from pisa_compile.kernels.geometry import flat_beam, level_sizes
+    assert flat_beam(512 * 64, 64, 2, 60, 512) == 256
+    assert len(level_sizes(512 * 64, 64, 2, 256)) == 1
+    assert flat_beam(512 * 64 + 1, 64, 2, 60, 512) == 60  # 513 leaves: the walk
+    assert flat_beam(100 * 64, 64, 2, 60, 512) == 60  # already one level
+    assert flat_beam(512 * 64, 64, 2, 60, 0) == 60
+    assert PisaConfig().effective_flat_leaves == 512
+    for kw in (dict(leaf_scoring="pooled"), dict(shortlist=None), dict(bound_block=None)):
+        assert PisaConfig(**kw).effective_flat_leaves == 0
+    assert PisaConfig.preset("fast").selection_options()["flat_leaves"] == 0
+    with pytest.raises(ValueError, match="flat_leaves"):
+        PisaConfig(flat_leaves=-1)

@@ -87,6 +87,17 @@ def sink_start(key_mask: Optional[Tensor], block_size: int) -> Optional[Tensor]:
     return (key_mask.to(torch.int32).argmax(-1) // block_size).to(torch.int32)
 
 
+def flat_beam(n_keys: int, block_size: int, branching: int, beam: int, flat_leaves: int) -> int:
+    """The beam a call selects with: ``beam``, raised to ``ceil(L / branching)`` when the call
+    has ``L = ceil(n_keys / block_size)`` leaves, at most ``flat_leaves``. The pyramid then
+    has one level (:func:`level_sizes`), so the first pool is every leaf: the flat scan of
+    the ``flat_leaves`` option (DESIGN.md "Flat leaves")."""
+    L = cdiv(n_keys, block_size)
+    if L <= flat_leaves and L > branching * beam:
+        return cdiv(L, branching)
+    return beam
+
+
 def level_sizes(n_keys: int, block_size: int, branching: int, beam: int) -> list[int]:
     """Node counts per pyramid level, leaves first. Levels coarsen by ``branching`` until one
     has at most ``branching * beam`` nodes: the selection's first pool."""

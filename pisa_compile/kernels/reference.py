@@ -17,8 +17,8 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from .geometry import (block_width, cdiv, dense_mask, forced_ranges, level_sizes, local_bound,
-                       query_offset, sink_start)
+from .geometry import (block_width, cdiv, dense_mask, flat_beam, forced_ranges, level_sizes,
+                       local_bound, query_offset, sink_start)
 from .runtime import stage_range
 
 # How a tile's rows see one leaf: no live key at all; live keys, none visible to the tile;
@@ -430,7 +430,7 @@ def _lse_scores(qr: Tensor, mu: Tensor, term: Tensor, scale: float) -> Tensor:
 def select_blocks(q: Tensor, k: Tensor, attn_mask: Optional[Tensor], is_causal: bool, scale: float,
                   *, block_size: int, top_k: int, branching: int, beam: int, sink_blocks: int,
                   local_blocks: int, query_tile: int, leaf_scoring: str, shortlist: int = 0,
-                  bound_block: int = 0, key_mask: Optional[Tensor] = None,
+                  bound_block: int = 0, flat_leaves: int = 0, key_mask: Optional[Tensor] = None,
                   causal_offset: int = 0) -> tuple[Tensor, Tensor]:
     """Coarse-to-fine top-K leaf selection per query tile (DESIGN.md "Coarse-to-fine selection").
 
@@ -440,14 +440,17 @@ def select_blocks(q: Tensor, k: Tensor, attn_mask: Optional[Tensor], is_causal: 
         key_mask: bool ``[B, Nk]`` (True = the key may be attended) or None.
         causal_offset: with ``is_causal``, query ``i`` sees keys ``j <= i + causal_offset``.
         block_size, top_k, branching, beam, sink_blocks, local_blocks, query_tile,
-        leaf_scoring, shortlist, bound_block: the PISA options of those names (``beam``
-        resolved, never None; ``shortlist`` and ``bound_block`` 0 for None).
+        leaf_scoring, shortlist, bound_block, flat_leaves: the PISA options of those names
+        (``beam`` resolved, never None; ``shortlist`` and ``bound_block`` 0 for None); a
+        call with at most ``flat_leaves`` leaves raises its beam to one level
+        (:func:`geometry.flat_beam`).
 
     Returns:
         ``block_indices`` int32 ``[B, Hkv, T, M]`` (ascending, -1 padded; forced leaves
         included) and ``block_counts`` int32 ``[B, Hkv, T]``.
     """
     p = _Problem.make(q, k, attn_mask, is_causal, block_size, query_tile, key_mask, causal_offset)
+    beam = flat_beam(p.Nk, block_size, branching, beam, flat_leaves)
     sel = _Select(top_k, branching, beam, sink_blocks, local_blocks, leaf_scoring == "exact",
                   shortlist, bound_block)
     g = branching

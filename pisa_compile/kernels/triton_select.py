@@ -66,7 +66,8 @@ import triton.language as tl
 from torch import Tensor
 
 from . import reference
-from .geometry import block_width, cdiv, level_sizes, local_bound, query_offset, sink_start
+from .geometry import (block_width, cdiv, flat_beam, level_sizes, local_bound, query_offset,
+                       sink_start)
 from .runtime import launcher, stage_range
 from .triton_pyramid import n_levels, pyramid_buffers
 from .triton_util import LOG2E
@@ -687,6 +688,128 @@ def _rescore_kernel(
     tl.store(bcnt_ptr + tile, n_p + n_f)
 
 
+@triton.jit
+def _flat_bounds(qv, shi_ptr, slo_ptr, slc_ptr, sidx, ok, qk_scale, d, D: tl.constexpr,
+                 BD: tl.constexpr, LOWP: tl.constexpr):
+    """Base-2 box bounds ``[RB, S]`` of sub-blocks ``sidx`` (``-inf`` where ``ok`` is false)."""
+    hi, b, _ = _load_summaries(shi_ptr, slc_ptr, sidx, ok, d, D, BD)
+    return _bound2(qv, hi, _load_lo(slo_ptr, sidx, ok, d, D, BD), b, qk_scale, LOWP)
+
+
+@triton.jit
+def _top_n_mask(S, cand, n, LP: tl.constexpr):
+    """``cand`` entries among the best ``n`` by ``S >= 0`` (``+inf`` allowed), ties to the
+    lower index, as :func:`_top_mask` but for wide vectors: the ``n``-th best value is found
+    by a bisection over the fp32 bit patterns (which order as the values for ``S >= 0``),
+    31 reductions of ``LP`` entries instead of an ``LP x LP`` count."""
+    bits = tl.where(cand, tl.where(S > 0, S, 0.0).to(tl.int32, bitcast=True), -1)
+    lo = tl.zeros([], dtype=tl.int32)
+    hi = tl.full([], 0x7F800000, tl.int32)
+    for _ in tl.static_range(31):  # the largest thr with at least n entries >= thr
+        mid = lo + (hi - lo + 1) // 2
+        enough = tl.sum((bits >= mid).to(tl.int32), axis=0) >= n
+        lo = tl.where(enough, mid, lo)
+        hi = tl.where(enough, hi, mid - 1)
+    above = bits > lo
+    eq = (bits == lo).to(tl.int32)
+    room = n - tl.sum(above.to(tl.int32), axis=0)
+    keep = cand & (above | ((eq != 0) & (tl.cumsum(eq, axis=0) - eq < room)))
+    # (a scalar in a where: see _prioritise)
+    return tl.where(tl.sum(cand.to(tl.int32), axis=0) <= n, cand, keep)
+
+
+@triton.jit
+def _flat_kernel(
+    q_ptr, sink_ptr, lcnt_ptr, shi_ptr, slo_ptr, slc_ptr, idx_ptr, bcnt_ptr, short_ptr, vote_ptr,
+    sqb, sqh, sqn, sqd,
+    Hkv, Nq, Nk, L, total, T, M, n_sink, local_blocks, offset, scale,
+    D: tl.constexpr, G: tl.constexpr, TQ: tl.constexpr, C: tl.constexpr, BD: tl.constexpr,
+    RB: tl.constexpr, LB: tl.constexpr, NS: tl.constexpr, MP: tl.constexpr, W: tl.constexpr,
+    SHORT: tl.constexpr, LP: tl.constexpr, CAUSAL: tl.constexpr, HAS_LOCAL: tl.constexpr,
+    HAS_KEY_MASK: tl.constexpr, LOWP: tl.constexpr,
+):
+    """One program per (query tile, batch * KV head): the single-level walk (every visible
+    leaf in the pool, ``flat_leaves``) without an ``L``-wide register pool.
+
+    Same result as :func:`_select_kernel` with ``BOUND``, ``EXACT`` and ``SHORT`` at the leaf
+    level: each row's rough leaf score is the LSE of its ``NS`` sub-blocks' box bounds, the
+    tile vote the sum over rows of each row's softmax over the candidates, and the ``SHORT``
+    best go to ``short_ptr`` for :func:`_rescore_kernel`; the forced leaves to
+    ``idx_ptr``/``bcnt_ptr``. The leaves stream through in chunks of ``LB`` (``LB * NS``
+    sub-blocks per ``[RB, D] x [D, LB * NS]`` dot pair), twice per row chunk: once for each
+    row's softmax normaliser (online, as flash attention's row statistics), once for the
+    shares, which add into the tile's votes in a global row ``vote_ptr [.., LP]`` (L2
+    resident); the ``SHORT`` best are then found by :func:`_top_n_mask`.
+    """
+    scale = tl.cast(scale, tl.float32)
+    t = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // Hkv
+    h = bh % Hkv
+    q_first, q_last, clean_end, partial_end, live_end, lo, hi = _leaf_ranges(
+        t, Nq, Nk, L, offset, local_blocks, TQ, C, CAUSAL, HAS_LOCAL)
+    n_rows = (q_last - q_first + 1) * G
+    rr = tl.arange(0, RB)
+    d = tl.arange(0, BD)
+    qoff0 = (rr % G).to(tl.int64) * sqh + (q_first + rr // G).to(tl.int64) * sqn
+    qbase = q_ptr + b.to(tl.int64) * sqb + (h * G).to(tl.int64) * sqh
+    qk_scale = scale * LOG2E
+    tile = bh.to(tl.int64) * T + t
+    s0 = 0
+    if HAS_KEY_MASK:
+        s0 = tl.load(sink_ptr + b)
+    s1 = s0 + n_sink
+    lbase = bh.to(tl.int64) * total  # the leaf level comes first in the pyramid's buffers
+    sbase = bh.to(tl.int64) * (L * NS)
+    vrow = vote_ptr + tile * LP
+    sb = tl.arange(0, LB * NS)
+    lb = tl.arange(0, LB)
+    n_lc = (partial_end + LB - 1) // LB  # candidates lie below partial_end
+    for c in range((n_rows + RB - 1) // RB):
+        qv, row_ok = _q_rows(qbase, qoff0, c, rr, n_rows, q_first, sqh, sqn, sqd, d, D, BD,
+                             G, RB)
+        m = tl.full([RB], float("-inf"), tl.float32)
+        den = tl.zeros([RB], dtype=tl.float32)
+        for j in range(n_lc):  # pass 1: each row's max and sum over the candidates
+            leaf = j * LB + sb // NS
+            ok = (leaf < partial_end) & ~((leaf >= s0) & (leaf < s1)) & ~(
+                (leaf >= lo) & (leaf <= hi))
+            ok = ok & (tl.load(lcnt_ptr + lbase + leaf, mask=ok, other=0.0) != float("inf"))
+            s = _flat_bounds(qv, shi_ptr, slo_ptr, slc_ptr, sbase + j * (LB * NS) + sb, ok,
+                             qk_scale, d, D, BD, LOWP)
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            ms = tl.where(m_new == float("-inf"), 0.0, m_new)
+            den = den * tl.exp2(m - ms) + tl.sum(tl.exp2(s - ms[:, None]), axis=1)
+            m = m_new
+        ms = tl.where(m == float("-inf"), 0.0, m)
+        # A row votes if valid with a positive, finite sum (as _row_share).
+        voting = row_ok & (den > 0) & (den < float("inf"))
+        w = tl.where(voting, 1.0 / tl.where(voting, den, 1.0), 0.0)
+        for j in range(n_lc):  # pass 2: the shares, summed over rows and sub-blocks
+            leaf = j * LB + sb // NS
+            ok = (leaf < partial_end) & ~((leaf >= s0) & (leaf < s1)) & ~(
+                (leaf >= lo) & (leaf <= hi))
+            ok = ok & (tl.load(lcnt_ptr + lbase + leaf, mask=ok, other=0.0) != float("inf"))
+            s = _flat_bounds(qv, shi_ptr, slo_ptr, slc_ptr, sbase + j * (LB * NS) + sb, ok,
+                             qk_scale, d, D, BD, LOWP)
+            e = tl.where(voting[:, None], tl.exp2(s - ms[:, None]) * w[:, None], 0.0)
+            v = tl.sum(tl.reshape(tl.sum(e, axis=0), [LB, NS]), axis=1)
+            if c > 0:
+                v += tl.load(vrow + j * LB + lb)
+            tl.store(vrow + j * LB + lb, v)
+        tl.debug_barrier()  # the next chunk (and the pick) reads what other threads wrote
+    ar = tl.arange(0, LP)
+    valid = ar < L
+    forced = valid & (((ar >= s0) & (ar < s1)) | ((ar >= lo) & (ar <= hi)))
+    cand = valid & (~forced) & (ar < partial_end)
+    bad = tl.load(lcnt_ptr + lbase + ar, mask=cand, other=0.0) == float("inf")
+    S = tl.load(vrow + ar, mask=cand, other=0.0)
+    picked = _top_n_mask(_prioritise(S, bad, cand), cand, SHORT, LP)
+    _store_compact(short_ptr + tile * W, ar, picked, W, W)
+    _store_compact(idx_ptr + tile * M, ar, forced, M, MP)
+    tl.store(bcnt_ptr + tile, tl.sum(forced.to(tl.int32), axis=0))
+
+
 # Launch settings of the select kernel, measured on the H200 (benchmarks/bench_select.py
 # --tune sweeps them):
 # - row_block: rows per scoring chunk. 64 = one warpgroup's wgmma M: 4 warps, about 255
@@ -714,7 +837,17 @@ SELECT_TUNING = dict(row_block=64, num_warps=None, num_stages=None, maxnreg=None
 
 # Launch settings of the exact rescoring kernel (``leaf_scoring="exact"``): rows per chunk
 # (capped so that the [rows, shortlist] fp32 scores fit in registers), keys per dot.
+# Two or four leaves per dot ([2C or 4C, D] key tiles) spilled 438-510 registers and took 31-49
+# ms instead of 19.3 at 32K (defaults, 128-leaf shortlist; profiles/select_flat_tune.json).
 RESCORE_TUNING = dict(row_block=64, key_block=64, num_warps=4, num_stages=None)
+
+# Launch settings of the flat kernel (one-level pools wider than the walk's): rows per chunk,
+# leaves per chunk (leaf_block * block_size / bound_block sub-blocks per dot), warps. At 32K
+# (defaults, standard shape) 16 leaves select in 17.9 ms, 32 in 19.3 (8 warps: 21.4); 64 need
+# more shared memory than an SM has (profiles/select_flat_tune.json).
+FLAT_TUNING = dict(row_block=64, leaf_block=16, num_warps=4)
+# Widest one-level pool the walk kernel holds in registers; past it, the flat kernel.
+WALK_MAX_POOL = 128
 
 
 def pool_size(branching: int, beam: int, n_forced: int) -> int:
@@ -779,7 +912,8 @@ def box_buffers(k: Tensor, cnt: Tensor, total: int, block_size: int, bound_block
 def select_launch(G: int, Nq: int, Nk: int, D: int, *, block_size: int, top_k: int,
                   branching: int, beam: int, sink_blocks: int, local_blocks: int,
                   query_tile: int, leaf_scoring: str, shortlist: int = 0,
-                  bound_block: int = 0, tuning: Optional[Mapping] = None) -> tuple[dict, dict]:
+                  bound_block: int = 0, flat_leaves: int = 0,
+                  tuning: Optional[Mapping] = None) -> tuple[dict, dict]:
     """The select kernel's shape constexprs and launch options for ``G`` query heads per KV
     head, ``Nq`` queries, ``Nk`` keys and head dim ``D`` under the PISA options of
     :func:`select_blocks` (which launches with them, adding the per-call flags; so does
@@ -787,11 +921,13 @@ def select_launch(G: int, Nq: int, Nk: int, D: int, *, block_size: int, top_k: i
 
     Returns:
         ``(constexprs, options)``: the kernel's constexpr arguments that depend only on the
-        shape, options and tuning, and ``num_warps`` (plus ``num_stages``/``maxnreg`` where
+        shape, options and tuning (and ``FLAT``, not an argument: whether the call runs on
+        :func:`_flat_kernel` instead), and ``num_warps`` (plus ``num_stages``/``maxnreg`` where
         tuned).
     """
     tune = {**SELECT_TUNING, **(tuning or {})}
     C, Tq = block_size, query_tile
+    beam = flat_beam(Nk, block_size, branching, beam, flat_leaves)
     M = block_width(Nk, block_size, top_k, sink_blocks, local_blocks, query_tile)
     P = pool_size(branching, beam, min(sink_blocks, cdiv(Nk, C))
                   + local_bound(local_blocks, query_tile, block_size))
@@ -810,6 +946,10 @@ def select_launch(G: int, Nq: int, Nk: int, D: int, *, block_size: int, top_k: i
                 EXACT=exact, SHORT=short, UNROLL=cdiv(R, RB) <= min(16, unroll),
                 BOUND=bool(bound_block), NS=block_size // bound_block if bound_block else 1,
                 LATE=bool(bound_block) if tune["late_loads"] is None else bool(tune["late_loads"]))
+    # One level wider than the walk's registers hold: the flat kernel (exact leaves with a
+    # shortlist and box bounds; other one-level pools stay on the walk kernel).
+    meta["FLAT"] = (exact and short > 0 and bool(bound_block) and P > WALK_MAX_POOL
+                    and len(level_sizes(Nk, C, branching, beam)) == 1)
     options = {key: tune[key] for key in ("num_stages", "maxnreg") if tune[key] is not None}
     options["num_warps"] = tune["num_warps"] or (4 if meta["LATE"] or RB * P < 8192 else 8)
     return meta, options
@@ -818,8 +958,8 @@ def select_launch(G: int, Nq: int, Nk: int, D: int, *, block_size: int, top_k: i
 def select_blocks(q: Tensor, k: Tensor, is_causal: bool, scale: float, *, block_size: int,
                   top_k: int, branching: int, beam: int, sink_blocks: int, local_blocks: int,
                   query_tile: int, leaf_scoring: str, shortlist: int = 0,
-                  bound_block: int = 0, key_mask: Optional[Tensor] = None,
-                  causal_offset: int = 0,
+                  bound_block: int = 0, flat_leaves: int = 0,
+                  key_mask: Optional[Tensor] = None, causal_offset: int = 0,
                   trace: Optional[Tensor] = None,
                   tuning: Optional[Mapping] = None) -> tuple[Tensor, Tensor]:
     """Triton coarse-to-fine selection; same contract as ``reference.select_blocks`` without
@@ -837,6 +977,9 @@ def select_blocks(q: Tensor, k: Tensor, is_causal: bool, scale: float, *, block_
         bound_block: 0, or ``S``: rough scores are box bounds (internal nodes: over their
             children's boxes; leaves: over their ``S``-key sub-blocks), see
             :func:`box_buffers`.
+        flat_leaves: a call with at most this many leaves raises its beam to one pyramid
+            level (:func:`geometry.flat_beam`); a pool wider than ``WALK_MAX_POOL`` then runs
+            on :func:`_flat_kernel`.
         trace: tests only: int32 ``[B, Hkv, T, n_levels, trace_width(beam)]`` receives the
             kept nodes per level (level 0: the picked leaves), ascending, -1 padded, so a
             test can diff every level against the reference.
@@ -852,6 +995,7 @@ def select_blocks(q: Tensor, k: Tensor, is_causal: bool, scale: float, *, block_
     G = Hq // Hkv
     C, Tq = block_size, query_tile
     T = cdiv(Nq, Tq)
+    beam = flat_beam(Nk, block_size, branching, beam, flat_leaves)
     # Read as bytes: a value cast (Inductor cannot lower bool->uint8 views); q: never read.
     km = q if key_mask is None else key_mask.to(torch.uint8)
     live_limit = min(Nk, Nq + causal_offset) if is_causal else None
@@ -871,6 +1015,8 @@ def select_blocks(q: Tensor, k: Tensor, is_causal: bool, scale: float, *, block_
                                  local_blocks=local_blocks, query_tile=query_tile,
                                  leaf_scoring=leaf_scoring, shortlist=shortlist,
                                  bound_block=bound_block, tuning=tuning)
+
+    flat = meta.pop("FLAT")
     P, W, TW, exact = meta["P"], meta["W"], meta["TW"], meta["EXACT"]
     idx = torch.empty(B, Hkv, T, M, dtype=torch.int32, device=q.device)
     counts = torch.empty(B, Hkv, T, dtype=torch.int32, device=q.device)
@@ -888,13 +1034,30 @@ def select_blocks(q: Tensor, k: Tensor, is_causal: bool, scale: float, *, block_
     else:
         mu_dot = mu.to(q.dtype)
         lo = shi = slo = slc = mu_dot  # unused
-    # Per program, two rows of P slots for the pool compaction (see _children).
-    scratch = torch.empty(B * Hkv * T * 2 * P, dtype=torch.int32, device=q.device)
     sinks = sink_start(key_mask, block_size)
     short_idx = torch.empty(B * Hkv * T * W if exact else 1, dtype=torch.int32,
                             device=q.device)
     sel_idx, sel_counts = (torch.empty_like(idx), torch.empty_like(counts)) if exact else (
         idx, counts)
+    if flat:
+        ft = {**FLAT_TUNING, **(tuning or {}).get("flat", {})}
+        LB = ft["leaf_block"]
+        LP = max(LB, triton.next_power_of_2(L))
+        votes = torch.empty(B * Hkv * T * LP, dtype=torch.float32, device=q.device)
+        launcher(_flat_kernel, q)[(T, B * Hkv)](
+            q, counts if sinks is None else sinks, lcnt, shi, slo, slc, sel_idx, sel_counts,
+            short_idx, votes, *q.stride(),
+            Hkv, Nq, Nk, L, total, T, M, min(sink_blocks, L), local_blocks,
+            0 if offset is None else offset, float(scale),
+            D=D, G=G, TQ=Tq, C=C, BD=meta["BD"], RB=min(ft["row_block"], meta["RB"]), LB=LB,
+            NS=meta["NS"], MP=meta["MP"], W=W, SHORT=meta["SHORT"], LP=LP,
+            CAUSAL=bool(is_causal), HAS_LOCAL=offset is not None and local_blocks > 0,
+            HAS_KEY_MASK=key_mask is not None, LOWP=q.dtype != torch.float32,
+            num_warps=ft["num_warps"])
+        return _rescore(q, k, km, lcnt, short_idx, sel_idx, sel_counts, idx, counts, trace,
+                        key_mask, is_causal, offset, scale, total, T, M, meta, tuning)
+    # Per program, two rows of P slots for the pool compaction (see _children).
+    scratch = torch.empty(B * Hkv * T * 2 * P, dtype=torch.int32, device=q.device)
     launcher(_select_kernel, q)[(T, B * Hkv)](
         q, counts if sinks is None else sinks, mu_dot, lcnt, lo, shi, slo, slc, sel_idx,
         sel_counts, short_idx, counts if trace is None else trace, scratch,
@@ -905,19 +1068,31 @@ def select_blocks(q: Tensor, k: Tensor, is_causal: bool, scale: float, *, block_
         HAS_KEY_MASK=key_mask is not None, LOWP=q.dtype != torch.float32,
         TRACE=trace is not None, **meta, **launch)
     if exact:
-        rt = {**RESCORE_TUNING, **(tuning or {}).get("rescore", {})}
-        # [RB, W] fp32 scores stay in registers: fewer rows per chunk for a wide shortlist.
-        RBx = min(rt["row_block"], max(16, 8192 // W),
-                  max(16, triton.next_power_of_2(min(G * Tq, G * Nq))))
-        launcher(_rescore_kernel, q)[(T, B * Hkv)](
-            q, k, km, lcnt, short_idx, sel_idx, sel_counts, idx, counts,
-            counts if trace is None else trace,
-            *q.stride(), *k.stride(), *((0, 0) if key_mask is None else km.stride()),
-            Hkv, Nq, Nk, total, T, M, 0 if offset is None else offset, float(scale),
-            0 if trace is None else trace.shape[3] * TW,
-            D=D, G=G, TQ=Tq, C=C, KC=max(16, min(C, rt["key_block"])), BD=meta["BD"],
-            TOPK=top_k, W=W, RB=RBx, MP=meta["MP"], TW=TW, CAUSAL=bool(is_causal),
-            HAS_KEY_MASK=key_mask is not None, LOWP=q.dtype != torch.float32,
-            TRACE=trace is not None, num_warps=rt["num_warps"],
-            **({"num_stages": rt["num_stages"]} if rt["num_stages"] is not None else {}))
+        return _rescore(q, k, km, lcnt, short_idx, sel_idx, sel_counts, idx, counts, trace,
+                        key_mask, is_causal, offset, scale, total, T, M, meta, tuning)
+    return idx, counts
+
+
+def _rescore(q, k, km, lcnt, short_idx, sel_idx, sel_counts, idx, counts, trace, key_mask,
+             is_causal, offset, scale, total, T, M, meta, tuning):
+    """Launch :func:`_rescore_kernel` on the shortlist ``short_idx`` and the forced leaves
+    ``sel_idx``/``sel_counts``, writing ``idx``/``counts``; returns them."""
+    B, Hq, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    G, Tq, W, TW = Hq // Hkv, meta["TQ"], meta["W"], meta["TW"]
+    rt = {**RESCORE_TUNING, **(tuning or {}).get("rescore", {})}
+    # [RB, W] fp32 scores stay in registers: fewer rows per chunk for a wide shortlist.
+    RBx = min(rt["row_block"], max(16, 8192 // W),
+              max(16, triton.next_power_of_2(min(G * Tq, G * Nq))))
+    launcher(_rescore_kernel, q)[(T, B * Hkv)](
+        q, k, km, lcnt, short_idx, sel_idx, sel_counts, idx, counts,
+        counts if trace is None else trace,
+        *q.stride(), *k.stride(), *((0, 0) if key_mask is None else km.stride()),
+        Hkv, Nq, Nk, total, T, M, 0 if offset is None else offset, float(scale),
+        0 if trace is None else trace.shape[3] * TW,
+        D=D, G=G, TQ=Tq, C=meta["C"], KC=max(16, min(meta["C"], rt["key_block"])),
+        BD=meta["BD"], TOPK=meta["TOPK"], W=W, RB=RBx, MP=meta["MP"], TW=TW,
+        CAUSAL=bool(is_causal), HAS_KEY_MASK=key_mask is not None,
+        LOWP=q.dtype != torch.float32, TRACE=trace is not None, num_warps=rt["num_warps"],
+        **({"num_stages": rt["num_stages"]} if rt["num_stages"] is not None else {}))
     return idx, counts

@@ -116,3 +116,26 @@ def test_cuda_graph_capture():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(res[0], out[0]) and torch.equal(res[1], out[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+# More than 120 leaves of 64 keys: past the walk's one-level pool (2 * beam), so flat_leaves
+# raises the beam and the flat kernel runs.
+@pytest.mark.parametrize("causal,N,G,pad", [(True, 8192, 4, 0), (True, 12000, 7, 700),
+                                            (False, 10000, 2, 0)])
+def test_flat_kernel_matches_reference(causal, N, G, pad, dtype, monkeypatch):
+    """The defaults up to ``flat_leaves`` leaves: every leaf in a one-level pool (the flat
+    kernel), its 128-leaf shortlist rescored exactly, against the reference tile by tile."""
+    launched = []
+    real = ts.launcher
+    monkeypatch.setattr(ts, "launcher", lambda fn, x: launched.append(fn) or real(fn, x))
+    cfg = PisaConfig(block_size=64, min_seq_len=0, kernel="triton")
+    g = torch.Generator(device="cuda").manual_seed(N)
+    q = torch.randn(1, 2 * G, N, 64, device="cuda", generator=g).to(dtype)
+    k = torch.randn(1, 2, N, 64, device="cuda", generator=g).to(dtype)
+    km = None
+    if pad:
+        km = torch.ones(1, N, dtype=torch.bool, device="cuda")
+        km[:, :pad] = False
+    check_selection(q, k, causal, 0.125, cfg, key_mask=km)
+    assert ts._flat_kernel in launched

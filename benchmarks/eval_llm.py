@@ -108,9 +108,6 @@ CANDIDATES: dict[str, dict] = {
     # Smaller query tiles: fewer rows share one selection (a single row's need weighs more).
     "quality_tq4": {"preset": "quality", "min_seq_len": 2048, "query_tile": 4},
     "quality_tq1": {"preset": "quality", "min_seq_len": 2048, "query_tile": 1},
-    # Every visible leaf in the pool (a single-level walk: the flat sub-block bound scan,
-    # then the shortlist's exact scores), on the PyTorch reference: the quality a flat kernel
-    # would give, before building it.
     # The one-level pool (flat_leaves; 2 December 2026): every visible leaf ranked by its
     # sub-block bounds, then the shortlist's exact scores. "quality" is the new defaults
     # (shortlist 128); "quality_walk" the walk at every length.

@@ -39,10 +39,11 @@ def compile_select(preset: str, Hq: int, Hkv: int, D: int, N: int, tuning: dict)
     from pisa_compile import PisaConfig
     from pisa_compile.kernels import triton_select as ts
 
-    o = PisaConfig.preset(preset, min_seq_len=0).selection_options()
+    # The walk's kernel at every N (with flat_leaves the defaults' calls up to 32K keys run
+    # the flat kernel instead).
+    o = PisaConfig.preset(preset, min_seq_len=0, flat_leaves=0).selection_options()
     meta, opts = ts.select_launch(Hq // Hkv, N, N, D, **o, tuning=tuning)
-    if meta.pop("FLAT"):
-        raise ValueError(f"N={N} runs on the flat kernel (flat_leaves), not the walk's")
+    meta.pop("FLAT")
     const = dict(meta, CAUSAL=True, HAS_LOCAL=o["local_blocks"] > 0, HAS_KEY_MASK=False,
                  LOWP=True, TRACE=False)
     fn = ts._select_kernel

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 from .kernels.dispatch import KERNELS  # the implementations plan() chooses from
+from .kernels.geometry import flat_applies
 
 __all__ = ["PisaConfig", "PRESETS", "split_options"]
 
@@ -75,7 +76,8 @@ class PisaConfig:
             ``max(M, top_k)`` best exactly; ``None`` scores every candidate leaf exactly.
             Unused with pooled scoring. With an explicit mask, partly visible leaves are
             scored exactly on top of the ``M``. Default 128 (with the flat scan: within 1% of
-            dense's loss at 30K on Qwen2.5-Coder-0.5B, where 64 lost 1.7%).
+            dense's loss at 30K on Qwen2.5-Coder-0.5B, where 64 lost 1.7%; past
+            ``flat_leaves`` the walk's pool is 128 wide, so every pool leaf is scored exactly).
         bound_block: ``None`` ranks pyramid nodes (and the shortlist, and pooled leaf picks)
             by pooled mean keys. An int ``S`` (power of two, capped at ``block_size``) ranks
             them by upper bounds of their logits instead: per-channel key boxes (Quest's page
@@ -179,8 +181,9 @@ class PisaConfig:
 
     @property
     def effective_flat_leaves(self) -> int:
-        """``flat_leaves`` where it applies (exact leaves, a shortlist and box bounds), else 0."""
-        if self.effective_shortlist and self.bound_block is not None:
+        """``flat_leaves`` where it applies (exact leaves, a shortlist and box bounds:
+        ``geometry.flat_applies``), else 0."""
+        if flat_applies(self.leaf_scoring, self.effective_shortlist, self.effective_bound_block):
             return self.flat_leaves
         return 0
 

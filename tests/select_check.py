@@ -21,7 +21,9 @@ from pisa_compile.kernels.geometry import (block_width, flat_beam, forced_ranges
 def _beam(config, n_keys):
     """The beam a call with ``n_keys`` keys selects with (``flat_leaves`` raises it)."""
     return flat_beam(n_keys, config.block_size, config.branching, config.effective_beam,
-                     config.effective_flat_leaves)
+                     config.effective_flat_leaves, leaf_scoring=config.leaf_scoring,
+                     shortlist=config.effective_shortlist,
+                     bound_block=config.effective_bound_block)
 
 
 def _pyramid_args(config, n_keys):

@@ -93,7 +93,8 @@ def problems(draw, max_n: int = 300, dtypes=DTYPES, mask_kinds=MASK_KINDS,
 
 @st.composite
 def sparse_configs(draw) -> PisaConfig:
-    """Small configs that give several pyramid levels at N <= 300."""
+    """Small configs that give several pyramid levels at N <= 300 (one level, every leaf in
+    the pool, where ``flat_leaves`` is drawn non-zero and applies)."""
     return PisaConfig(
         block_size=draw(st.sampled_from([4, 8, 16])),
         top_k=draw(st.integers(1, 4)),
@@ -105,6 +106,7 @@ def sparse_configs(draw) -> PisaConfig:
         leaf_scoring=draw(st.sampled_from(["pooled", "exact"])),
         shortlist=draw(st.sampled_from([None, 2, 64])),
         bound_block=draw(st.sampled_from([None, None, 1, 4, 16])),
+        flat_leaves=draw(st.sampled_from([0, 0, 512])),
         min_seq_len=0,
         dense_tail=0,  # every row through the selection (the tail has its own tests)
         kernel="reference",

@@ -197,9 +197,10 @@ def test_bound_block_matches_reference(case):
                     key_mask=km)
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(leaf_scoring="exact", shortlist=3)],
-                         ids=["pooled", "shortlist"])
-def test_bound_block_keeps_non_finite_boxes_first(kw):
+@pytest.mark.parametrize("kw", [dict(), dict(leaf_scoring="exact", shortlist=3),
+                                dict(leaf_scoring="exact", shortlist=3, flat_leaves=64)],
+                         ids=["pooled", "shortlist", "flat"])
+def test_bound_block_keeps_non_finite_boxes_first(kw, monkeypatch):
     """A NaN key (in a node's box and in one leaf's sub-block) and an inf key: their boxes
     are not finite, so they rank first at every level (as non-finite pooled summaries do),
     and a NaN key nobody sees (padding) reaches no box."""
@@ -210,6 +211,7 @@ def test_bound_block_keeps_non_finite_boxes_first(kw):
     k[1, 0, 70, 0] = float("inf")
     k[1, 0, 2, 1] = float("nan")  # padding
     km = _left_padding(2, 120, [0, 9])
+    monkeypatch.setattr(ts, "WALK_MAX_POOL", 0)  # with flat_leaves: the flat kernel
     check_selection(q, k, True, 0.25, cfg, key_mask=km)
     idx, _ = ts.select_blocks(q, k, True, 0.25, **cfg.selection_options(), key_mask=km)
     # Every tile past the bad key's leaf that does not force it picks it.
@@ -357,7 +359,8 @@ def test_default_style_selection_matches_reference(G, Nk, extra_q, causal, pad, 
     q, k = _qk(2, 1, G, Nq, Nk, 16, torch.float32, seed=seed % 1000)
     km = _left_padding(2, Nk, [0, min(pad, Nk - 1)])
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(ts, "WALK_MAX_POOL", 0)  # a one-level pool of any width: the flat kernel
+        if flat:  # a one-level pool of any width: the flat kernel
+            mp.setattr(ts, "WALK_MAX_POOL", 0)
         check_selection(q, k, causal, 0.25, cfg, key_mask=km,
                         causal_offset=Nk - Nq if causal else 0)
 
@@ -370,6 +373,8 @@ FLAT_CASES = [
     (2, 1, 2, 500, 500, torch.float16, True, [0, 40], dict()),
     (1, 1, 7, 200, 330, torch.float32, True, None, dict(top_k=3, shortlist=5)),  # KV cache
     (1, 2, 4, 300, 300, torch.float32, True, None, dict(branching=3, sink_blocks=2)),
+    (1, 1, 2, 300, 200, torch.float32, False, None, dict()),  # Nq > Nk, no local leaves
+    (1, 1, 2, 180, 400, torch.float32, True, None, dict(shortlist=40)),  # SHORT > candidates
 ]
 
 
@@ -400,11 +405,14 @@ def test_flat_leaves_bounds_the_flat_scan():
     """Past ``flat_leaves`` leaves the walk keeps its beam (O(N log N)); up to it the beam is
     raised to one level; options without exact leaves, a shortlist and bounds never flatten."""
     from pisa_compile.kernels.geometry import flat_beam, level_sizes
-    assert flat_beam(512 * 64, 64, 2, 60, 512) == 256
+    opts = dict(leaf_scoring="exact", shortlist=128, bound_block=16)
+    assert flat_beam(512 * 64, 64, 2, 60, 512, **opts) == 256
     assert len(level_sizes(512 * 64, 64, 2, 256)) == 1
-    assert flat_beam(512 * 64 + 1, 64, 2, 60, 512) == 60  # 513 leaves: the walk
-    assert flat_beam(100 * 64, 64, 2, 60, 512) == 60  # already one level
-    assert flat_beam(512 * 64, 64, 2, 60, 0) == 60
+    assert flat_beam(512 * 64 + 1, 64, 2, 60, 512, **opts) == 60  # 513 leaves: the walk
+    assert flat_beam(100 * 64, 64, 2, 60, 512, **opts) == 60  # already one level
+    assert flat_beam(512 * 64, 64, 2, 60, 0, **opts) == 60
+    for no in (dict(leaf_scoring="pooled"), dict(shortlist=0), dict(bound_block=0)):
+        assert flat_beam(512 * 64, 64, 2, 60, 512, **{**opts, **no}) == 60
     assert PisaConfig().effective_flat_leaves == 512
     for kw in (dict(leaf_scoring="pooled"), dict(shortlist=None), dict(bound_block=None)):
         assert PisaConfig(**kw).effective_flat_leaves == 0

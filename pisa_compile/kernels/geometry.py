@@ -1,8 +1,8 @@
 """Block and tile geometry: the rules every implementation shares (DESIGN.md "The algorithm").
 
 One definition each of: the width of ``block_indices``, the local leaves a tile can force,
-where queries sit among the keys (the query offset), the forced leaf ranges of a tile, the
-pyramid's level sizes, and the dense mask that structured arguments (causal offset, key
+where queries sit among the keys (the query offset), the forced leaf ranges of a tile, when
+the pool is every leaf (``flat_leaves``), the pyramid's level sizes, and the dense mask that structured arguments (causal offset, key
 mask) stand for. The reference, the Triton kernels, ``metrics`` and the tests all
 use these. A leaf module: plain ints (SymInt-safe where noted) and torch only.
 """
@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["cdiv", "local_bound", "block_width", "query_offset", "forced_ranges",
-           "level_sizes", "dense_mask"]
+           "flat_applies", "flat_beam", "level_sizes", "dense_mask"]
 
 
 def cdiv(a, b):
@@ -87,13 +87,22 @@ def sink_start(key_mask: Optional[Tensor], block_size: int) -> Optional[Tensor]:
     return (key_mask.to(torch.int32).argmax(-1) // block_size).to(torch.int32)
 
 
-def flat_beam(n_keys: int, block_size: int, branching: int, beam: int, flat_leaves: int) -> int:
+def flat_applies(leaf_scoring: str, shortlist: Optional[int], bound_block: Optional[int]) -> bool:
+    """Whether ``flat_leaves`` applies: exact leaves ranked by box bounds into a shortlist (the
+    flat kernel's selection; others keep the walk, whose pool lives in registers)."""
+    return leaf_scoring == "exact" and bool(shortlist) and bool(bound_block)
+
+
+def flat_beam(n_keys: int, block_size: int, branching: int, beam: int, flat_leaves: int, *,
+              leaf_scoring: str, shortlist: int, bound_block: int) -> int:
     """The beam a call selects with: ``beam``, raised to ``ceil(L / branching)`` when the call
-    has ``L = ceil(n_keys / block_size)`` leaves, at most ``flat_leaves``. The pyramid then
-    has one level (:func:`level_sizes`), so the first pool is every leaf: the flat scan of
-    the ``flat_leaves`` option (DESIGN.md "Flat leaves")."""
+    has ``L = ceil(n_keys / block_size)`` leaves, at most ``flat_leaves``, and
+    :func:`flat_applies`. The pyramid then has one level (:func:`level_sizes`), so the first
+    pool is every leaf: the flat scan of the ``flat_leaves`` option (DESIGN.md "Flat
+    leaves")."""
     L = cdiv(n_keys, block_size)
-    if L <= flat_leaves and L > branching * beam:
+    if (flat_applies(leaf_scoring, shortlist, bound_block) and L <= flat_leaves
+            and L > branching * beam):
         return cdiv(L, branching)
     return beam
 

@@ -450,7 +450,8 @@ def select_blocks(q: Tensor, k: Tensor, attn_mask: Optional[Tensor], is_causal: 
         included) and ``block_counts`` int32 ``[B, Hkv, T]``.
     """
     p = _Problem.make(q, k, attn_mask, is_causal, block_size, query_tile, key_mask, causal_offset)
-    beam = flat_beam(p.Nk, block_size, branching, beam, flat_leaves)
+    beam = flat_beam(p.Nk, block_size, branching, beam, flat_leaves, leaf_scoring=leaf_scoring,
+                     shortlist=shortlist, bound_block=bound_block)
     sel = _Select(top_k, branching, beam, sink_blocks, local_blocks, leaf_scoring == "exact",
                   shortlist, bound_block)
     g = branching

@@ -2,10 +2,14 @@
 
 One program per (query tile, batch * kv head) walks the pyramid from its top level down to the
 leaves with a bounded pool of ``P`` nodes held in registers, and writes only
-``block_indices [B, Hkv, T, M]`` and ``block_counts [B, Hkv, T]``: no ``Nq x Nk`` or
-``Nq x L`` tensor is ever built. With ``leaf_scoring="exact"`` a second kernel
-(:func:`_rescore_kernel`) scores the leaf shortlist the walk wrote (an index array of at most
-``P`` leaves per tile) exactly, as a tensor-core pass over their keys, and picks.
+``block_indices [B, Hkv, T, M]`` and ``block_counts [B, Hkv, T]``: no ``Nq x Nk`` tensor is
+ever built. With ``leaf_scoring="exact"`` a second kernel (:func:`_rescore_kernel`) scores
+the leaf shortlist the walk wrote (an index array of at most ``max(P, shortlist)`` leaves per
+tile) exactly, as a tensor-core pass over their keys, and picks. Up to ``flat_leaves`` leaves
+the pool is every leaf, wider than registers hold: :func:`_flat_kernel` ranks it in two
+streaming passes instead of the walk, through a per-tile vote row of ``pow2(L)`` floats
+(``[B * Hkv * T, pow2(L)]``, 4 MiB per batch row and KV head at 32K keys with 16-query
+tiles; bounded by ``flat_leaves``).
 
 Per level (same rules as :func:`pisa_compile.kernels.reference.select_blocks`):
 
@@ -829,8 +833,9 @@ def _flat_kernel(
 #   of all children up front: 64 KB of shared memory per program instead of 144 KB (defaults,
 #   D = 128, compiled offline for sm90 by benchmarks/kernel_resources.py), so two 4-warp
 #   programs fit an SM, at more spilled registers. None = on for box-bound walks (whose
-#   children's boxes are what fills shared memory), with 4 warps: the defaults select in 11.65
-#   ms instead of 14.0 (8 warps, loads up front) at 32K, the same blocks.
+#   children's boxes are what fills shared memory), with 4 warps: the defaults (then: the walk
+#   at 32K, 64-leaf shortlist) select in 11.65 ms instead of 14.0 (8 warps, loads up front) at
+#   32K, the same blocks.
 #   profiles/select_tune.json, run d.
 SELECT_TUNING = dict(row_block=64, num_warps=None, num_stages=None, maxnreg=None, unroll=1,
                      late_loads=None)
@@ -927,15 +932,21 @@ def select_launch(G: int, Nq: int, Nk: int, D: int, *, block_size: int, top_k: i
     """
     tune = {**SELECT_TUNING, **(tuning or {})}
     C, Tq = block_size, query_tile
-    beam = flat_beam(Nk, block_size, branching, beam, flat_leaves)
+    beam = flat_beam(Nk, block_size, branching, beam, flat_leaves, leaf_scoring=leaf_scoring,
+                     shortlist=shortlist, bound_block=bound_block)
     M = block_width(Nk, block_size, top_k, sink_blocks, local_blocks, query_tile)
     P = pool_size(branching, beam, min(sink_blocks, cdiv(Nk, C))
                   + local_bound(local_blocks, query_tile, block_size))
     R = G * Tq
     RB = min(tune["row_block"], max(16, triton.next_power_of_2(min(R, G * Nq))))
     exact = leaf_scoring == "exact"
-    # A shortlist as wide as the pool is the whole pool: no rough pass.
-    short = int(shortlist) if exact and int(shortlist) < P else 0
+    # One level wider than the walk's registers hold: the flat kernel (exact leaves with a
+    # shortlist and box bounds; other one-level pools stay on the walk kernel).
+    flat = (exact and int(shortlist) > 0 and bool(bound_block) and P > WALK_MAX_POOL
+            and len(level_sizes(Nk, C, branching, beam)) == 1)
+    # A shortlist as wide as the pool is the whole pool: no rough pass (on the walk kernel;
+    # the flat kernel always ranks, its candidates can be fewer than the shortlist).
+    short = int(shortlist) if exact and (flat or int(shortlist) < P) else 0
     unroll = 16 if tune["unroll"] is True else int(tune["unroll"])
     meta = dict(D=D, G=G, TQ=Tq, C=C, BD=max(16, triton.next_power_of_2(D)), GB=branching,
                 BEAM=beam, TOPK=top_k, P=P, RB=RB, MP=max(16, triton.next_power_of_2(M)),
@@ -946,10 +957,7 @@ def select_launch(G: int, Nq: int, Nk: int, D: int, *, block_size: int, top_k: i
                 EXACT=exact, SHORT=short, UNROLL=cdiv(R, RB) <= min(16, unroll),
                 BOUND=bool(bound_block), NS=block_size // bound_block if bound_block else 1,
                 LATE=bool(bound_block) if tune["late_loads"] is None else bool(tune["late_loads"]))
-    # One level wider than the walk's registers hold: the flat kernel (exact leaves with a
-    # shortlist and box bounds; other one-level pools stay on the walk kernel).
-    meta["FLAT"] = (exact and short > 0 and bool(bound_block) and P > WALK_MAX_POOL
-                    and len(level_sizes(Nk, C, branching, beam)) == 1)
+    meta["FLAT"] = flat
     options = {key: tune[key] for key in ("num_stages", "maxnreg") if tune[key] is not None}
     options["num_warps"] = tune["num_warps"] or (4 if meta["LATE"] or RB * P < 8192 else 8)
     return meta, options
@@ -982,9 +990,11 @@ def select_blocks(q: Tensor, k: Tensor, is_causal: bool, scale: float, *, block_
             on :func:`_flat_kernel`.
         trace: tests only: int32 ``[B, Hkv, T, n_levels, trace_width(beam)]`` receives the
             kept nodes per level (level 0: the picked leaves), ascending, -1 padded, so a
-            test can diff every level against the reference.
-        tuning: overrides of :data:`SELECT_TUNING`, and under ``"rescore"`` of
-            :data:`RESCORE_TUNING` (benchmark sweeps).
+            test can diff every level against the reference (``beam`` as raised by
+            ``geometry.flat_beam``; one level when flat).
+        tuning: overrides of :data:`SELECT_TUNING`, under ``"rescore"`` of
+            :data:`RESCORE_TUNING` and under ``"flat"`` of :data:`FLAT_TUNING` (benchmark
+            sweeps).
 
     Returns:
         ``block_indices`` int32 ``[B, Hkv, T, M]`` (ascending, -1 padded, forced leaves
@@ -995,7 +1005,8 @@ def select_blocks(q: Tensor, k: Tensor, is_causal: bool, scale: float, *, block_
     G = Hq // Hkv
     C, Tq = block_size, query_tile
     T = cdiv(Nq, Tq)
-    beam = flat_beam(Nk, block_size, branching, beam, flat_leaves)
+    beam = flat_beam(Nk, block_size, branching, beam, flat_leaves, leaf_scoring=leaf_scoring,
+                     shortlist=shortlist, bound_block=bound_block)
     # Read as bytes: a value cast (Inductor cannot lower bool->uint8 views); q: never read.
     km = q if key_mask is None else key_mask.to(torch.uint8)
     live_limit = min(Nk, Nq + causal_offset) if is_causal else None

@@ -238,7 +238,10 @@ def test_every_option_set_and_ceiling_builds_a_valid_config():
     for name in CANDIDATES:
         assert isinstance(candidate_config(name), PisaConfig), name
     assert candidate_config("defaults") == PisaConfig()
-    assert candidate_config("quality_k32") == PisaConfig(min_seq_len=2048, top_k=32)
+    assert candidate_config("quality") == PisaConfig(min_seq_len=2048)
+    # measured before flat leaves: the defaults of then (shortlist 64, no flat scan)
+    assert candidate_config("quality_k32") == PisaConfig(min_seq_len=2048, top_k=32,
+                                                         shortlist=64, flat_leaves=0)
     for name, opts in CEILINGS.items():
         fields = {k: v for k, v in opts.items() if k not in ORACLE_KEYS}
         PisaConfig.preset("fast", **fields)  # raises on an unknown or bad field

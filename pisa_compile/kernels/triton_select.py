@@ -693,11 +693,18 @@ def _rescore_kernel(
 
 
 @triton.jit
-def _flat_bounds(qv, shi_ptr, slo_ptr, slc_ptr, sidx, ok, qk_scale, d, D: tl.constexpr,
-                 BD: tl.constexpr, LOWP: tl.constexpr):
-    """Base-2 box bounds ``[RB, S]`` of sub-blocks ``sidx`` (``-inf`` where ``ok`` is false)."""
-    hi, b, _ = _load_summaries(shi_ptr, slc_ptr, sidx, ok, d, D, BD)
-    return _bound2(qv, hi, _load_lo(slo_ptr, sidx, ok, d, D, BD), b, qk_scale, LOWP)
+def _flat_chunk(qv, j, sb, partial_end, s0, s1, lo, hi, lcnt_ptr, lbase, shi_ptr, slo_ptr,
+                slc_ptr, sbase, qk_scale, d, D: tl.constexpr, BD: tl.constexpr,
+                LB: tl.constexpr, NS: tl.constexpr, LOWP: tl.constexpr):
+    """Base-2 box bounds ``[RB, LB * NS]`` of leaf chunk ``j``'s sub-blocks (``sb``: their
+    offsets in the chunk), ``-inf`` for sub-blocks of leaves that are not candidates (past
+    ``partial_end``, forced, or with a non-finite box)."""
+    leaf = j * LB + sb // NS
+    ok = (leaf < partial_end) & ~((leaf >= s0) & (leaf < s1)) & ~((leaf >= lo) & (leaf <= hi))
+    ok = ok & (tl.load(lcnt_ptr + lbase + leaf, mask=ok, other=0.0) != float("inf"))
+    sidx = sbase + j * (LB * NS) + sb
+    hi_box, b, _ = _load_summaries(shi_ptr, slc_ptr, sidx, ok, d, D, BD)
+    return _bound2(qv, hi_box, _load_lo(slo_ptr, sidx, ok, d, D, BD), b, qk_scale, LOWP)
 
 
 @triton.jit
@@ -775,12 +782,8 @@ def _flat_kernel(
         m = tl.full([RB], float("-inf"), tl.float32)
         den = tl.zeros([RB], dtype=tl.float32)
         for j in range(n_lc):  # pass 1: each row's max and sum over the candidates
-            leaf = j * LB + sb // NS
-            ok = (leaf < partial_end) & ~((leaf >= s0) & (leaf < s1)) & ~(
-                (leaf >= lo) & (leaf <= hi))
-            ok = ok & (tl.load(lcnt_ptr + lbase + leaf, mask=ok, other=0.0) != float("inf"))
-            s = _flat_bounds(qv, shi_ptr, slo_ptr, slc_ptr, sbase + j * (LB * NS) + sb, ok,
-                             qk_scale, d, D, BD, LOWP)
+            s = _flat_chunk(qv, j, sb, partial_end, s0, s1, lo, hi, lcnt_ptr, lbase, shi_ptr,
+                            slo_ptr, slc_ptr, sbase, qk_scale, d, D, BD, LB, NS, LOWP)
             m_new = tl.maximum(m, tl.max(s, axis=1))
             ms = tl.where(m_new == float("-inf"), 0.0, m_new)
             den = den * tl.exp2(m - ms) + tl.sum(tl.exp2(s - ms[:, None]), axis=1)
@@ -790,12 +793,8 @@ def _flat_kernel(
         voting = row_ok & (den > 0) & (den < float("inf"))
         w = tl.where(voting, 1.0 / tl.where(voting, den, 1.0), 0.0)
         for j in range(n_lc):  # pass 2: the shares, summed over rows and sub-blocks
-            leaf = j * LB + sb // NS
-            ok = (leaf < partial_end) & ~((leaf >= s0) & (leaf < s1)) & ~(
-                (leaf >= lo) & (leaf <= hi))
-            ok = ok & (tl.load(lcnt_ptr + lbase + leaf, mask=ok, other=0.0) != float("inf"))
-            s = _flat_bounds(qv, shi_ptr, slo_ptr, slc_ptr, sbase + j * (LB * NS) + sb, ok,
-                             qk_scale, d, D, BD, LOWP)
+            s = _flat_chunk(qv, j, sb, partial_end, s0, s1, lo, hi, lcnt_ptr, lbase, shi_ptr,
+                            slo_ptr, slc_ptr, sbase, qk_scale, d, D, BD, LB, NS, LOWP)
             e = tl.where(voting[:, None], tl.exp2(s - ms[:, None]) * w[:, None], 0.0)
             v = tl.sum(tl.reshape(tl.sum(e, axis=0), [LB, NS]), axis=1)
             if c > 0:

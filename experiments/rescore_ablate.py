@@ -131,6 +131,12 @@ VARIANTS = {  # name: (launch, kernel flags)
     "scratch_pair": (dict(num_warps=4), dict(STORE=1, PAIR=2)),
     "scratch_pair_w8": (dict(num_warps=8), dict(STORE=1, PAIR=2)),
     "scratch_pair_fp8": (dict(num_warps=4), dict(STORE=1, PAIR=2, FP8=True)),
+    # 128 rows per program (32-query tiles): each leaf's keys serve twice the rows, the bound
+    # on what sharing one shortlist between two 16-query tiles could gain.
+    "rows128_prod_w8": (dict(num_warps=8), dict(STORE=0), dict(TQ=32, RB=128)),
+    "rows128_scratch_w4": (dict(num_warps=4), dict(STORE=1), dict(TQ=32, RB=128)),
+    "rows128_scratch_w8": (dict(num_warps=8), dict(STORE=1), dict(TQ=32, RB=128)),
+    "rows128_scratch_fp8_w8": (dict(num_warps=8), dict(STORE=1, FP8=True), dict(TQ=32, RB=128)),
 }
 DEFAULT_FLAGS = dict(STORE=0, MASK=True, INDIRECT=True, EXP=True, DOT=True, PAIR=1, FP8=False,
                      STAGES=3)
@@ -150,36 +156,48 @@ def shortlists(B, Hkv, N, TQ, C, W, device, seed=0):
     return torch.where(pick <= L, pick, -1).to(torch.int32).reshape(-1, W).contiguous()
 
 
-def run(N=32768, B=1, Hq=32, Hkv=8, D=128, TQ=16, C=64, W=128, RB=64, only=None):
-    dev = "cuda"
+def run(N=32768, B=1, Hq=32, Hkv=8, D=128, TQ=16, C=64, W=128, RB=64, only=None, dev="cuda"):
+
     q = torch.randn(B, Hq, N, D, device=dev, dtype=torch.bfloat16)
     k = torch.randn(B, Hkv, N, D, device=dev, dtype=torch.bfloat16)
-    short = shortlists(B, Hkv, N, TQ, C, W, dev)
-    T = N // TQ
-    out = torch.empty(B * Hkv * T, W, device=dev, dtype=torch.float32)
-    scr = torch.empty(B * Hkv * T * W * RB, device=dev, dtype=torch.float32)
-    n_pairs = int((short >= 0).sum())  # (tile, leaf) pairs scored
-    flops = 2.0 * n_pairs * (TQ * Hq // Hkv) * C * D
+    bufs = {}
+
+    def buffers(TQ, RB):
+        if (TQ, RB) not in bufs:
+            bufs.clear()
+            torch.cuda.empty_cache()
+            short = shortlists(B, Hkv, N, TQ, C, W, dev)
+            T = N // TQ
+            out = torch.empty(B * Hkv * T, W, device=dev, dtype=torch.float32)
+            scr = torch.empty(B * Hkv * T * W * RB, device=dev, dtype=torch.float32)
+            flops = 2.0 * int((short >= 0).sum()) * (TQ * Hq // Hkv) * C * D
+            bufs[TQ, RB] = short, T, out, scr, flops
+        return bufs[TQ, RB]
+    flops = buffers(TQ, RB)[-1]
     res = {"shape": dict(N=N, B=B, Hq=Hq, Hkv=Hkv, D=D, query_tile=TQ, block_size=C,
                          shortlist=W, row_block=RB),
-           "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "device": torch.cuda.get_device_name() if dev == "cuda" else dev, "torch": torch.__version__,
            "triton": triton.__version__, "qk_tflop": flops / 1e12, "ms": {}, "tflops": {},
+           "variants": {k: [str(x) for x in v] for k, v in VARIANTS.items()},
            "compiled": {}}
     ref = None
     seen = set()
-    for name, (launch, flags) in VARIANTS.items():
+    for name, (launch, flags, *shape) in VARIANTS.items():
         if only and name not in only:
             continue
         fl = {**DEFAULT_FLAGS, **flags}
+        sh = {"TQ": TQ, "RB": RB, **(shape[0] if shape else {})}
+        short, T, out, scr, flops = buffers(sh["TQ"], sh["RB"])
 
         def call():
             _ablate_kernel[(T, B * Hkv)](q, k, short, out, scr, N, N, T, Hkv, 1 / math.sqrt(D),
-                                         D=D, G=Hq // Hkv, TQ=TQ, C=C, W=W, RB=RB, **fl,
-                                         **launch)
+                                         D=D, G=Hq // Hkv, C=C, W=W, **sh, **fl, **launch)
         try:
             call()
             torch.cuda.synchronize()
-            if ref is None and fl["STORE"] == 0:
+            if shape:
+                pass  # other tiles: no reference to compare with
+            elif ref is None and fl["STORE"] == 0:
                 ref = out.clone()
             elif ref is not None and fl["STORE"] == 1 and fl["MASK"] and fl["INDIRECT"] and \
                     fl["EXP"] and fl["DOT"] and not fl["FP8"]:

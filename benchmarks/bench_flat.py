@@ -17,13 +17,14 @@ import torch
 import torch.nn.functional as F
 
 from pisa_compile import PisaConfig, pisa_attention
+from pisa_compile.config import MAX_FLAT_LEAVES
 from pisa_compile.ops import select_blocks
 
 OPTIONS = {
     "walk_s64": dict(flat_leaves=0, shortlist=64),
     "walk_s128": dict(flat_leaves=0, shortlist=128),
-    "flat_s64": dict(flat_leaves=1 << 20, shortlist=64),
-    "flat_s128": dict(flat_leaves=1 << 20, shortlist=128),
+    "flat_s64": dict(flat_leaves=MAX_FLAT_LEAVES, shortlist=64),
+    "flat_s128": dict(flat_leaves=MAX_FLAT_LEAVES, shortlist=128),
 }
 
 

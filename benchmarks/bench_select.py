@@ -66,16 +66,16 @@ RESCORE_CFG = PisaConfig.preset("fast", min_seq_len=0, leaf_scoring="exact", bea
                                  shortlist=32)
 TUNE_RESCORE = {
     "rb64_w4": dict(row_block=64, num_warps=4),
-    "rb64_w4_s1": dict(row_block=64, num_warps=4, num_stages=1),
-    "rb64_w4_s3": dict(row_block=64, num_warps=4, num_stages=3),
-    "rb64_w4_kb32": dict(row_block=64, num_warps=4, key_block=32),
-    "rb128_w8": dict(row_block=128, num_warps=8),
-    "rb128_w8_s3": dict(row_block=128, num_warps=8, num_stages=3),
-    "rb128_w4": dict(row_block=128, num_warps=4),
+    "rb64_w4_reg": dict(row_block=64, num_warps=4, scratch=False),
+    "rb64_w4_reg_p64": dict(row_block=64, num_warps=4, scratch=False, programs_per_sm=64),
+    "rb64_w4_p2": dict(row_block=64, num_warps=4, programs_per_sm=2),
+    "rb64_w4_p8": dict(row_block=64, num_warps=4, programs_per_sm=8),
+    "rb64_w4_p16": dict(row_block=64, num_warps=4, programs_per_sm=16),
     "rb64_w8": dict(row_block=64, num_warps=8),
+    "rb64_w4_s2": dict(row_block=64, num_warps=4, num_stages=2),
     "rb64_w4_s4": dict(row_block=64, num_warps=4, num_stages=4),
+    "rb64_w4_kb32": dict(row_block=64, num_warps=4, key_block=32),
     "rb32_w4": dict(row_block=32, num_warps=4),
-    "rb32_w4_s3": dict(row_block=32, num_warps=4, num_stages=3),
 }
 
 # --tune-flat: launch options of the flat kernel (flat_leaves; the defaults up to 32K keys).

@@ -5,16 +5,21 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from dataclasses import dataclass
+import warnings
+from dataclasses import InitVar, dataclass
 from typing import Any, Mapping, Optional
 
 from .kernels.dispatch import KERNELS  # the implementations plan() chooses from
-from .kernels.geometry import flat_applies
+from .kernels.geometry import cdiv, flat_applies
 
-__all__ = ["PisaConfig", "PRESETS", "split_options"]
+__all__ = ["PisaConfig", "PRESETS", "MAX_FLAT_LEAVES", "split_options"]
 
 LEAF_SCORINGS = ("pooled", "exact")
 _OPTIONAL = ("beam", "shortlist", "bound_block")  # the int options that take None
+# Most leaves of a flat scan: its vote row per query tile is pow2(L) fp32 and its work grows
+# as L^2; 4096 leaves are 256K keys at block_size 64.
+MAX_FLAT_LEAVES = 4096
+_FLAT_NEEDS = "the flat scan needs leaf_scoring='exact', a shortlist and a bound_block"
 
 
 def _is_pow2(x: int) -> bool:
@@ -34,6 +39,17 @@ def _check_int(name: str, value: int, lo: int, hi: Optional[int] = None,
     if value < lo or (hi is not None and value > hi) or (pow2 and not _is_pow2(value)):
         what = "a power of two " + rng if pow2 else rng
         raise ValueError(f"PisaConfig.{name} must be {what}, got {value}")
+
+
+def _caller_level() -> int:
+    """``warnings.warn``'s stacklevel, called from ``__post_init__``, of the first frame
+    outside this module and ``dataclasses`` (``__init__``, ``preset``, ``replace``)."""
+    import sys
+    level, frame = 2, sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename in (__file__, dataclasses.__file__,
+                                                             "<string>"):
+        level, frame = level + 1, frame.f_back
+    return level
 
 
 def _unknown_options(where: str, names) -> TypeError:
@@ -88,11 +104,12 @@ class PisaConfig:
         flat_leaves: a call with at most this many leaf blocks has a one-level pyramid: every
             visible leaf is in the pool (a flat scan of the sub-block bounds, then the
             shortlist's exact scores), instead of the walk's beam. Quadratic in the length, so
-            bounded: past it the walk keeps the cost at ``O(N log N)`` (>= 0; 0 always walks).
-            Used with ``leaf_scoring="exact"``, a ``shortlist`` and a ``bound_block`` (ignored
-            otherwise). Default 512 (32K keys of 64); the scan's vote rows take
-            ``B * Hkv * ceil(Nq / query_tile) * pow2(L)`` floats, so keep it bounded.
-            DESIGN.md "Flat leaves".
+            bounded: past it the walk keeps the cost at ``O(N log N)`` (0..4096; 0 always
+            walks). Used with ``leaf_scoring="exact"``, a ``shortlist`` and a ``bound_block``
+            (ignored otherwise). Default 512 (32K keys of 64); the scan's vote rows take
+            ``B * Hkv * ceil(Nq / query_tile) * pow2(L)`` floats. At most 4096
+            (:data:`MAX_FLAT_LEAVES`, 256K keys at ``block_size`` 64): each tile's vote row is
+            ``pow2(L)`` floats and the scan's work grows as ``L^2``. DESIGN.md "Flat leaves".
         min_seq_len: below this many keys the op is plain SDPA, and the backend leaves an
             SDPA call as it is (>= 0; DESIGN.md "Rewrite rules"). Default 32768: from
             there the default selection pays in training (forward+backward 1.9x faster than
@@ -113,6 +130,13 @@ class PisaConfig:
     Raises:
         ValueError: a field is out of range; the message names the field and the range.
         TypeError: an unknown option name; the message lists the valid ones and the closest.
+
+    Warns:
+        UserWarning: an option set to a value other than its default (the preset's, under
+            :meth:`preset`; the copied config's, under :meth:`replace`) that the other options
+            leave unused (``shortlist`` with pooled leaves; ``flat_leaves`` where the flat scan
+            does not apply); the message names it, its value and why. Off values (0, None)
+            never warn. One warning per config.
     """
 
     block_size: int = 64
@@ -129,16 +153,19 @@ class PisaConfig:
     min_seq_len: int = 32768
     dense_tail: int = 64
     kernel: str = "auto"
+    # Private: the values an option must differ from to count as set (None: the defaults);
+    # preset() and replace() pass theirs. Read only by the unused-option warning.
+    _base: InitVar[Optional[Mapping[str, Any]]] = None
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "PisaConfig":
         # The dataclass's own TypeError names neither the valid fields nor the likely one.
         # A frozenset, not dataclasses.fields: Dynamo traces this where a compiled function
         # builds a config (pisa_attention's default).
-        if kwargs and not _FIELD_NAMES.issuperset(kwargs):
-            raise _unknown_options(cls.__name__, set(kwargs) - _FIELD_NAMES)
+        if kwargs and not _INIT_NAMES.issuperset(kwargs):
+            raise _unknown_options(cls.__name__, set(kwargs) - _INIT_NAMES)
         return super().__new__(cls)
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, _base: Optional[Mapping[str, Any]]) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if (f.name in ("leaf_scoring", "kernel") or type(value) is int
@@ -154,7 +181,7 @@ class PisaConfig:
         _check_int("sink_blocks", self.sink_blocks, 0)
         _check_int("local_blocks", self.local_blocks, 0)
         _check_int("query_tile", self.query_tile, 1, 1024, pow2=True)
-        _check_int("flat_leaves", self.flat_leaves, 0)
+        _check_int("flat_leaves", self.flat_leaves, 0, MAX_FLAT_LEAVES)
         _check_int("min_seq_len", self.min_seq_len, 0)
         _check_int("dense_tail", self.dense_tail, 0)
         if self.leaf_scoring not in LEAF_SCORINGS:
@@ -167,6 +194,27 @@ class PisaConfig:
             _check_int("bound_block", self.bound_block, 1, 1024, pow2=True)
         if self.kernel not in KERNELS:
             raise ValueError(f"PisaConfig.kernel must be one of {KERNELS}, got {self.kernel!r}")
+        unused = self._unused_options()
+        if unused:
+            base = _base or {}
+            unused = {n: why for n, why in unused.items()
+                      if getattr(self, n) != base.get(n, getattr(type(self), n))}
+        if unused:
+            warnings.warn("PisaConfig: " + "; ".join(
+                f"{n}={getattr(self, n)!r} is ignored: {why}" for n, why in unused.items()),
+                UserWarning, stacklevel=_caller_level())
+
+    def _unused_options(self) -> dict[str, str]:
+        """Options set to something other than off (0, None) that the other options leave
+        unused: name -> why."""
+        unused = {}
+        if self.shortlist is not None and self.leaf_scoring != "exact":
+            unused["shortlist"] = (f"leaf_scoring={self.leaf_scoring!r} scores no leaf exactly "
+                                   "(a shortlist needs leaf_scoring='exact')")
+        if self.flat_leaves and not self.effective_flat_leaves:
+            unused["flat_leaves"] = (f"{_FLAT_NEEDS} (here leaf_scoring={self.leaf_scoring!r}, "
+                                     f"shortlist={self.shortlist}, bound_block={self.bound_block})")
+        return unused
 
     @property
     def effective_beam(self) -> int:
@@ -195,6 +243,33 @@ class PisaConfig:
         """``bound_block`` capped at ``block_size`` (a whole leaf's box), 0 for ``None``."""
         return 0 if self.bound_block is None else min(self.bound_block, self.block_size)
 
+    def selection_kind(self, n_keys: Optional[int]) -> str:
+        """How the sparse path selects the blocks of a call with ``n_keys`` keys: a flat scan
+        (a one-level pool of every leaf) when its ``L = ceil(n_keys / block_size)`` leaves are
+        at most :attr:`effective_flat_leaves`, else the pyramid walk (the rule of
+        ``geometry.flat_beam``).
+
+        Args:
+            n_keys: the call's key count ``Nk`` (an int), or None where it is symbolic.
+
+        Returns:
+            e.g. ``"flat scan (512 leaves <= flat_leaves 512)"``, ``"pyramid walk (2048
+            leaves > flat_leaves 512)"``, ``"pyramid walk (flat_leaves=0)"``, or for None
+            ``"flat scan up to 512 leaves (32768 keys), pyramid walk past"``.
+        """
+        flat = self.effective_flat_leaves
+        if not flat:
+            why = "flat_leaves=0" if not self.flat_leaves else f"flat_leaves unused: {_FLAT_NEEDS}"
+            return f"pyramid walk ({why})"
+        if n_keys is None:
+            return (f"flat scan up to {flat} leaves ({flat * self.block_size} keys), "
+                    "pyramid walk past")
+        n_leaves = cdiv(n_keys, self.block_size)
+        leaves = f"{n_leaves} leaf" if n_leaves == 1 else f"{n_leaves} leaves"
+        if n_leaves <= flat:
+            return f"flat scan ({leaves} <= flat_leaves {flat})"
+        return f"pyramid walk ({leaves} > flat_leaves {flat})"
+
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> "PisaConfig":
         """A named option set (:data:`PRESETS`) with ``overrides`` applied.
@@ -208,6 +283,10 @@ class PisaConfig:
             ValueError: ``name`` is not a preset (the message lists them), or an override's
                 value is out of range. TypeError: an override is not a field (the message
                 lists them).
+
+        Warns:
+            UserWarning: an override that differs from the preset's value and that the other
+                options leave unused (see the class); the preset's own values never warn.
         """
         unknown = set(overrides) - set(cls.field_names())
         if unknown:
@@ -215,7 +294,7 @@ class PisaConfig:
         if not isinstance(name, str) or name not in PRESETS:
             raise ValueError(f"PisaConfig.preset: unknown preset {name!r}; expected one of "
                              f"{sorted(PRESETS)}")
-        return cls(**{**PRESETS[name], **overrides})
+        return cls(**{**PRESETS[name], **overrides}, _base=PRESETS[name])
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
@@ -232,8 +311,9 @@ class PisaConfig:
         return cls(**fields)
 
     def replace(self, **changes: Any) -> "PisaConfig":
-        """A copy with ``changes`` applied (validated again)."""
-        return dataclasses.replace(self, **changes)
+        """A copy with ``changes`` applied (validated again; only ``changes`` can warn)."""
+        return dataclasses.replace(
+            self, **changes, _base={n: getattr(self, n) for n in _FIELDS})
 
     def selection_args(self) -> tuple:
         """The selection options in the order of the ``pisa::select_blocks`` schema:
@@ -256,7 +336,9 @@ class PisaConfig:
         return dict(zip(names, self.selection_args()))
 
 
-_FIELD_NAMES = frozenset(PisaConfig.field_names())
+_FIELDS = PisaConfig.field_names()  # a tuple: Dynamo traces replace(), not dataclasses.fields
+_FIELD_NAMES = frozenset(_FIELDS)
+_INIT_NAMES = _FIELD_NAMES | {"_base"}
 
 # Named option sets (PisaConfig.preset, or options={"preset": name} in torch.compile).
 PRESETS: dict[str, dict] = {

@@ -7,6 +7,7 @@ absent), so the reference and the Triton kernels can both depend on it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import os
 
@@ -14,7 +15,8 @@ import torch
 from torch import Tensor
 
 __all__ = ["STAGES", "NESTED_IN", "MAX_HEAD_DIM", "DECODE_MAX_QUERIES", "triton_available",
-           "triton_interpreting", "triton_targets_gpu", "launcher", "stage_range"]
+           "triton_interpreting", "triton_targets_gpu", "launcher", "stage_range",
+           "multiprocessors"]
 
 # Profiler ranges, one per PISA stage (pisa_compile.profile tabulates them by these names).
 STAGES = ("pisa.pyramid", "pisa.select", "pisa.attention_fwd", "pisa.attention_bwd", "pisa.decode")
@@ -77,3 +79,12 @@ def launcher(kernel, t: Tensor):
 def stage_range(name: str, t: Tensor):
     """A profiler range for one PISA stage (a no-op while a graph is being traced)."""
     return contextlib.nullcontext() if tracing(t) else torch.profiler.record_function(name)
+
+
+@functools.lru_cache(maxsize=None)
+def multiprocessors(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA ``device`` (the size of a persistent grid); 1
+    elsewhere (Triton's interpreter: a persistent kernel's loop is then exercised in full)."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count

@@ -72,7 +72,7 @@ from torch import Tensor
 from . import reference
 from .geometry import (block_width, cdiv, flat_beam, level_sizes, local_bound, query_offset,
                        sink_start)
-from .runtime import launcher, stage_range
+from .runtime import launcher, multiprocessors, stage_range
 from .triton_pyramid import n_levels, pyramid_buffers
 from .triton_util import LOG2E
 
@@ -584,11 +584,19 @@ def _select_kernel(
 
 
 @triton.jit
-def _leaf_lse2(qv, qpos, row_ok, kbase, skn, skd, km_row, skmn, leaf, Nk, offset, qk_scale,
-               d, D: tl.constexpr, C: tl.constexpr, KC: tl.constexpr, CAUSAL: tl.constexpr,
+def _leaf_lse2(qv, qpos, kbase, skn, skd, km_row, skmn, leaf, Nk, q_first, offset, qk_scale, d,
+               D: tl.constexpr, C: tl.constexpr, KC: tl.constexpr, CAUSAL: tl.constexpr,
                HAS_KEY_MASK: tl.constexpr, LOWP: tl.constexpr):
     """Base-2 LSE ``[RB]`` of each row's scores over leaf ``leaf``'s visible keys (``-inf``:
-    none), in key chunks of ``KC`` with an online max, as flash attention's row statistics."""
+    none), in key chunks of ``KC`` with an online max, as flash attention's row statistics.
+    Rows that do not exist score as zero queries (their votes are dropped by ``row_ok``).
+
+    Few operations per score (the kernel is bound by them, not by the dot): a key's validity
+    (in range, not masked) is an additive ``0 / -inf`` per key, applied with the scale in one
+    FMA; the causal comparison runs only for a key chunk with keys past the position
+    ``q_first + offset`` of the tile's first query (never for a shortlisted leaf: a tile's
+    partial leaves are its forced local leaves, which the selection kernels keep out of the
+    shortlist)."""
     kc = tl.arange(0, KC)
     dm = d < D
     row_max = tl.full(qpos.shape, float("-inf"), tl.float32)
@@ -605,10 +613,10 @@ def _leaf_lse2(qv, qpos, row_ok, kbase, skn, skd, km_row, skmn, leaf, Nk, offset
             sk = tl.dot(qv, tl.trans(kk.to(qv.dtype)))
         else:
             sk = tl.dot(qv.to(tl.float32), tl.trans(kk.to(tl.float32)), input_precision="ieee")
-        seen = kin[None, :] & row_ok[:, None]
+        sk = sk * qk_scale + tl.where(kin, 0.0, float("-inf"))[None, :]
         if CAUSAL:
-            seen = seen & (kp[None, :] <= qpos[:, None] + offset)
-        sk = tl.where(seen, sk * qk_scale, float("-inf"))
+            if leaf * C + c0 + KC - 1 > q_first + offset:  # some row cannot see all of it
+                sk = tl.where(kp[None, :] <= qpos[:, None] + offset, sk, float("-inf"))
         m_new = tl.maximum(row_max, tl.max(sk, axis=1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         row_sum = row_sum * tl.exp2(row_max - m_use) + tl.sum(tl.exp2(sk - m_use[:, None]), axis=1)
@@ -621,26 +629,47 @@ def _leaf_lse2(qv, qpos, row_ok, kbase, skn, skd, km_row, skmn, leaf, Nk, offset
 @triton.jit
 def _rescore_kernel(
     q_ptr, k_ptr, km_ptr, lcnt_ptr, short_ptr, fidx_ptr, fcnt_ptr, idx_ptr, bcnt_ptr, trace_ptr,
-    sqb, sqh, sqn, sqd, skb, skh, skn, skd, skmb, skmn,
+    scr_ptr, sqb, sqh, sqn, sqd, skb, skh, skn, skd, skmb, skmn,
+    Hkv, Nq, Nk, total, T, n_tiles, M, offset, scale, trace_stride,
+    D: tl.constexpr, G: tl.constexpr, TQ: tl.constexpr, C: tl.constexpr, KC: tl.constexpr,
+    BD: tl.constexpr, TOPK: tl.constexpr, W: tl.constexpr, RB: tl.constexpr, MP: tl.constexpr,
+    TW: tl.constexpr, CAUSAL: tl.constexpr, HAS_KEY_MASK: tl.constexpr, LOWP: tl.constexpr,
+    TRACE: tl.constexpr, SCRATCH: tl.constexpr,
+):
+    """Persistent programs over the ``n_tiles = B * Hkv * T`` (query tile, batch * KV head)
+    pairs, tile-major within a head so that concurrent programs share the head's keys in L2:
+    per tile, the exact leaf scores (LSE over each shortlisted leaf's visible keys) of every
+    row, the tile score ``sum_r softmax(.)`` over the shortlist, the ``TOPK`` best picked (a
+    shortlisted leaf whose keys are not finite first), merged ascending with the forced leaves
+    ``fidx_ptr``/``fcnt_ptr`` into ``idx_ptr``/``bcnt_ptr``.
+
+    Rows go in chunks of ``RB`` (``r = query * G + head``, as the select kernel); for each chunk
+    the leaves are visited in turn, one ``[RB, D] x [D, KC]`` tensor-core dot per key chunk.
+    Their per-row LSE go to the program's own ``[W, RB]`` row of ``scr_ptr`` (``SCRATCH``: one
+    store per row, read back as a ``[RB, W]`` tile after the chunk) or into a ``[RB, W]``
+    register tile (a select over all of it per leaf).
+    """
+    scale = tl.cast(scale, tl.float32)
+    scr = scr_ptr + tl.program_id(0).to(tl.int64) * (W * RB)
+    for tid in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
+        _rescore_tile(tid % T, tid // T, q_ptr, k_ptr, km_ptr, lcnt_ptr, short_ptr, fidx_ptr,
+                      fcnt_ptr, idx_ptr, bcnt_ptr, trace_ptr, scr, sqb, sqh, sqn, sqd, skb, skh,
+                      skn, skd, skmb, skmn, Hkv, Nq, Nk, total, T, M, offset, scale,
+                      trace_stride, D, G, TQ, C, KC, BD, TOPK, W, RB, MP, TW, CAUSAL,
+                      HAS_KEY_MASK, LOWP, TRACE, SCRATCH)
+
+
+@triton.jit
+def _rescore_tile(
+    t, bh, q_ptr, k_ptr, km_ptr, lcnt_ptr, short_ptr, fidx_ptr, fcnt_ptr, idx_ptr, bcnt_ptr,
+    trace_ptr, scr, sqb, sqh, sqn, sqd, skb, skh, skn, skd, skmb, skmn,
     Hkv, Nq, Nk, total, T, M, offset, scale, trace_stride,
     D: tl.constexpr, G: tl.constexpr, TQ: tl.constexpr, C: tl.constexpr, KC: tl.constexpr,
     BD: tl.constexpr, TOPK: tl.constexpr, W: tl.constexpr, RB: tl.constexpr, MP: tl.constexpr,
     TW: tl.constexpr, CAUSAL: tl.constexpr, HAS_KEY_MASK: tl.constexpr, LOWP: tl.constexpr,
-    TRACE: tl.constexpr,
+    TRACE: tl.constexpr, SCRATCH: tl.constexpr,
 ):
-    """One program per (query tile, batch * KV head): exact leaf scores (LSE over each
-    shortlisted leaf's visible keys) of every row, the tile score ``sum_r softmax(.)`` over
-    the shortlist, the ``TOPK`` best picked (a shortlisted leaf whose keys are not finite
-    first), merged ascending with the forced leaves ``fidx_ptr``/``fcnt_ptr`` into
-    ``idx_ptr``/``bcnt_ptr``.
-
-    Rows go in chunks of ``RB`` (``r = query * G + head``, as the select kernel); for each chunk
-    the leaves are visited in turn, one ``[RB, D] x [D, KC]`` tensor-core dot per key chunk,
-    their per-row LSE scattered into a ``[RB, W]`` register tile.
-    """
-    scale = tl.cast(scale, tl.float32)
-    t = tl.program_id(0)
-    bh = tl.program_id(1)
+    """One tile of :func:`_rescore_kernel`: query tile ``t`` of batch * KV head ``bh``."""
     b = bh // Hkv
     h = bh % Hkv
     tile = bh.to(tl.int64) * T + t
@@ -670,9 +699,17 @@ def _rescore_kernel(
             s = tl.full([RB, W], float("-inf"), tl.float32)
             for j in range(n_ok):  # the shortlist is compact: slots [0, n_ok)
                 leaf = tl.load(short_row + j)
-                lse = _leaf_lse2(qv, qpos, row_ok, kbase, skn, skd, km_row, skmn, leaf, Nk,
+                lse = _leaf_lse2(qv, qpos, kbase, skn, skd, km_row, skmn, leaf, Nk, q_first,
                                  offset, qk_scale, d, D, C, KC, CAUSAL, HAS_KEY_MASK, LOWP)
-                s = tl.where((ws == j)[None, :], lse[:, None], s)
+                if SCRATCH:
+                    tl.store(scr + j * RB + rr, lse)
+                else:
+                    s = tl.where((ws == j)[None, :], lse[:, None], s)
+            if SCRATCH:
+                tl.debug_barrier()  # the chunk's stores, visible to all of the program's threads
+                s = tl.load(scr + ws[None, :] * RB + rr[:, None], mask=(ws < n_ok)[None, :],
+                            other=float("-inf"))
+                tl.debug_barrier()  # read before the next chunk or tile writes again
             S += _pool_share2(s, ok & ~bad, row_ok)
     picked = _top_mask(_prioritise(S, bad, ok), ok, TOPK, W)
     if TRACE:
@@ -840,10 +877,13 @@ SELECT_TUNING = dict(row_block=64, num_warps=None, num_stages=None, maxnreg=None
                      late_loads=None)
 
 # Launch settings of the exact rescoring kernel (``leaf_scoring="exact"``): rows per chunk
-# (capped so that the [rows, shortlist] fp32 scores fit in registers), keys per dot.
+# (capped so that the [rows, shortlist] fp32 scores fit in registers), keys per dot, whether
+# the per-row leaf scores go through a per-program scratch row (else a register tile updated
+# by a select per leaf), persistent programs per multiprocessor (bounds that scratch).
 # Two or four leaves per dot ([2C or 4C, D] key tiles) spilled 438-510 registers and took 31-49
 # ms instead of 19.3 at 32K (defaults, 128-leaf shortlist; profiles/select_flat_tune.json).
-RESCORE_TUNING = dict(row_block=64, key_block=64, num_warps=4, num_stages=None)
+RESCORE_TUNING = dict(row_block=64, key_block=64, num_warps=4, num_stages=None, scratch=True,
+                      programs_per_sm=4)
 
 # Launch settings of the flat kernel (one-level pools wider than the walk's): rows per chunk,
 # leaves per chunk (leaf_block * block_size / bound_block sub-blocks per dot), warps. At 32K
@@ -1094,15 +1134,19 @@ def _rescore(q, k, km, lcnt, short_idx, sel_idx, sel_counts, idx, counts, trace,
     # [RB, W] fp32 scores stay in registers: fewer rows per chunk for a wide shortlist.
     RBx = min(rt["row_block"], max(16, 8192 // W),
               max(16, triton.next_power_of_2(min(G * Tq, G * Nq))))
-    launcher(_rescore_kernel, q)[(T, B * Hkv)](
+    n_tiles = B * Hkv * T
+    n_prog = min(n_tiles, rt["programs_per_sm"] * multiprocessors(q.device))
+    scr = torch.empty(n_prog * W * RBx if rt["scratch"] else 1, dtype=torch.float32,
+                      device=q.device)
+    launcher(_rescore_kernel, q)[(n_prog,)](
         q, k, km, lcnt, short_idx, sel_idx, sel_counts, idx, counts,
-        counts if trace is None else trace,
+        counts if trace is None else trace, scr,
         *q.stride(), *k.stride(), *((0, 0) if key_mask is None else km.stride()),
-        Hkv, Nq, Nk, total, T, M, 0 if offset is None else offset, float(scale),
+        Hkv, Nq, Nk, total, T, n_tiles, M, 0 if offset is None else offset, float(scale),
         0 if trace is None else trace.shape[3] * TW,
         D=D, G=G, TQ=Tq, C=meta["C"], KC=max(16, min(meta["C"], rt["key_block"])),
         BD=meta["BD"], TOPK=meta["TOPK"], W=W, RB=RBx, MP=meta["MP"], TW=TW,
         CAUSAL=bool(is_causal), HAS_KEY_MASK=key_mask is not None,
-        LOWP=q.dtype != torch.float32, TRACE=trace is not None, num_warps=rt["num_warps"],
-        **({"num_stages": rt["num_stages"]} if rt["num_stages"] is not None else {}))
+        LOWP=q.dtype != torch.float32, TRACE=trace is not None, SCRATCH=rt["scratch"],
+        num_warps=rt["num_warps"], **({"num_stages": rt["num_stages"]} if rt["num_stages"] is not None else {}))
     return idx, counts

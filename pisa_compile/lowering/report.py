@@ -34,6 +34,9 @@ class Site:
             plain SDPA below ``min_seq_len`` (hand-written and module sites; an SDPA site
             there is left dense); for an explicit mask, dense SDPA under it on
             CUDA, the PyTorch reference selection elsewhere (empty when nothing needs saying).
+        selection: for a rewritten site that selects blocks, how at its key length
+            (``PisaConfig.selection_kind``): ``"flat scan (...)"`` or ``"pyramid walk (...)"``.
+            :func:`pisa_compile.explain` fills it; empty where the call runs dense.
         node: the FX node name of the site (the SDPA call or the softmax).
         source: ``file:line`` of the user code, where Dynamo recorded it.
         graph: index of the captured graph (graph breaks give several).
@@ -47,6 +50,7 @@ class Site:
     decision: str = LEFT_DENSE
     reason: str = ""
     note: str = ""
+    selection: str = ""
     node: str = ""
     source: str = ""
     graph: int = 0
@@ -57,8 +61,11 @@ class Site:
 
     @property
     def explanation(self) -> str:
-        """The reason a site was left dense, or the note on a rewritten one."""
-        return self.reason or self.note
+        """The reason a site was left dense, or the note and the selection of a rewritten one."""
+        if self.reason:
+            return self.reason
+        return "; ".join(filter(None, (self.note, self.selection and
+                                       f"selection: {self.selection}")))
 
     def line(self) -> str:
         why = f" ({self.explanation})" if self.explanation else ""

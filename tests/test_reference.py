@@ -572,3 +572,139 @@ def test_short_calls_in_the_dense_tail_share_one_dynamic_graph():
         q, k, v = torch.randn(2, 4, n, 8), torch.randn(2, 2, 96, 8), torch.randn(2, 2, 96, 8)
         torch.testing.assert_close(g(q, k, v), f(q, k, v))
     assert counters["stats"]["unique_graphs"] == 3, dict(counters["stats"])
+
+
+# exact leaf scores only for the candidates ------------------------------------------------
+
+def _all_leaf_scores(p, sel, q_rows, k, mu_leaf, cnt_leaf, bias_leaf, pool, st, cand, row_ok,
+                     t0, t1, scale, boxes=None):
+    """The straightforward ``reference._leaf_scores``: exact scores for every leaf of the
+    pool (the whole pool's keys gathered), then the shortlist's candidates."""
+    r = reference
+    B, H, nt, P = pool.shape
+    if boxes is None or (sel.exact and not sel.shortlist):
+        mu, bad = r._finite_nodes(r._gather_nodes(mu_leaf, pool), pool >= 0)
+        term = r._node_term(p, bias_leaf, cnt_leaf, pool, t0, t1)
+        pooled = r._lse_scores(q_rows, mu, term.masked_fill(bad[..., None, :], float("-inf")),
+                               scale)
+    else:
+        pooled, bad = r._sub_block_scores(p, q_rows, boxes, pool, t0, t1, scale)
+    if sel.exact and sel.shortlist:
+        best = r._top(pooled, cand & (st == r.CLEAN), row_ok, sel.shortlist, bad)
+        cand = cand & (best | (st == r.PARTIAL))
+    exact_leaf = (st == r.PARTIAL) | ((st == r.CLEAN) & sel.exact)
+    k_pos = pool.clamp(min=0)[..., None] * p.C + torch.arange(p.C)
+    k_pos = torch.where(pool[..., None] >= 0, k_pos, -1).view(B, H, nt, P * p.C)
+    kk = r._gather_nodes(F.pad(k, (0, 0, 0, p.L * p.C - p.Nk)), k_pos.clamp(min=0))
+    s = torch.matmul(q_rows, kk.float().transpose(-1, -2)) * scale + r._bias_rows(p, k_pos, t0, t1)
+    vis = r._visible_rows(p, k_pos, t0, t1)
+    exact = torch.logsumexp(s.masked_fill(~vis, float("-inf")).view(B, H, nt, -1, P, p.C), -1)
+    seen_bad = (~torch.isfinite(kk).all(-1) & vis.any(-2)).view(B, H, nt, P, p.C).any(-1)
+    return (torch.where(exact_leaf[..., None, :], exact, pooled),
+            torch.where(exact_leaf, seen_bad, bad), cand)
+
+
+def _masks(kind, B, Hq, Nq, Nk, g):
+    """Keys dropped for every query (their leaves stay CLEAN, so a shortlist is cut), and
+    with "bool" a window (PARTIAL leaves at its edge) or with "float" an ALiBi-like bias."""
+    drop = torch.rand(B, 1, 1, Nk, generator=g) < 0.2
+    i, j = torch.arange(Nq)[:, None], torch.arange(Nk)
+    if kind == "bool":
+        return ~drop & (j > i - 120)
+    if kind == "float":
+        m = -0.01 * torch.arange(1, Hq + 1.0).view(1, Hq, 1, 1) * (Nk - j).float()
+        return m.expand(B, Hq, Nq, Nk).masked_fill(drop, float("-inf"))
+    return None
+
+
+@pytest.mark.parametrize("case", [
+    # (B, Hkv, G, Nq, Nk, causal, offset, key_mask, attn_mask, config options)
+    (1, 2, 7, 700, 700, True, 0, True, None,  # ragged Nk, GQA 7, flat scan of 44 leaves
+     dict(block_size=16, top_k=4, shortlist=8, bound_block=4, flat_leaves=512)),
+    (2, 1, 3, 300, 300, False, 0, True, None,  # pyramid walk, a cut shortlist
+     dict(block_size=8, top_k=3, shortlist=5, beam=6, bound_block=2, flat_leaves=0)),
+    (1, 2, 2, 40, 517, True, 477, False, None,  # a few queries at the end of the keys
+     dict(block_size=16, top_k=4, shortlist=6, bound_block=8)),
+    (1, 1, 7, 200, 250, False, 0, False, "bool",
+     dict(block_size=8, top_k=4, shortlist=4, bound_block=None)),
+    (2, 2, 2, 180, 180, True, 0, True, "float", dict(block_size=8, top_k=4, shortlist=6)),
+    (1, 2, 3, 257, 257, True, 0, False, None, dict(block_size=16, top_k=4, shortlist=None)),
+    (1, 2, 3, 257, 257, False, 0, True, "bool", dict(block_size=16, top_k=4,
+                                                     leaf_scoring="pooled")),
+], ids=["flat-gqa7-ragged", "walk", "decode-offset", "bool-mask", "bias", "no-shortlist",
+        "pooled"])
+def test_exact_scores_only_for_candidates(case, monkeypatch):
+    """``_leaf_scores`` scores only the candidates exactly: every entry the pick reads
+    (``cand``, ``bad`` and the scores of candidates, hence the tile scores) equals the
+    straightforward version's bit for bit, and so does the selection."""
+    B, Hkv, G, Nq, Nk, causal, offset, use_km, mask, opts = case
+    g = torch.Generator().manual_seed(Nk)
+    dt = torch.float64 if mask == "float" else torch.float32  # float64: exact scores too
+    q = torch.randn(B, Hkv * G, Nq, 16, generator=g, dtype=dt)
+    k = torch.randn(B, Hkv, Nk, 16, generator=g, dtype=dt) + torch.randn(16, generator=g)
+    k[0, 0, Nk // 3] = float("nan")  # a bad leaf
+    km = None
+    if use_km:
+        km = torch.ones(B, Nk, dtype=torch.bool)
+        km[-1, :Nk // 5] = False  # left padding
+        km[0, Nk // 2:Nk // 2 + 5] = False
+    attn_mask = _masks(mask, B, Hkv * G, Nq, Nk, g)
+    attn_mask = attn_mask.to(dt) if mask == "float" else attn_mask
+    cfg = PisaConfig(**{"leaf_scoring": "exact", "min_seq_len": 0, **opts})
+    args = (q, k, attn_mask, causal, 0.3)
+    kw = dict(**cfg.selection_options(), key_mask=km, causal_offset=offset)
+    new, seen = reference._leaf_scores, {"calls": 0, "cut": False}
+
+    def both(p, sel, q_rows, k, mu, cnt, bias, pool, st, cand, row_ok, t0, t1, scale,
+             boxes=None):
+        a = (p, sel, q_rows, k, mu, cnt, bias, pool, st)
+        rest = (row_ok, t0, t1, scale, boxes)
+        s, bad, c = new(*a, cand, *rest)
+        s0, bad0, c0 = _all_leaf_scores(*a, cand, *rest)
+        assert torch.equal(c, c0) and torch.equal(bad & c, bad0 & c)
+        read = (~c | bad)[..., None, :]  # what tile_scores masks
+        torch.testing.assert_close(s.masked_fill(read, 0), s0.masked_fill(read, 0), rtol=0,
+                                   atol=0, equal_nan=True)
+        assert torch.equal(reference._top(s, c, row_ok, 3, bad),
+                           reference._top(s0, c0, row_ok, 3, bad0))
+        seen["calls"] += 1
+        n_clean = (cand & (st == reference.CLEAN)).sum(-1).max()
+        seen["cut"] |= bool(sel.shortlist) and int(n_clean) > sel.shortlist
+        return s, bad, c
+
+    monkeypatch.setattr(reference, "_leaf_scores", both)
+    got = reference.select_blocks(*args, **kw)
+    monkeypatch.setattr(reference, "_leaf_scores", _all_leaf_scores)
+    want = reference.select_blocks(*args, **kw)
+    assert seen["calls"] and (seen["cut"] or not cfg.effective_shortlist)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_exact_scoring_gathers_the_shortlist_not_the_pool(monkeypatch):
+    """A flat scan's pool is every leaf; exact scoring gathers the keys of at most
+    ``shortlist`` + PARTIAL leaves per tile (the shortlist's cost), not the pool's."""
+    cfg = PisaConfig(block_size=16, top_k=8, shortlist=16, bound_block=4, flat_leaves=512,
+                     min_seq_len=0)
+    B, Hkv, G, N, D, C = 1, 2, 2, 2048, 16, 16
+    q, k = torch.randn(B, Hkv * G, N, D), torch.randn(B, Hkv, N, D)
+    L = N // C
+    widths, pools = [], []
+    visible_rows, leaf_scores = reference._visible_rows, reference._leaf_scores
+
+    def spy_vis(p, k_pos, t0, t1):
+        widths.append(k_pos.shape[-1])  # the exact scores' gathered keys per tile
+        return visible_rows(p, k_pos, t0, t1)
+
+    def spy_leaf(p, sel, q_rows, k, mu, cnt, bias, pool, *rest):
+        pools.append(pool.shape[-1])
+        return leaf_scores(p, sel, q_rows, k, mu, cnt, bias, pool, *rest)
+
+    monkeypatch.setattr(reference, "_visible_rows", spy_vis)
+    monkeypatch.setattr(reference, "_leaf_scores", spy_leaf)
+    for causal in (True, False):
+        widths.clear(), pools.clear()
+        reference.select_blocks(q, k, None, causal, D ** -0.5, **cfg.selection_options())
+        p = reference._Problem.make(q, k, None, causal, C, cfg.query_tile)
+        n_partial = int((reference.leaf_states(p)[0] == reference.PARTIAL).sum(-1).max())
+        assert pools and set(pools) == {L}  # the flat scan: every leaf in the pool
+        assert widths and max(widths) <= (cfg.effective_shortlist + n_partial) * C < L * C

@@ -695,9 +695,10 @@ def _leaf_scores(p, sel, q_rows, k, mu_leaf, cnt_leaf, bias_leaf, pool, st, cand
     PARTIAL leaves, whose pooled summary would include keys hidden from some row. With a
     ``shortlist``, only the ``shortlist`` best CLEAN candidates by rough tile score, and every
     PARTIAL one, stay candidates. Rough scores are pooled, or with ``boxes``
-    (``bound_block``) the sub-block bounds of :func:`_sub_block_scores`.
+    (``bound_block``) the sub-block bounds of :func:`_sub_block_scores`. Only candidates are
+    scored exactly: the scores and ``bad`` of other leaves stay rough, and are never read.
     """
-    B, H, nt, P = pool.shape
+    B, H, nt = pool.shape[:3]
     if boxes is None or (sel.exact and not sel.shortlist):  # bounds only rank: no shortlist,
         mu, bad = _finite_nodes(_gather_nodes(mu_leaf, pool), pool >= 0)  # nothing to rank
         term = _node_term(p, bias_leaf, cnt_leaf, pool, t0, t1).masked_fill(bad[..., None, :],
@@ -711,22 +712,32 @@ def _leaf_scores(p, sel, q_rows, k, mu_leaf, cnt_leaf, bias_leaf, pool, st, cand
     exact_leaf = st == PARTIAL
     if sel.exact:
         exact_leaf = exact_leaf | (st == CLEAN)
-    if not bool((exact_leaf & cand).any()):
+    # Only candidates are read (tile_scores masks the rest): with a shortlist that is
+    # `shortlist` + PARTIAL leaves per tile, not the whole pool (every leaf, flat_leaves).
+    need = exact_leaf & cand
+    w = int(need.sum(-1).max()) if need.numel() else 0
+    if w == 0:
         return pooled, bad, cand
-    k_pos = (pool.clamp(min=0)[..., None] * p.C + torch.arange(p.C, device=pool.device))
-    k_pos = torch.where(pool[..., None] >= 0, k_pos, -1).view(B, H, nt, P * p.C)
+    # Each tile's needed leaves first, in pool order (stable), w = the most any tile needs.
+    slot = torch.sort((~need).to(torch.uint8), dim=-1, stable=True).indices[..., :w]
+    leaf = torch.where(torch.gather(need, -1, slot), torch.gather(pool, -1, slot), -1)
+    k_pos = (leaf.clamp(min=0)[..., None] * p.C + torch.arange(p.C, device=pool.device))
+    k_pos = torch.where(leaf[..., None] >= 0, k_pos, -1).view(B, H, nt, w * p.C)
     kk = _gather_nodes(torch.nn.functional.pad(k, (0, 0, 0, p.L * p.C - p.Nk)),
-                       k_pos.clamp(min=0))  # [B, H, nt, P*C, D]
-    s = torch.matmul(q_rows, kk.float().transpose(-1, -2)) * scale  # [B, H, nt, R, P*C]
+                       k_pos.clamp(min=0))  # [B, H, nt, w*C, D]
+    s = torch.matmul(q_rows, kk.float().transpose(-1, -2)) * scale  # [B, H, nt, R, w*C]
     s = s + _bias_rows(p, k_pos, t0, t1)
     vis = _visible_rows(p, k_pos, t0, t1)
-    s = s.masked_fill(~vis, float("-inf")).view(B, H, nt, -1, P, p.C)
+    s = s.masked_fill(~vis, float("-inf")).view(B, H, nt, -1, w, p.C)
     exact = torch.logsumexp(s, -1)
     # An exact-scored leaf is non-finite only through a key some row of this tile sees (its
     # summary also holds keys only other tiles see).
-    seen_bad = (~torch.isfinite(kk).all(-1) & vis.any(-2)).view(B, H, nt, P, p.C).any(-1)
-    bad = torch.where(exact_leaf, seen_bad, bad)
-    return torch.where(exact_leaf[..., None, :], exact, pooled), bad, cand
+    seen_bad = (~torch.isfinite(kk).all(-1) & vis.any(-2)).view(B, H, nt, w, p.C).any(-1)
+    # Back to pool positions; padding slots (a tile needing fewer than w) keep pooled values.
+    R = q_rows.shape[3]
+    s = pooled.to(exact.dtype).scatter(-1, slot[..., None, :].expand(B, H, nt, R, w), exact)
+    return (torch.where(need[..., None, :], s, pooled),
+            torch.where(need, bad.scatter(-1, slot, seen_bad), bad), cand)
 
 
 def _to_rows(x: Tensor, B: int, H: int, nt: int, G: int, Tq: int) -> Tensor:

@@ -220,13 +220,17 @@ def _scores2(qv, mu, bias, qk_scale, LOWP: tl.constexpr):
 
 
 @triton.jit
-def _bound2(qv, hi, lo, bias, qk_scale, LOWP: tl.constexpr):
+def _split_q(qv):
+    """The query rows' positive and negative parts ``(q+, q-)`` for :func:`_bound2`, once per
+    row chunk (not per box tile). ``where``, not maximum/minimum: a NaN query stays NaN in
+    both halves, so its row votes for nothing (as the reference's clamp)."""
+    return (tl.where(qv < 0, 0.0, qv).to(qv.dtype), tl.where(qv > 0, 0.0, qv).to(qv.dtype))
+
+
+@triton.jit
+def _bound2(qp, qn, hi, lo, bias, qk_scale, LOWP: tl.constexpr):
     """Box bounds in base 2, ``qk_scale (q+ . hi + q- . lo) + log2 n``: [RB, P] (the bound
     of ``reference._bound_scores``: the largest ``q . k`` over the box)."""
-    # where, not maximum/minimum: a NaN query stays NaN in both halves, so its row votes for
-    # nothing (as the reference's clamp).
-    qp = tl.where(qv < 0, 0.0, qv).to(qv.dtype)
-    qn = tl.where(qv > 0, 0.0, qv).to(qv.dtype)
     if LOWP:
         dot = tl.dot(qp, tl.trans(hi))
         dot = tl.dot(qn, tl.trans(lo), acc=dot)
@@ -290,10 +294,11 @@ def _internal_chunk(qbase, qoff0, c, rr, n_rows, q_first, sqh, sqn, sqd, d, mu0,
     ``BOUND``, ``mu*`` are the children's box maxima and ``lo*`` their minima; with ``LATE``
     they are unused and every child is loaded here (``scored`` as ``cand``)."""
     qv, row_ok = _q_rows(qbase, qoff0, c, rr, n_rows, q_first, sqh, sqn, sqd, d, D, BD, G, RB)
+    qp, qn = _split_q(qv)  # (dead code without BOUND)
     if not LATE:
         if BOUND:
-            m, e = _online(_bound2(qv, mu0, lo0, b0, qk_scale, LOWP), 0.0, 0.0, True)
-            m, e = _online(_bound2(qv, mu1, lo1, b1, qk_scale, LOWP), m, e, False)
+            m, e = _online(_bound2(qp, qn, mu0, lo0, b0, qk_scale, LOWP), 0.0, 0.0, True)
+            m, e = _online(_bound2(qp, qn, mu1, lo1, b1, qk_scale, LOWP), m, e, False)
         else:
             m, e = _online(_scores2(qv, mu0, b0, qk_scale, LOWP), 0.0, 0.0, True)
             m, e = _online(_scores2(qv, mu1, b1, qk_scale, LOWP), m, e, False)
@@ -303,7 +308,8 @@ def _internal_chunk(qbase, qoff0, c, rr, n_rows, q_first, sqh, sqn, sqd, d, mu0,
         okj = cand & (kid + j < n_child)
         muj, bj, _ = _load_summaries(mu_ptr, lcnt_ptr, cbase + j, okj, d, D, BD)
         if BOUND:
-            sj = _bound2(qv, muj, _load_lo(lo_ptr, cbase + j, okj, d, D, BD), bj, qk_scale, LOWP)
+            sj = _bound2(qp, qn, muj, _load_lo(lo_ptr, cbase + j, okj, d, D, BD), bj, qk_scale,
+                         LOWP)
         else:
             sj = _scores2(qv, muj, bj, qk_scale, LOWP)
         if LATE and j == 0:
@@ -334,14 +340,15 @@ def _leaf_bound_chunk(qbase, qoff0, c, rr, n_rows, q_first, sqh, sqn, sqd, d, sh
     qv, row_ok = _q_rows(qbase, qoff0, c, rr, n_rows, q_first, sqh, sqn, sqd, d, D, BD, G, RB)
     hi, b, _ = _load_summaries(shi_ptr, slc_ptr, sub0, cand, d, D, BD)
     lo = _load_lo(slo_ptr, sub0, cand, d, D, BD)
-    m, e = _online(_bound2(qv, hi, lo, b, qk_scale, LOWP), 0.0, 0.0, True)
+    qp, qn = _split_q(qv)
+    m, e = _online(_bound2(qp, qn, hi, lo, b, qk_scale, LOWP), 0.0, 0.0, True)
     # A rolled, unpipelined loop: the other sub-blocks are reloaded per row chunk (from L2).
     # Hoisted or multi-buffered, their box tiles [P, D] need more shared memory than an SM
     # has (P=128, D=128: 64 KB per sub-block).
     for u in tl.range(1, NS, num_stages=1):
         hi, b, _ = _load_summaries(shi_ptr, slc_ptr, sub0 + u, cand, d, D, BD)
         lo = _load_lo(slo_ptr, sub0 + u, cand, d, D, BD)
-        m, e = _online(_bound2(qv, hi, lo, b, qk_scale, LOWP), m, e, False)
+        m, e = _online(_bound2(qp, qn, hi, lo, b, qk_scale, LOWP), m, e, False)
     return _row_share(e, row_ok)
 
 
@@ -730,7 +737,7 @@ def _rescore_tile(
 
 
 @triton.jit
-def _flat_chunk(qv, j, sb, partial_end, s0, s1, lo, hi, lcnt_ptr, lbase, shi_ptr, slo_ptr,
+def _flat_chunk(qp, qn, j, sb, partial_end, s0, s1, lo, hi, lcnt_ptr, lbase, shi_ptr, slo_ptr,
                 slc_ptr, sbase, qk_scale, d, D: tl.constexpr, BD: tl.constexpr,
                 LB: tl.constexpr, NS: tl.constexpr, LOWP: tl.constexpr):
     """Base-2 box bounds ``[RB, LB * NS]`` of leaf chunk ``j``'s sub-blocks (``sb``: their
@@ -741,7 +748,7 @@ def _flat_chunk(qv, j, sb, partial_end, s0, s1, lo, hi, lcnt_ptr, lbase, shi_ptr
     ok = ok & (tl.load(lcnt_ptr + lbase + leaf, mask=ok, other=0.0) != float("inf"))
     sidx = sbase + j * (LB * NS) + sb
     hi_box, b, _ = _load_summaries(shi_ptr, slc_ptr, sidx, ok, d, D, BD)
-    return _bound2(qv, hi_box, _load_lo(slo_ptr, sidx, ok, d, D, BD), b, qk_scale, LOWP)
+    return _bound2(qp, qn, hi_box, _load_lo(slo_ptr, sidx, ok, d, D, BD), b, qk_scale, LOWP)
 
 
 @triton.jit
@@ -816,23 +823,28 @@ def _flat_kernel(
     for c in range((n_rows + RB - 1) // RB):
         qv, row_ok = _q_rows(qbase, qoff0, c, rr, n_rows, q_first, sqh, sqn, sqd, d, D, BD,
                              G, RB)
+        qp, qn = _split_q(qv)
         m = tl.full([RB], float("-inf"), tl.float32)
         den = tl.zeros([RB], dtype=tl.float32)
         for j in range(n_lc):  # pass 1: each row's max and sum over the candidates
-            s = _flat_chunk(qv, j, sb, partial_end, s0, s1, lo, hi, lcnt_ptr, lbase, shi_ptr,
-                            slo_ptr, slc_ptr, sbase, qk_scale, d, D, BD, LB, NS, LOWP)
+            s = _flat_chunk(qp, qn, j, sb, partial_end, s0, s1, lo, hi, lcnt_ptr, lbase,
+                            shi_ptr, slo_ptr, slc_ptr, sbase, qk_scale, d, D, BD, LB, NS, LOWP)
             m_new = tl.maximum(m, tl.max(s, axis=1))
             ms = tl.where(m_new == float("-inf"), 0.0, m_new)
             den = den * tl.exp2(m - ms) + tl.sum(tl.exp2(s - ms[:, None]), axis=1)
             m = m_new
-        ms = tl.where(m == float("-inf"), 0.0, m)
-        # A row votes if valid with a positive, finite sum (as _row_share).
+        # A row votes if valid with a positive, finite sum (as _row_share). Its share is
+        # exp2(s - norm) with norm = max + log2(sum); a row that does not vote gets a zero
+        # query and norm = +inf (share 0, and no NaN from a NaN query).
         voting = row_ok & (den > 0) & (den < float("inf"))
-        w = tl.where(voting, 1.0 / tl.where(voting, den, 1.0), 0.0)
+        norm = tl.where(voting, tl.where(m == float("-inf"), 0.0, m)
+                        + tl.log2(tl.where(voting, den, 1.0)), float("inf"))
+        qp = tl.where(voting[:, None], qp, 0.0).to(qv.dtype)
+        qn = tl.where(voting[:, None], qn, 0.0).to(qv.dtype)
         for j in range(n_lc):  # pass 2: the shares, summed over rows and sub-blocks
-            s = _flat_chunk(qv, j, sb, partial_end, s0, s1, lo, hi, lcnt_ptr, lbase, shi_ptr,
-                            slo_ptr, slc_ptr, sbase, qk_scale, d, D, BD, LB, NS, LOWP)
-            e = tl.where(voting[:, None], tl.exp2(s - ms[:, None]) * w[:, None], 0.0)
+            s = _flat_chunk(qp, qn, j, sb, partial_end, s0, s1, lo, hi, lcnt_ptr, lbase,
+                            shi_ptr, slo_ptr, slc_ptr, sbase, qk_scale, d, D, BD, LB, NS, LOWP)
+            e = tl.exp2(s - norm[:, None])
             v = tl.sum(tl.reshape(tl.sum(e, axis=0), [LB, NS]), axis=1)
             if c > 0:
                 v += tl.load(vrow + j * LB + lb)

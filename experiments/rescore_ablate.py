@@ -15,6 +15,7 @@ import math
 import torch
 import triton
 import triton.language as tl
+from pisa_compile.kernels.triton_select import _leaf_lse2, _prioritise, _top_mask
 
 LOG2E = 1.4426950408889634
 
@@ -25,7 +26,8 @@ def _ablate_kernel(q_ptr, k_ptr, short_ptr, out_ptr, scr_ptr, Nq, Nk, T, Hkv, sc
                    W: tl.constexpr, RB: tl.constexpr, STORE: tl.constexpr,
                    MASK: tl.constexpr, INDIRECT: tl.constexpr, EXP: tl.constexpr,
                    DOT: tl.constexpr, PAIR: tl.constexpr, FP8: tl.constexpr,
-                   STAGES: tl.constexpr, LEAN: tl.constexpr):
+                   STAGES: tl.constexpr, LEAN: tl.constexpr, PKG_LSE: tl.constexpr,
+                   IFWRAP: tl.constexpr, TAIL: tl.constexpr):
     t = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // Hkv
@@ -46,7 +48,10 @@ def _ablate_kernel(q_ptr, k_ptr, short_ptr, out_ptr, scr_ptr, Nq, Nk, T, Hkv, sc
     qk_scale = scale * 1.4426950408889634
     S = tl.zeros([W], dtype=tl.float32)
     scr = scr_ptr + tile * (W * RB)
-    for c in range((TQ * G + RB - 1) // RB):
+    n_c = (TQ * G + RB - 1) // RB
+    if IFWRAP:  # as the package: no scoring when every shortlisted leaf is picked
+        n_c = tl.where(n_ok > 16, n_c, 0)
+    for c in range(n_c):
         r = c * RB + rr
         qpos = q_first + r // G
         row_ok = qpos < Nq
@@ -78,7 +83,11 @@ def _ablate_kernel(q_ptr, k_ptr, short_ptr, out_ptr, scr_ptr, Nq, Nk, T, Hkv, sc
             if MASK:
                 sk = tl.where((kp[None, :] <= qpos[:, None]) & row_ok[:, None], sk,
                               float("-inf"))
-            if LEAN:  # raw dot: max, then one FMA per score (scale and shift) before exp2
+            if PKG_LSE:
+                lse = _leaf_lse2(qv, qpos, kbase, D, 1, kbase, 0, tl.load(short_row + j), Nk,
+                                 q_first, 0, qk_scale, d, D, C, C, MASK, False, True)
+                tl.store(scr + j * RB + rr, lse)
+            elif LEAN:  # raw dot: max, then one FMA per score (scale and shift) before exp2
                 m = tl.max(sk, axis=1) * qk_scale
                 lse = m + tl.log2(tl.sum(tl.exp2(sk * qk_scale - m[:, None]), axis=1))
                 tl.store(scr + j * RB + rr, lse)
@@ -117,6 +126,9 @@ def _ablate_kernel(q_ptr, k_ptr, short_ptr, out_ptr, scr_ptr, Nq, Nk, T, Hkv, sc
             den = tl.sum(e, axis=1)
             w = tl.where(row_ok & (den > 0), 1.0 / tl.where(den > 0, den, 1.0), 0.0)
             S += tl.sum(e * w[:, None], axis=0)
+    if TAIL:  # as the package: pick the top 16 by an all-pairs rank count
+        bad = ok & (S < 0)
+        S = tl.where(_top_mask(_prioritise(S, bad, ok), ok, 16, W), S, 0.0)
     tl.store(out_ptr + tile * W + ws, S)
 
 
@@ -137,6 +149,11 @@ VARIANTS = {  # name: (launch, kernel flags)
     "lean": (dict(num_warps=4), dict(STORE=1, MASK=False, LEAN=True)),
     "lean_w8": (dict(num_warps=8), dict(STORE=1, MASK=False, LEAN=True)),
     "lean_fp8": (dict(num_warps=4), dict(STORE=1, MASK=False, LEAN=True, FP8=True)),
+    # Package pieces added to the lean core one at a time (which one costs the difference):
+    "lean_pkg_lse": (dict(num_warps=4), dict(STORE=1, MASK=False, PKG_LSE=True)),
+    "lean_pkg_lse_mask": (dict(num_warps=4), dict(STORE=1, PKG_LSE=True)),
+    "lean_ifwrap": (dict(num_warps=4), dict(STORE=1, MASK=False, LEAN=True, IFWRAP=True)),
+    "lean_tail": (dict(num_warps=4), dict(STORE=1, MASK=False, LEAN=True, TAIL=True)),
     "scratch_pair": (dict(num_warps=4), dict(STORE=1, PAIR=2)),
     "scratch_pair_w8": (dict(num_warps=8), dict(STORE=1, PAIR=2)),
     "scratch_pair_fp8": (dict(num_warps=4), dict(STORE=1, PAIR=2, FP8=True)),
@@ -149,7 +166,7 @@ VARIANTS = {  # name: (launch, kernel flags)
 }
 DEFAULT_FLAGS = dict(STORE=0, MASK=True, INDIRECT=True, EXP=True, DOT=True, PAIR=1, FP8=False,
                      STAGES=3,
-                     LEAN=False)
+                     LEAN=False, PKG_LSE=False, IFWRAP=False, TAIL=False)
 
 
 def shortlists(B, Hkv, N, TQ, C, W, device, seed=0):
@@ -227,12 +244,49 @@ def run(N=32768, B=1, Hq=32, Hkv=8, D=128, TQ=16, C=64, W=128, RB=64, only=None,
     return res
 
 
+def run_real(N=32768, B=1, Hq=32, Hkv=8, D=128):
+    """The package's rescoring launch and the stand-alone core on the same shortlists (the
+    defaults' flat selection of random bf16 q/k), timed side by side."""
+    from pisa_compile import PisaConfig
+    from pisa_compile.kernels import triton_select as ts
+    cfg = PisaConfig(min_seq_len=0)
+    q = torch.randn(B, Hq, N, D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(B, Hkv, N, D, device="cuda", dtype=torch.bfloat16)
+    seen = {}
+    orig = ts._rescore
+
+    def grab(*args, **kw):
+        seen["args"], seen["kw"] = args, kw
+        return orig(*args, **kw)
+    ts._rescore = grab
+    ts.select_blocks(q, k, True, 1 / math.sqrt(D), **cfg.selection_options())
+    ts._rescore = orig
+    args, kw = seen["args"], seen["kw"]
+    short = args[4]
+    W = 128
+    T = N // 16
+    out = torch.empty(B * Hkv * T, W, device="cuda", dtype=torch.float32)
+    scr = torch.empty(B * Hkv * T * W * 64, device="cuda", dtype=torch.float32)
+    res = {"package_rescore_ms": triton.testing.do_bench(lambda: orig(*args, **kw))}
+    for name in ("lean", "scratch", "prod_w4", "lean_pkg_lse", "lean_pkg_lse_mask",
+                 "lean_ifwrap", "lean_tail"):
+        launch, flags = VARIANTS[name][:2]
+        fl = {**DEFAULT_FLAGS, **flags}
+        res[f"core_{name}_ms"] = triton.testing.do_bench(lambda: _ablate_kernel[(T, B * Hkv)](
+            q, k, short, out, scr, N, N, T, Hkv, 1 / math.sqrt(D), D=D, G=Hq // Hkv, C=64, W=W,
+            TQ=16, RB=64, **fl, **launch))
+    res["shortlisted_per_tile"] = float((short.view(-1, W) >= 0).sum(-1).float().mean())
+    print(res, flush=True)
+    return res
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
     ap.add_argument("--only", nargs="*")
+    ap.add_argument("--real", action="store_true", help="the package's rescoring beside the core")
     a = ap.parse_args()
-    r = run(only=a.only)
+    r = run_real() if a.real else run(only=a.only)
     if a.out:
         with open(a.out, "w") as f:
             json.dump(r, f, indent=1)

@@ -66,8 +66,6 @@ RESCORE_CFG = PisaConfig.preset("fast", min_seq_len=0, leaf_scoring="exact", bea
                                  shortlist=32)
 TUNE_RESCORE = {
     "rb64_w4": dict(row_block=64, num_warps=4),
-    "rb64_w4_reg": dict(row_block=64, num_warps=4, scratch=False),
-    "rb64_w4_reg_p64": dict(row_block=64, num_warps=4, scratch=False, programs_per_sm=64),
     "rb64_w4_p2": dict(row_block=64, num_warps=4, programs_per_sm=2),
     "rb64_w4_p8": dict(row_block=64, num_warps=4, programs_per_sm=8),
     "rb64_w4_p16": dict(row_block=64, num_warps=4, programs_per_sm=16),

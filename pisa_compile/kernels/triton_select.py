@@ -641,7 +641,7 @@ def _rescore_kernel(
     D: tl.constexpr, G: tl.constexpr, TQ: tl.constexpr, C: tl.constexpr, KC: tl.constexpr,
     BD: tl.constexpr, TOPK: tl.constexpr, W: tl.constexpr, RB: tl.constexpr, MP: tl.constexpr,
     TW: tl.constexpr, CAUSAL: tl.constexpr, HAS_KEY_MASK: tl.constexpr, LOWP: tl.constexpr,
-    TRACE: tl.constexpr, SCRATCH: tl.constexpr,
+    TRACE: tl.constexpr,
 ):
     """Persistent programs over the ``n_tiles = B * Hkv * T`` (query tile, batch * KV head)
     pairs, tile-major within a head so that concurrent programs share the head's keys in L2:
@@ -652,9 +652,10 @@ def _rescore_kernel(
 
     Rows go in chunks of ``RB`` (``r = query * G + head``, as the select kernel); for each chunk
     the leaves are visited in turn, one ``[RB, D] x [D, KC]`` tensor-core dot per key chunk.
-    Their per-row LSE go to the program's own ``[W, RB]`` row of ``scr_ptr`` (``SCRATCH``: one
-    store per row, read back as a ``[RB, W]`` tile after the chunk) or into a ``[RB, W]``
-    register tile (a select over all of it per leaf).
+    Their per-row LSE go to the program's own ``[W, RB]`` row of ``scr_ptr``, read back as a
+    ``[RB, W]`` tile after the chunk: a register tile would need a select over all of it per
+    leaf, which cost 17.1 against 15.2 ms of selection at 32K
+    (``profiles/select_rescore_tune.json``).
     """
     scale = tl.cast(scale, tl.float32)
     scr = scr_ptr + tl.program_id(0).to(tl.int64) * (W * RB)
@@ -663,7 +664,7 @@ def _rescore_kernel(
                       fcnt_ptr, idx_ptr, bcnt_ptr, trace_ptr, scr, sqb, sqh, sqn, sqd, skb, skh,
                       skn, skd, skmb, skmn, Hkv, Nq, Nk, total, T, M, offset, scale,
                       trace_stride, D, G, TQ, C, KC, BD, TOPK, W, RB, MP, TW, CAUSAL,
-                      HAS_KEY_MASK, LOWP, TRACE, SCRATCH)
+                      HAS_KEY_MASK, LOWP, TRACE)
 
 
 @triton.jit
@@ -674,7 +675,7 @@ def _rescore_tile(
     D: tl.constexpr, G: tl.constexpr, TQ: tl.constexpr, C: tl.constexpr, KC: tl.constexpr,
     BD: tl.constexpr, TOPK: tl.constexpr, W: tl.constexpr, RB: tl.constexpr, MP: tl.constexpr,
     TW: tl.constexpr, CAUSAL: tl.constexpr, HAS_KEY_MASK: tl.constexpr, LOWP: tl.constexpr,
-    TRACE: tl.constexpr, SCRATCH: tl.constexpr,
+    TRACE: tl.constexpr,
 ):
     """One tile of :func:`_rescore_kernel`: query tile ``t`` of batch * KV head ``bh``."""
     b = bh // Hkv
@@ -703,20 +704,15 @@ def _rescore_tile(
             qv, row_ok = _q_rows(qbase, qoff0, c, rr, n_rows, q_first, sqh, sqn, sqd, d, D, BD,
                                  G, RB)
             qpos = q_first + (c * RB + rr) // G
-            s = tl.full([RB, W], float("-inf"), tl.float32)
             for j in range(n_ok):  # the shortlist is compact: slots [0, n_ok)
                 leaf = tl.load(short_row + j)
                 lse = _leaf_lse2(qv, qpos, kbase, skn, skd, km_row, skmn, leaf, Nk, q_first,
                                  offset, qk_scale, d, D, C, KC, CAUSAL, HAS_KEY_MASK, LOWP)
-                if SCRATCH:
-                    tl.store(scr + j * RB + rr, lse)
-                else:
-                    s = tl.where((ws == j)[None, :], lse[:, None], s)
-            if SCRATCH:
-                tl.debug_barrier()  # the chunk's stores, visible to all of the program's threads
-                s = tl.load(scr + ws[None, :] * RB + rr[:, None], mask=(ws < n_ok)[None, :],
-                            other=float("-inf"))
-                tl.debug_barrier()  # read before the next chunk or tile writes again
+                tl.store(scr + j * RB + rr, lse)
+            tl.debug_barrier()  # the chunk's stores, visible to all of the program's threads
+            s = tl.load(scr + ws[None, :] * RB + rr[:, None], mask=(ws < n_ok)[None, :],
+                        other=float("-inf"))
+            tl.debug_barrier()  # read before the next chunk or tile writes again
             S += _pool_share2(s, ok & ~bad, row_ok)
     picked = _top_mask(_prioritise(S, bad, ok), ok, TOPK, W)
     if TRACE:
@@ -889,12 +885,12 @@ SELECT_TUNING = dict(row_block=64, num_warps=None, num_stages=None, maxnreg=None
                      late_loads=None)
 
 # Launch settings of the exact rescoring kernel (``leaf_scoring="exact"``): rows per chunk
-# (capped so that the [rows, shortlist] fp32 scores fit in registers), keys per dot, whether
-# the per-row leaf scores go through a per-program scratch row (else a register tile updated
-# by a select per leaf), persistent programs per multiprocessor (bounds that scratch).
+# (capped so that the [rows, shortlist] fp32 scores read back from scratch fit in registers),
+# keys per dot, persistent programs per multiprocessor (which bounds the scratch; 2 to 16 time
+# the same at 32K, profiles/select_rescore_tune.json).
 # Two or four leaves per dot ([2C or 4C, D] key tiles) spilled 438-510 registers and took 31-49
 # ms instead of 19.3 at 32K (defaults, 128-leaf shortlist; profiles/select_flat_tune.json).
-RESCORE_TUNING = dict(row_block=64, key_block=64, num_warps=4, num_stages=None, scratch=True,
+RESCORE_TUNING = dict(row_block=64, key_block=64, num_warps=4, num_stages=None,
                       programs_per_sm=4)
 
 # Launch settings of the flat kernel (one-level pools wider than the walk's): rows per chunk,
@@ -1148,8 +1144,7 @@ def _rescore(q, k, km, lcnt, short_idx, sel_idx, sel_counts, idx, counts, trace,
               max(16, triton.next_power_of_2(min(G * Tq, G * Nq))))
     n_tiles = B * Hkv * T
     n_prog = min(n_tiles, rt["programs_per_sm"] * multiprocessors(q.device))
-    scr = torch.empty(n_prog * W * RBx if rt["scratch"] else 1, dtype=torch.float32,
-                      device=q.device)
+    scr = torch.empty(n_prog * W * RBx, dtype=torch.float32, device=q.device)
     launcher(_rescore_kernel, q)[(n_prog,)](
         q, k, km, lcnt, short_idx, sel_idx, sel_counts, idx, counts,
         counts if trace is None else trace, scr,
@@ -1159,6 +1154,5 @@ def _rescore(q, k, km, lcnt, short_idx, sel_idx, sel_counts, idx, counts, trace,
         D=D, G=G, TQ=Tq, C=meta["C"], KC=max(16, min(meta["C"], rt["key_block"])),
         BD=meta["BD"], TOPK=meta["TOPK"], W=W, RB=RBx, MP=meta["MP"], TW=TW,
         CAUSAL=bool(is_causal), HAS_KEY_MASK=key_mask is not None,
-        LOWP=q.dtype != torch.float32, TRACE=trace is not None, SCRATCH=rt["scratch"],
-        num_warps=rt["num_warps"], **({"num_stages": rt["num_stages"]} if rt["num_stages"] is not None else {}))
+        LOWP=q.dtype != torch.float32, TRACE=trace is not None, num_warps=rt["num_warps"], **({"num_stages": rt["num_stages"]} if rt["num_stages"] is not None else {}))
     return idx, counts

@@ -523,7 +523,6 @@ def flat_exact_select(q: torch.Tensor, k: torch.Tensor, scale: float, config: Pi
 
     from pisa_compile.kernels import triton_select
     from pisa_compile.kernels.geometry import block_width, cdiv, forced_ranges
-    from pisa_compile.kernels.runtime import launcher
 
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
@@ -549,17 +548,11 @@ def flat_exact_select(q: torch.Tensor, k: torch.Tensor, scale: float, config: Pi
     idx = torch.empty(B, Hkv, T, M, dtype=torch.int32, device=dev)
     counts = torch.empty(B, Hkv, T, dtype=torch.int32, device=dev)
     lcnt = torch.zeros(B * Hkv * L, dtype=torch.float32, device=dev)  # no non-finite leaves
-    G = Hq // Hkv
-    rows = G * Tq
-    RB = min(64, max(16, 8192 // W), max(16, triton.next_power_of_2(min(rows, G * Nq))))
-    launcher(triton_select._rescore_kernel, q)[(T, B * Hkv)](
-        q, k, q, lcnt, short, fidx, fcnt, idx, counts, counts,
-        *q.stride(), *k.stride(), 0, 0,
-        Hkv, Nq, Nk, L, T, M, causal_offset, float(scale), 0,
-        D=D, G=G, TQ=Tq, C=C, KC=max(16, min(C, 64)), BD=max(16, triton.next_power_of_2(D)),
-        TOPK=config.top_k, W=W, RB=RB, MP=max(16, triton.next_power_of_2(M)), TW=16,
-        CAUSAL=True, HAS_KEY_MASK=False, LOWP=q.dtype != torch.float32, TRACE=False,
-        num_warps=4)
+    # The package's rescoring launch, with every visible leaf as the shortlist.
+    meta = dict(TQ=Tq, W=W, TW=16, C=C, BD=max(16, triton.next_power_of_2(D)),
+                TOPK=config.top_k, MP=max(16, triton.next_power_of_2(M)))
+    triton_select._rescore(q, k, q, lcnt, short, fidx, fcnt, idx, counts, None, None, True,
+                           causal_offset, float(scale), L, T, M, meta, None)
     return idx, counts
 
 

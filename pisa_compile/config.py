@@ -9,8 +9,10 @@ import warnings
 from dataclasses import InitVar, dataclass
 from typing import Any, Mapping, Optional
 
+import torch
+
 from .kernels.dispatch import KERNELS  # the implementations plan() chooses from
-from .kernels.geometry import cdiv, flat_applies
+from .kernels.geometry import cdiv, flat_applies, level_sizes
 
 __all__ = ["PisaConfig", "PRESETS", "MAX_FLAT_LEAVES", "split_options"]
 
@@ -43,11 +45,12 @@ def _check_int(name: str, value: int, lo: int, hi: Optional[int] = None,
 
 def _caller_level() -> int:
     """``warnings.warn``'s stacklevel, called from ``__post_init__``, of the first frame
-    outside this module and ``dataclasses`` (``__init__``, ``preset``, ``replace``)."""
+    outside ``pisa_compile`` and ``dataclasses`` (``__init__``, ``preset``, ``replace``,
+    ``split_options``): the user's line."""
     import sys
     level, frame = 2, sys._getframe(2)
-    while frame is not None and frame.f_code.co_filename in (__file__, dataclasses.__file__,
-                                                             "<string>"):
+    while frame is not None and (frame.f_globals.get("__name__", "").startswith("pisa_compile")
+                                 or frame.f_globals.get("__name__") == "dataclasses"):
         level, frame = level + 1, frame.f_back
     return level
 
@@ -194,7 +197,9 @@ class PisaConfig:
             _check_int("bound_block", self.bound_block, 1, 1024, pow2=True)
         if self.kernel not in KERNELS:
             raise ValueError(f"PisaConfig.kernel must be one of {KERNELS}, got {self.kernel!r}")
-        unused = self._unused_options()
+        # Not while Dynamo traces (a compiled function building a config): frame inspection
+        # would break the graph, and the same config warns when built eagerly.
+        unused = {} if torch.compiler.is_compiling() else self._unused_options()
         if unused:
             base = _base or {}
             unused = {n: why for n, why in unused.items()
@@ -244,31 +249,39 @@ class PisaConfig:
         return 0 if self.bound_block is None else min(self.bound_block, self.block_size)
 
     def selection_kind(self, n_keys: Optional[int]) -> str:
-        """How the sparse path selects the blocks of a call with ``n_keys`` keys: a flat scan
-        (a one-level pool of every leaf) when its ``L = ceil(n_keys / block_size)`` leaves are
-        at most :attr:`effective_flat_leaves`, else the pyramid walk (the rule of
-        ``geometry.flat_beam``).
+        """How the sparse path selects the blocks of a call with ``n_keys`` keys (``L =
+        ceil(n_keys / block_size)`` leaves): a flat scan (a one-level pool of every leaf) when
+        ``L`` is at most :attr:`effective_flat_leaves`; a single-level pool (every leaf, no
+        walk) when the pyramid has one level anyway (``L <= branching * beam``,
+        ``geometry.level_sizes``); else the pyramid walk.
 
         Args:
             n_keys: the call's key count ``Nk`` (an int), or None where it is symbolic.
 
         Returns:
-            e.g. ``"flat scan (512 leaves <= flat_leaves 512)"``, ``"pyramid walk (2048
-            leaves > flat_leaves 512)"``, ``"pyramid walk (flat_leaves=0)"``, or for None
-            ``"flat scan up to 512 leaves (32768 keys), pyramid walk past"``.
+            e.g. ``"flat scan (512 leaves <= flat_leaves 512)"``, ``"single-level pool (all
+            110 leaves <= branching * beam = 120)"``, ``"pyramid walk (2048 leaves, 5
+            levels; flat_leaves 512)"``, or for None ``"flat scan up to 512 leaves (32768
+            keys), pyramid walk past"``.
         """
         flat = self.effective_flat_leaves
-        if not flat:
-            why = "flat_leaves=0" if not self.flat_leaves else f"flat_leaves unused: {_FLAT_NEEDS}"
-            return f"pyramid walk ({why})"
         if n_keys is None:
-            return (f"flat scan up to {flat} leaves ({flat * self.block_size} keys), "
-                    "pyramid walk past")
-        n_leaves = cdiv(n_keys, self.block_size)
-        leaves = f"{n_leaves} leaf" if n_leaves == 1 else f"{n_leaves} leaves"
-        if n_leaves <= flat:
+            if flat:
+                return (f"flat scan up to {flat} leaves ({flat * self.block_size} keys), "
+                        "pyramid walk past")
+            return "pyramid walk (flat_leaves unused)" if self.flat_leaves else \
+                "pyramid walk (flat_leaves=0)"
+        L = cdiv(n_keys, self.block_size)
+        leaves = f"{L} leaf" if L == 1 else f"{L} leaves"
+        if L <= flat:
             return f"flat scan ({leaves} <= flat_leaves {flat})"
-        return f"pyramid walk ({leaves} > flat_leaves {flat})"
+        width = self.branching * self.effective_beam
+        if L <= width:
+            return f"single-level pool (all {leaves} <= branching * beam = {width})"
+        n_lev = len(level_sizes(n_keys, self.block_size, self.branching, self.effective_beam))
+        why = (f"flat_leaves {flat}" if flat else "flat_leaves=0" if not self.flat_leaves
+               else f"flat_leaves unused: {_FLAT_NEEDS}")
+        return f"pyramid walk ({leaves}, {n_lev} levels; {why})"
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> "PisaConfig":

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import pisa_compile
 from pisa_compile import PisaConfig
 from pisa_compile.config import MAX_FLAT_LEAVES, PRESETS, split_options
-from pisa_compile.kernels.geometry import cdiv, flat_beam
+from pisa_compile.kernels.geometry import cdiv, flat_beam, level_sizes
 
 
 def _sdpa_causal(q, k, v):
@@ -36,14 +36,20 @@ def _quiet(fn, *args, **kwargs):
 def test_selection_kind_states_flat_or_walk_by_the_leaf_count():
     c = PisaConfig()
     assert c.selection_kind(512 * 64) == "flat scan (512 leaves <= flat_leaves 512)"
-    assert c.selection_kind(512 * 64 + 1) == "pyramid walk (513 leaves > flat_leaves 512)"
-    assert c.selection_kind(2048 * 64) == "pyramid walk (2048 leaves > flat_leaves 512)"
+    assert c.selection_kind(512 * 64 + 1) == "pyramid walk (513 leaves, 4 levels; flat_leaves 512)"
+    assert c.selection_kind(2048 * 64) == "pyramid walk (2048 leaves, 6 levels; flat_leaves 512)"
     assert c.selection_kind(1) == "flat scan (1 leaf <= flat_leaves 512)"
     assert c.selection_kind(None) == ("flat scan up to 512 leaves (32768 keys), pyramid walk "
                                       "past")
-    assert PisaConfig.preset("fast").selection_kind(64) == "pyramid walk (flat_leaves=0)"
-    unused = PisaConfig(shortlist=None).selection_kind(64)
-    assert unused.startswith("pyramid walk (flat_leaves unused: ") and "shortlist" in unused
+    fast = PisaConfig.preset("fast")
+    assert fast.selection_kind(2048 * 64) == "pyramid walk (2048 leaves, 7 levels; flat_leaves=0)"
+    # No flat scan, but a pyramid of one level: every leaf is in the first pool, no walk.
+    assert fast.selection_kind(2048) == "single-level pool (all 32 leaves <= branching * beam = 32)"
+    assert c.replace(flat_leaves=64).selection_kind(110 * 64) == (
+        "single-level pool (all 110 leaves <= branching * beam = 120)")
+    unused = PisaConfig(shortlist=None).selection_kind(2048 * 64)
+    assert unused.startswith("pyramid walk (2048 leaves, 6 levels; flat_leaves unused: ")
+    assert "shortlist" in unused
 
 
 @pytest.mark.parametrize("kw", [{}, dict(flat_leaves=0), dict(shortlist=None),
@@ -57,8 +63,10 @@ def test_selection_kind_is_the_rule_the_kernels_use(kw):
         c = PisaConfig(**kw)
     for n_keys in range(1, 700 * c.block_size, 37 * c.block_size // 8):
         kind = c.selection_kind(n_keys)
-        assert kind.startswith(("flat scan (", "pyramid walk (")), kind
-        if cdiv(n_keys, c.block_size) > c.branching * c.effective_beam:
+        assert kind.startswith(("flat scan (", "pyramid walk (", "single-level pool (")), kind
+        one_level = len(level_sizes(n_keys, c.block_size, c.branching, c.effective_beam)) == 1
+        assert kind.startswith("single-level") == (one_level and not kind.startswith("flat"))
+        if not one_level:
             raised = flat_beam(n_keys, c.block_size, c.branching, c.effective_beam,
                                c.effective_flat_leaves, leaf_scoring=c.leaf_scoring,
                                shortlist=c.effective_shortlist,
@@ -70,14 +78,14 @@ def test_selection_kind_is_the_rule_the_kernels_use(kw):
 @pytest.mark.parametrize("fn", [_sdpa_causal, _hand], ids=["sdpa", "hand-written"])
 def test_explain_states_flat_scan_or_walk(fn):
     q = torch.randn(1, 2, 256, 16)  # 64 leaves of 4 keys
-    opts = dict(min_seq_len=0, dense_tail=0, block_size=4)
+    opts = dict(min_seq_len=0, dense_tail=0, block_size=4, top_k=4, beam=4)
     (site,) = pisa_compile.explain(fn, q, q, q, options={**opts, "flat_leaves": 64}).sites
     assert site.selection == "flat scan (64 leaves <= flat_leaves 64)"
     report = pisa_compile.explain(fn, q, q, q, options={**opts, "flat_leaves": 32})
-    assert report.sites[0].selection == "pyramid walk (64 leaves > flat_leaves 32)"
-    assert "selection: pyramid walk (64 leaves > flat_leaves 32)" in str(report)
+    assert report.sites[0].selection == "pyramid walk (64 leaves, 4 levels; flat_leaves 32)"
+    assert "selection: pyramid walk (64 leaves, 4 levels; flat_leaves 32)" in str(report)
     (site,) = pisa_compile.explain(fn, q, q, q, options={**opts, "preset": "fast"}).sites
-    assert site.selection == "pyramid walk (flat_leaves=0)"
+    assert site.selection == "pyramid walk (64 leaves, 4 levels; flat_leaves=0)"
 
 
 @pytest.mark.usefixtures("fresh_dynamo")
@@ -97,10 +105,10 @@ def test_explain_selection_symbolic_length_and_dense_sites():
 def test_explain_selection_of_module_sites_reads_their_key_length():
     mha = torch.nn.MultiheadAttention(32, 4, batch_first=True).eval()
     x = torch.randn(2, 100, 32)  # [L, B, E] = [100, 2, 32] inside: 25 leaves of 4
-    opts = dict(min_seq_len=0, dense_tail=0, block_size=4, flat_leaves=24)
+    opts = dict(min_seq_len=0, dense_tail=0, block_size=4, flat_leaves=24, top_k=4, beam=4)
     (site,) = pisa_compile.explain(lambda x: mha(x, x, x, need_weights=False)[0], x,
                                    options=opts).sites
-    assert site.selection == "pyramid walk (25 leaves > flat_leaves 24)"
+    assert site.selection == "pyramid walk (25 leaves, 3 levels; flat_leaves 24)"
 
 
 # -- 2. options that the others leave unused ---------------------------------------------------
@@ -156,6 +164,12 @@ def test_config_still_traces_without_graph_breaks():
 
     x = torch.randn(3)
     torch.testing.assert_close(torch.compile(f, backend="eager", fullgraph=True)(x), x * 16)
+    torch._dynamo.reset()
+
+    def g(x):  # a config that warns when built eagerly
+        return x * PisaConfig(leaf_scoring="pooled", shortlist=64).top_k
+
+    torch.testing.assert_close(torch.compile(g, backend="eager", fullgraph=True)(x), x * 16)
     torch._dynamo.reset()
 
 

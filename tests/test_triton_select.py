@@ -219,6 +219,41 @@ def test_bound_block_keeps_non_finite_boxes_first(kw, monkeypatch):
     assert bool((idx[1, 0, 18:] == 8).any(-1).all())
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_exact_scores_ignore_non_finite_masked_keys(value):
+    """A NaN or inf in a masked key (a hole in the key mask) inside a leaf with live keys:
+    the leaf's exact score comes from its live keys only, so the tile that wants them picks
+    it, as the reference does (the key mask may not reach a score, NaN included)."""
+    torch.manual_seed(0)
+    q, k = torch.randn(1, 1, 64, 16), torch.randn(1, 1, 64, 16) * 0.3
+    k[0, 0, 24:32] += 2 * q[0, 0, 48:].mean(0)  # leaf 1's live keys: what tile 3 wants
+    km = torch.ones(1, 64, dtype=torch.bool)
+    km[0, 20:24] = False  # a hole in leaf 1
+    k[0, 0, 21] = value
+    opts = dict(block_size=16, top_k=1, branching=2, beam=8, sink_blocks=1, local_blocks=1,
+                query_tile=16, leaf_scoring="exact", shortlist=0, bound_block=0, flat_leaves=0)
+    idx, cnt = ts.select_blocks(q, k, True, 0.25, key_mask=km, **opts)
+    ridx, rcnt = ref.select_blocks(q, k, None, True, 0.25, key_mask=km, **opts)
+    assert idx[0, 0, 3, :cnt[0, 0, 3]].tolist() == [0, 1, 3]
+    assert torch.equal(idx, ridx) and torch.equal(cnt, rcnt)
+
+
+def test_rescoring_programs_do_not_change_the_selection():
+    """The rescoring kernel's persistent programs (``programs_per_sm``; one multiprocessor in
+    the interpreter) each loop over tiles with their own scratch row: one program for every
+    tile, a few, or one per tile select the same blocks as the reference."""
+    cfg = _fast(min_seq_len=0, kernel="triton", block_size=8, top_k=2, query_tile=4, beam=3,
+                leaf_scoring="exact", shortlist=4, bound_block=2)
+    q, k = _qk(2, 2, 2, 72, 90, 16, torch.float32, seed=3)
+    km = _left_padding(2, 90, [0, 11])
+    opts = cfg.selection_options()
+    runs = [ts.select_blocks(q, k, True, 0.25, **opts, key_mask=km,
+                             tuning={"rescore": {"programs_per_sm": n}}) for n in (1, 3, 10000)]
+    for idx, cnt in runs[1:]:
+        assert torch.equal(idx, runs[0][0]) and torch.equal(cnt, runs[0][1])
+    check_selection(q, k, True, 0.25, cfg, key_mask=km)
+
+
 @pytest.mark.parametrize("case", [CASES[2], CASES[3], CASES[9]],
                          ids=["g3_G6", "fp16_partial_tile", "tile16"])
 def test_unrolled_row_chunks_match(case):

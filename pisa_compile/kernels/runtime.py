@@ -82,9 +82,16 @@ def stage_range(name: str, t: Tensor):
 
 
 @functools.lru_cache(maxsize=None)
-def multiprocessors(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA ``device`` (the size of a persistent grid); 1
-    elsewhere (Triton's interpreter: a persistent kernel's loop is then exercised in full)."""
+def _multiprocessors(device: torch.device) -> int:
     if device.type != "cuda":
         return 1
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def multiprocessors(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA ``device`` (the size of a persistent grid); 1
+    elsewhere (Triton's interpreter: a persistent kernel's loop is then exercised in full).
+    Keyed by the device index (``cuda`` alone: the current device)."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return _multiprocessors(device)

@@ -596,14 +596,16 @@ def _leaf_lse2(qv, qpos, kbase, skn, skd, km_row, skmn, leaf, Nk, q_first, offse
                HAS_KEY_MASK: tl.constexpr, LOWP: tl.constexpr):
     """Base-2 LSE ``[RB]`` of each row's scores over leaf ``leaf``'s visible keys (``-inf``:
     none), in key chunks of ``KC`` with an online max, as flash attention's row statistics.
-    Rows that do not exist score as zero queries (their votes are dropped by ``row_ok``).
+    Rows that do not exist score as zero queries (the caller's ``_pool_share2`` drops their
+    votes).
 
-    Few operations per score (the kernel is bound by them, not by the dot): a key's validity
-    (in range, not masked) is an additive ``0 / -inf`` per key, applied with the scale in one
-    FMA; the causal comparison runs only for a key chunk with keys past the position
-    ``q_first + offset`` of the tile's first query (never for a shortlisted leaf: a tile's
-    partial leaves are its forced local leaves, which the selection kernels keep out of the
-    shortlist)."""
+    Few operations per score (the kernel is bound by them, not by the dot): without a key mask
+    a key's validity (in range) is an additive ``0 / -inf`` per key, applied with the scale in
+    one FMA (a masked key may hold NaN, so under a key mask it is a select); the causal
+    comparison runs only for a key chunk with keys past the position ``q_first + offset`` of
+    the tile's first query. A safety net: a shortlisted leaf is clean (a tile's partial leaves
+    are its forced local leaves, which the selection kernels keep out of the shortlist), so
+    it runs for none at ``block_size >= 16``."""
     kc = tl.arange(0, KC)
     dm = d < D
     row_max = tl.full(qpos.shape, float("-inf"), tl.float32)
@@ -620,7 +622,10 @@ def _leaf_lse2(qv, qpos, kbase, skn, skd, km_row, skmn, leaf, Nk, q_first, offse
             sk = tl.dot(qv, tl.trans(kk.to(qv.dtype)))
         else:
             sk = tl.dot(qv.to(tl.float32), tl.trans(kk.to(tl.float32)), input_precision="ieee")
-        sk = sk * qk_scale + tl.where(kin, 0.0, float("-inf"))[None, :]
+        if HAS_KEY_MASK:  # a masked key may hold NaN or inf: a select, not a -inf term
+            sk = tl.where(kin[None, :], sk * qk_scale, float("-inf"))
+        else:  # out-of-range keys load as 0: a -inf term, in one FMA with the scale
+            sk = sk * qk_scale + tl.where(kin, 0.0, float("-inf"))[None, :]
         if CAUSAL:
             if leaf * C + c0 + KC - 1 > q_first + offset:  # some row cannot see all of it
                 sk = tl.where(kp[None, :] <= qpos[:, None] + offset, sk, float("-inf"))
@@ -833,8 +838,7 @@ def _flat_kernel(
         # exp2(s - norm) with norm = max + log2(sum); a row that does not vote gets a zero
         # query and norm = +inf (share 0, and no NaN from a NaN query).
         voting = row_ok & (den > 0) & (den < float("inf"))
-        norm = tl.where(voting, tl.where(m == float("-inf"), 0.0, m)
-                        + tl.log2(tl.where(voting, den, 1.0)), float("inf"))
+        norm = tl.where(voting, m + tl.log2(tl.where(voting, den, 1.0)), float("inf"))
         qp = tl.where(voting[:, None], qp, 0.0).to(qv.dtype)
         qn = tl.where(voting[:, None], qn, 0.0).to(qv.dtype)
         for j in range(n_lc):  # pass 2: the shares, summed over rows and sub-blocks
@@ -1154,5 +1158,6 @@ def _rescore(q, k, km, lcnt, short_idx, sel_idx, sel_counts, idx, counts, trace,
         D=D, G=G, TQ=Tq, C=meta["C"], KC=max(16, min(meta["C"], rt["key_block"])),
         BD=meta["BD"], TOPK=meta["TOPK"], W=W, RB=RBx, MP=meta["MP"], TW=TW,
         CAUSAL=bool(is_causal), HAS_KEY_MASK=key_mask is not None,
-        LOWP=q.dtype != torch.float32, TRACE=trace is not None, num_warps=rt["num_warps"], **({"num_stages": rt["num_stages"]} if rt["num_stages"] is not None else {}))
+        LOWP=q.dtype != torch.float32, TRACE=trace is not None, num_warps=rt["num_warps"],
+        **({"num_stages": rt["num_stages"]} if rt["num_stages"] is not None else {}))
     return idx, counts

@@ -155,6 +155,8 @@ def _check_inputs(q: Tensor, k: Tensor, v: Optional[Tensor], attn_mask: Optional
         if t.device != q.device:
             raise ValueError(f"{name} must be on q's device ({q.device}), got {t.device}")
     B, Hq, _, D = q.shape
+    if D == 0:  # the default scale 1/sqrt(D) has no value
+        raise ValueError(f"q's head dim D (its last dim) must be >= 1, got shape {tuple(q.shape)}")
     if k.shape[0] != B or k.shape[3] != D:
         raise ValueError(f"k must be [B={B}, Hkv, Nk, D={D}], got shape {tuple(k.shape)}")
     if v is not None and (v.shape[0] != B or v.shape[1] != k.shape[1] or v.shape[2] != k.shape[2]):

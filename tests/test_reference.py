@@ -309,6 +309,12 @@ def test_empty_problems_behave_like_sdpa(nq, nk):
     assert torch.equal(out, F.scaled_dot_product_attention(q, k, k))
 
 
+def test_zero_head_dim_is_a_clear_error():
+    q = torch.randn(1, 2, 8, 0)
+    with pytest.raises(ValueError, match="head dim D"):
+        pisa_attention(q, q, q)
+
+
 def test_device_mix_is_rejected():
     q, k, v = torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16)
     with pytest.raises(ValueError, match="k must be on q's device"):

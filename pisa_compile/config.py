@@ -265,12 +265,13 @@ class PisaConfig:
             keys), pyramid walk past"``.
         """
         flat = self.effective_flat_leaves
+        why = (f"flat_leaves {flat}" if flat else "flat_leaves=0" if not self.flat_leaves
+               else f"flat_leaves unused: {_FLAT_NEEDS}")
         if n_keys is None:
             if flat:
                 return (f"flat scan up to {flat} leaves ({flat * self.block_size} keys), "
                         "pyramid walk past")
-            return "pyramid walk (flat_leaves unused)" if self.flat_leaves else \
-                "pyramid walk (flat_leaves=0)"
+            return f"pyramid walk ({why})"
         L = cdiv(n_keys, self.block_size)
         leaves = f"{L} leaf" if L == 1 else f"{L} leaves"
         if L <= flat:
@@ -279,8 +280,6 @@ class PisaConfig:
         if L <= width:
             return f"single-level pool (all {leaves} <= branching * beam = {width})"
         n_lev = len(level_sizes(n_keys, self.block_size, self.branching, self.effective_beam))
-        why = (f"flat_leaves {flat}" if flat else "flat_leaves=0" if not self.flat_leaves
-               else f"flat_leaves unused: {_FLAT_NEEDS}")
         return f"pyramid walk ({leaves}, {n_lev} levels; {why})"
 
     @classmethod

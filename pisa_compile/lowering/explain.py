@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from ..config import split_options
-from .report import Report, Site, record
+from .report import Report, record
 from .rewrite import rewrite_graph
 
 __all__ = ["explain"]
@@ -30,9 +28,10 @@ def explain(model_or_fn, *args, options=None, **kwargs) -> Report:
     Returns:
         A :class:`Report`: ``str(report)`` is a table of sites (form, shapes, mask kind,
         decision, reason or note); ``report.sites``; ``len(report)``. A rewritten site that
-        selects blocks also says how at its key length (``Site.selection``): ``"selection:
-        flat scan (512 leaves <= flat_leaves 512)"`` or ``"selection: pyramid walk (2048
-        leaves > flat_leaves 512)"`` (for a symbolic length, up to which length it scans).
+        selects blocks also says how at its key length (``Site.selection``, from
+        ``PisaConfig.selection_kind``): e.g. ``"selection: flat scan (512 leaves <= flat_leaves
+        512)"`` or ``"selection: pyramid walk (2048 leaves, 6 levels; flat_leaves 512)"`` (for
+        a symbolic length, up to which length it scans).
 
     Raises:
         ValueError: bad ``options`` (see :func:`pisa_compile.config.split_options`).
@@ -50,8 +49,6 @@ def explain(model_or_fn, *args, options=None, **kwargs) -> Report:
             sites = rewrite_graph(gm, config, apply=False)
         for s in sites:
             s.graph = index
-            if _selects(s):
-                s.selection = config.selection_kind(_key_length(s))
         record(sites, count=False)
         report.sites.extend(sites)
         return gm.forward
@@ -63,20 +60,3 @@ def explain(model_or_fn, *args, options=None, **kwargs) -> Report:
         torch._dynamo.reset()
     return report
 
-
-def _selects(site: Site) -> bool:
-    """Whether a site's sparse path selects blocks: rewritten, and not dense by its note
-    (``runs ...``: the whole call; ``dense SDPA under the ...``: a window or an explicit mask)
-    nor a window (FlexAttention). The wording is ``rewrite._note``'s and ``_take_structure``'s."""
-    return (site.rewritten and not site.note.startswith("runs ")
-            and "dense SDPA under the" not in site.note and "window(" not in site.mask)
-
-
-def _key_length(site: Site) -> Optional[int]:
-    """The site's key count from ``k_shape`` (``[L, B, E]`` for ``nn.MultiheadAttention``,
-    else ``[..., Nk, D]``); None where it is symbolic or unknown."""
-    dims = site.k_shape.strip("[]").split(", ")
-    if len(dims) < 3:
-        return None
-    n = dims[-3 if site.form.startswith("nn.MultiheadAttention") else -2]
-    return int(n) if n.isdigit() else None

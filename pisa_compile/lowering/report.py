@@ -35,8 +35,8 @@ class Site:
             there is left dense); for an explicit mask, dense SDPA under it on
             CUDA, the PyTorch reference selection elsewhere (empty when nothing needs saying).
         selection: for a rewritten site that selects blocks, how at its key length
-            (``PisaConfig.selection_kind``): ``"flat scan (...)"`` or ``"pyramid walk (...)"``.
-            :func:`pisa_compile.explain` fills it; empty where the call runs dense.
+            (``PisaConfig.selection_kind``): ``"flat scan (...)"``, ``"single-level pool
+            (...)"`` or ``"pyramid walk (...)"``; empty where the whole call runs dense.
         node: the FX node name of the site (the SDPA call or the softmax).
         source: ``file:line`` of the user code, where Dynamo recorded it.
         graph: index of the captured graph (graph breaks give several).

@@ -1126,8 +1126,8 @@ def rewrite_graph(gm: GraphModule, config: PisaConfig, apply: bool = True) -> li
                 site.decision, site.reason = REWRITTEN, ""
                 key = bound["key"] if is_mha else bound["src"]
                 has_mask = _mha_has_mask(bound, is_layer, site)
-                site.note = _note(P.val(key).shape[-3 if is_mha else -2], has_mask, config,
-                                  P.val(key).device)
+                _describe(site, P.val(key).shape[-3 if is_mha else -2], has_mask, config,
+                          P.val(key).device)
                 sites.append(site)
                 continue
             if is_sdpa:
@@ -1145,9 +1145,9 @@ def rewrite_graph(gm: GraphModule, config: PisaConfig, apply: bool = True) -> li
             if apply:
                 _apply(gm, plan, config)
             site.decision, site.reason = REWRITTEN, ""
-            site.note = _note(k.shape[-2], plan.mask is not None or bool(plan.masks), config,
-                              k.device, window=plan.window, padded=plan.key_mask is not None,
-                              n_queries=q.shape[-2], causal=plan.is_causal)
+            _describe(site, k.shape[-2], plan.mask is not None or bool(plan.masks), config,
+                      k.device, window=plan.window, padded=plan.key_mask is not None,
+                      n_queries=q.shape[-2], causal=plan.is_causal)
         except LeaveDense as why:
             site.decision, site.reason = LEFT_DENSE, str(why)
             if site.q_shape == "?" and not (is_mha or is_layer):
@@ -1253,12 +1253,29 @@ def _short_sdpa_reason(n_keys, config: PisaConfig) -> Optional[str]:
     return None
 
 
-def _note(n_keys, has_mask: bool, config: PisaConfig, device: torch.device,
-          window=None, padded: bool = False, n_queries=None, causal: bool = False) -> str:
+def _describe(site: Site, n_keys, has_mask: bool, config: PisaConfig, device: torch.device,
+              **kw) -> None:
+    """Fill ``site.note`` (:func:`_note`) and ``site.selection`` of a rewritten site: how it
+    selects blocks at its key length, where it selects at all."""
+    site.note, selects = _note_and_selects(n_keys, has_mask, config, device, **kw)
+    if selects:
+        site.selection = config.selection_kind(n_keys if isinstance(n_keys, int) else None)
+
+
+def _note(n_keys, has_mask: bool, config: PisaConfig, device: torch.device, **kw) -> str:
     """What a rewritten site will run where it is not the fused sparse path (as
     ``kernels.dispatch.plan`` decides it at run time)."""
+    return _note_and_selects(n_keys, has_mask, config, device, **kw)[0]
+
+
+def _note_and_selects(n_keys, has_mask: bool, config: PisaConfig, device: torch.device,
+                      window=None, padded: bool = False, n_queries=None,
+                      causal: bool = False) -> tuple[str, bool]:
+    """:func:`_note`, and whether the call selects blocks at all (not when all of it runs
+    dense: below ``min_seq_len``, in the dense tail, under a window or, on CUDA, under an
+    explicit mask)."""
     if statically_known_true(n_keys < config.min_seq_len):
-        return f"runs plain SDPA: Nk={n_keys} < min_seq_len={config.min_seq_len}"
+        return f"runs plain SDPA: Nk={n_keys} < min_seq_len={config.min_seq_len}", False
     T = config.dense_tail
     # The dense tail takes such a call whole (ops._tail_rows); known statically, no guard.
     if n_queries is not None and window is None and T and (
@@ -1276,7 +1293,7 @@ def _note(n_keys, has_mask: bool, config: PisaConfig, device: torch.device,
         bound = (f"Nq={n_queries} <= dense_tail={T}" if statically_known_true(n_queries <= T)
                  else f"Nq={n_queries} < dense_tail + query_tile = {T + config.query_tile}: "
                       f"too few rows before the tail for one query tile")
-        return f"{how}: every query in the dense tail ({bound})"
+        return f"{how}: every query in the dense tail ({bound})", False
     notes = []
     if not statically_known_true(n_keys >= config.min_seq_len):
         notes.append(f"plain SDPA while Nk={n_keys} < min_seq_len={config.min_seq_len}")
@@ -1285,12 +1302,13 @@ def _note(n_keys, has_mask: bool, config: PisaConfig, device: torch.device,
     elif window is not None and padded:
         notes.append("window with a key mask: dense SDPA under the window's mask (traced "
                      "FlexAttention was wrong with padding)")
-    if has_mask and config.kernel == "auto" and device.type == "cuda":
+    dense_mask = has_mask and config.kernel == "auto" and device.type == "cuda"
+    if dense_mask:
         notes.append("explicit mask: dense SDPA under the mask (the fused selection reads "
                      "no mask yet)")
     elif has_mask:
         notes.append("explicit mask: the selection runs the PyTorch reference")
-    return "; ".join(notes)
+    return "; ".join(notes), window is None and not dense_mask
 
 
 def _fill_shapes_best_effort(node: Node, site: Site) -> None:

@@ -17,7 +17,7 @@ order.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -187,3 +187,212 @@ def build_pyramid(k: Tensor, key_live: Tensor, block_size: int, branching: int,
         counts.append(cnt[:, :, off:off + n])
         off += n
     return mus, counts
+
+
+# -- a persistent box pyramid (decode: kept beside a KV cache, updated as keys are appended) --
+
+class BoxPyramid(NamedTuple):
+    """Key boxes of every pyramid node for up to ``capacity`` keys, laid out for the capacity
+    so that appending keys never moves a node (DESIGN.md "Persistent pyramid").
+
+    Level ``l`` (0 = leaves of ``block_size`` keys) starts at row ``sum_{i<l} ceil(L_cap /
+    g^i)`` of each ``[B, Hkv]`` slice (``L_cap = ceil(capacity / block_size)``); with ``n``
+    keys its first ``ceil(ceil(n / C) / g^l)`` nodes are in use, the same nodes (same
+    numbering) as a pyramid built from scratch over those ``n`` keys.
+
+    Attributes:
+        hi, lo: ``[B, Hkv, total, D]`` in the keys' dtype: channel max/min over each node's
+            live keys (0 when empty or not finite).
+        cnt: float32 ``[B, Hkv, total]`` live keys per node.
+        lc: float32 ``[B, Hkv, total]``: ``log2(cnt)`` (``-inf`` empty, ``+inf`` a box holding
+            a non-finite key, which the selection keeps first).
+        capacity, block_size, branching, beam: the layout (``beam`` resolved: levels coarsen
+            until one has at most ``branching * beam`` nodes).
+    """
+
+    hi: Tensor
+    lo: Tensor
+    cnt: Tensor
+    lc: Tensor
+    capacity: int
+    block_size: int
+    branching: int
+    beam: int
+
+    @property
+    def leaf_capacity(self) -> int:
+        return cdiv(self.capacity, self.block_size)
+
+    @property
+    def total(self) -> int:
+        return self.hi.shape[2]
+
+    def level_offsets(self) -> list[int]:
+        """Row of each level's first node (the capacity layout)."""
+        offs, off = [], 0
+        for n in level_sizes(self.capacity, self.block_size, self.branching, self.beam):
+            offs.append(off)
+            off += n
+        return offs
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.hi, self.lo, self.cnt, self.lc))
+
+
+def box_pyramid(batch: int, kv_heads: int, capacity: int, head_dim: int, dtype: torch.dtype,
+                device, *, block_size: int, branching: int, beam: int) -> BoxPyramid:
+    """An empty :class:`BoxPyramid` for ``capacity`` keys (every node empty).
+
+    Args:
+        batch, kv_heads, capacity, head_dim: ``B``, ``Hkv``, the most keys, ``D`` (ints >= 1).
+        dtype: the keys' dtype (the boxes are stored in it); device: where.
+        block_size, branching, beam: the PISA options (``beam`` resolved, >= 1).
+
+    Returns:
+        A :class:`BoxPyramid` of ``sum(level_sizes(capacity, ...))`` rows per head:
+        ``2 * D * itemsize + 8`` bytes each.
+    """
+    total = sum(level_sizes(capacity, block_size, branching, beam))
+    hi = torch.zeros(batch, kv_heads, total, head_dim, dtype=dtype, device=device)
+    return BoxPyramid(hi, torch.zeros_like(hi),
+                      torch.zeros(batch, kv_heads, total, dtype=torch.float32, device=device),
+                      torch.full((batch, kv_heads, total), float("-inf"), device=device),
+                      capacity, block_size, branching, beam)
+
+
+@triton.jit
+def _box_leaf_kernel(k_ptr, km_ptr, hi_ptr, lo_ptr, cnt_ptr, lc_ptr,
+                     skb, skh, skn, skd, smb, smn,
+                     Hkv, n_keys, leaf0, total, D,
+                     C: tl.constexpr, KC: tl.constexpr, BD: tl.constexpr,
+                     HAS_KEY_MASK: tl.constexpr):
+    """Leaf ``leaf0 + program_id(0)`` of head ``program_id(1)``: its box over the live keys
+    (positions ``< n_keys`` that ``key_mask`` lets through), recomputed whole."""
+    leaf = leaf0 + tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // Hkv
+    h = bh % Hkv
+    d = tl.arange(0, BD)
+    dm = d < D
+    mx = tl.full([BD], float("-inf"), tl.float32)
+    mn = tl.full([BD], float("inf"), tl.float32)
+    n = tl.zeros([KC], dtype=tl.float32)
+    bad = tl.zeros([KC], dtype=tl.int32)
+    kbase = k_ptr + b.to(tl.int64) * skb + h.to(tl.int64) * skh
+    for c0 in tl.static_range(0, C, KC):
+        kp = leaf * C + c0 + tl.arange(0, KC)
+        live = kp < n_keys
+        if HAS_KEY_MASK:
+            live = live & (tl.load(km_ptr + b.to(tl.int64) * smb + kp.to(tl.int64) * smn,
+                                   mask=live, other=0) != 0)
+        kk = tl.load(kbase + kp.to(tl.int64)[:, None] * skn + d[None, :] * skd,
+                     mask=live[:, None] & dm[None, :], other=0.0).to(tl.float32)
+        # A NaN or infinite key makes the box not finite (as the reference's amax/amin).
+        bad = bad | tl.max(((kk != kk) | (tl.abs(kk) == float("inf"))).to(tl.int32), axis=1)
+        mx = tl.maximum(mx, tl.max(tl.where(live[:, None], kk, float("-inf")), axis=0))
+        mn = tl.minimum(mn, tl.min(tl.where(live[:, None], kk, float("inf")), axis=0))
+        n += live.to(tl.float32)
+    cnt = tl.sum(n, axis=0)
+    not_ok = tl.max(bad, axis=0) > 0
+    zero = not_ok | (cnt == 0.0)
+    out = bh.to(tl.int64) * total + leaf
+    tl.store(hi_ptr + out * D + d, tl.where(zero, 0.0, mx).to(hi_ptr.dtype.element_ty), mask=dm)
+    tl.store(lo_ptr + out * D + d, tl.where(zero, 0.0, mn).to(lo_ptr.dtype.element_ty), mask=dm)
+    tl.store(cnt_ptr + out, cnt)
+    tl.store(lc_ptr + out, tl.where(not_ok, float("inf"), tl.log2(cnt)))
+
+
+@triton.jit
+def _box_upper_kernel(hi_ptr, lo_ptr, cnt_ptr, lc_ptr, leaf0, leaf1, Lcap, total, D, n_lev,
+                      GB: tl.constexpr, GP: tl.constexpr, NB: tl.constexpr, DB: tl.constexpr):
+    """The ancestors of leaves ``[leaf0, leaf1]`` of head ``program_id(0)`` (channels of slice
+    ``program_id(1)``), level by level upwards: union of the children's boxes, counts summed;
+    a node over a non-finite box is not finite."""
+    bh = tl.program_id(0)
+    d = tl.program_id(1) * DB + tl.arange(0, DB)
+    dm = d < D
+    j = tl.arange(0, GP)
+    base = bh.to(tl.int64) * total
+    n_prev = Lcap
+    off_prev = n_prev * 0
+    a = leaf0
+    z = leaf1
+    for _lev in range(1, n_lev):
+        n_cur = (n_prev + GB - 1) // GB
+        off_cur = off_prev + n_prev
+        a = a // GB
+        z = z // GB
+        for i0 in range(a, z + 1, NB):
+            node = i0 + tl.arange(0, NB)
+            nm = node <= z
+            kid = node[:, None] * GB + j[None, :]  # [NB, GP]
+            km = (kid < n_prev) & (j[None, :] < GB) & nm[:, None]
+            cn = tl.load(cnt_ptr + base + off_prev + kid, mask=km, other=0.0)
+            bad = tl.max((tl.load(lc_ptr + base + off_prev + kid, mask=km, other=0.0)
+                          == float("inf")).to(tl.int32), axis=1) > 0
+            live = km & (cn > 0.0)
+            ptr = (base + off_prev + kid)[:, :, None] * D + d[None, None, :]
+            lm = live[:, :, None] & dm[None, None, :]
+            h = tl.max(tl.load(hi_ptr + ptr, mask=lm, other=float("-inf")).to(tl.float32), axis=1)
+            x = tl.min(tl.load(lo_ptr + ptr, mask=lm, other=float("inf")).to(tl.float32), axis=1)
+            c = tl.sum(cn, axis=1)
+            zero = (bad | (c == 0.0))[:, None]
+            optr = (base + off_cur + node)[:, None] * D + d[None, :]
+            om = nm[:, None] & dm[None, :]
+            tl.store(hi_ptr + optr, tl.where(zero, 0.0, h).to(hi_ptr.dtype.element_ty), mask=om)
+            tl.store(lo_ptr + optr, tl.where(zero, 0.0, x).to(lo_ptr.dtype.element_ty), mask=om)
+            # Every channel-slice program writes the same counts (each reads back its own).
+            tl.store(cnt_ptr + base + off_cur + node, c, mask=nm)
+            tl.store(lc_ptr + base + off_cur + node, tl.where(bad, float("inf"), tl.log2(c)),
+                     mask=nm)
+        # The next level reads what other threads of this CTA just wrote.
+        tl.debug_barrier()
+        n_prev = n_cur
+        off_prev = off_cur
+
+
+def append_boxes(pyramid: BoxPyramid, k: Tensor, start: int, end: int,
+                 key_mask: Optional[Tensor] = None) -> None:
+    """Bring ``pyramid`` up to date after keys ``[start, end)`` of ``k`` were written: the
+    leaves holding them are recomputed from ``k`` and their ancestors from their children,
+    ``O((end - start + C) * D + D log L)`` work per head (a decode step touches one leaf and
+    its ``O(log L)`` ancestors), in two launches, in place.
+
+    Args:
+        pyramid: from :func:`box_pyramid`, up to date for the keys before ``start``.
+        k: ``[B, Hkv, >= end, D]`` the cache's keys (any strides), keys ``[0, end)`` written.
+        start, end: ``0 <= start < end <= pyramid.capacity``.
+        key_mask: None or ``[B, >= end]`` (bool or integer, nonzero = a real key): padding is
+            left out of the boxes. It must not change for keys before ``start``.
+
+    Raises:
+        ValueError: ``start``/``end`` out of range, or ``k`` not ``[B, Hkv, >= end, D]`` of
+            the pyramid's batch, heads and head dim.
+    """
+    B, Hkv, total, D = pyramid.hi.shape
+    if not (0 <= start < end <= pyramid.capacity):
+        raise ValueError(f"append_boxes: need 0 <= start < end <= capacity "
+                         f"({pyramid.capacity}), got start={start}, end={end}")
+    if k.dim() != 4 or (k.shape[0], k.shape[1], k.shape[3]) != (B, Hkv, D) or k.shape[2] < end:
+        raise ValueError(f"append_boxes: k must be [B={B}, Hkv={Hkv}, >= {end}, D={D}], "
+                         f"got {tuple(k.shape)}")
+    C, g = pyramid.block_size, pyramid.branching
+    leaf0, leaf1 = start // C, (end - 1) // C
+    BD = max(16, triton.next_power_of_2(D))
+    KC = min(C, max(1, 4096 // BD))
+    if key_mask is not None:
+        km = key_mask if key_mask.dtype != torch.bool else key_mask.to(torch.uint8)
+        km_arg, sm = km, (km.stride(0), km.stride(1))
+    else:
+        km_arg, sm = pyramid.cnt, (0, 0)  # unused
+    launcher(_box_leaf_kernel, k)[(leaf1 - leaf0 + 1, B * Hkv)](
+        k, km_arg, pyramid.hi, pyramid.lo, pyramid.cnt, pyramid.lc, *k.stride(), *sm,
+        Hkv, end, leaf0, total, D, C=C, KC=KC, BD=BD, HAS_KEY_MASK=key_mask is not None,
+        num_warps=4)
+    n_lev = len(level_sizes(pyramid.capacity, C, g, pyramid.beam))
+    if n_lev > 1:
+        DB = min(BD, 32)
+        launcher(_box_upper_kernel, k)[(B * Hkv, triton.cdiv(BD, DB))](
+            pyramid.hi, pyramid.lo, pyramid.cnt, pyramid.lc, leaf0, leaf1,
+            pyramid.leaf_capacity, total, D, n_lev, GB=g, GP=triton.next_power_of_2(g),
+            NB=64 if leaf1 > leaf0 else 16, DB=DB, num_warps=4)

@@ -73,7 +73,7 @@ from . import reference
 from .geometry import (block_width, cdiv, flat_beam, level_sizes, local_bound, query_offset,
                        sink_start)
 from .runtime import launcher, multiprocessors, stage_range
-from .triton_pyramid import n_levels, pyramid_buffers
+from .triton_pyramid import BoxPyramid, n_levels, pyramid_buffers
 from .triton_util import LOG2E
 
 
@@ -401,7 +401,7 @@ def _leaf_ranges(t, Nq, Nk, L, offset, local_blocks, TQ: tl.constexpr, C: tl.con
 
 
 @triton.jit
-def _internal_level(pool, span, lev, L, mbase, mu_ptr, lcnt_ptr, lo_ptr, scr, trace,
+def _internal_level(pool, span, lev, L, Lcap, mbase, mu_ptr, lcnt_ptr, lo_ptr, scr, trace,
                     qbase, qoff0, rr, d, n_rows, n_chunks, q_first, sqh, sqn, sqd, qk_scale,
                     s0, s1, lo, hi, clean_end, partial_end, live_end,
                     D: tl.constexpr, BD: tl.constexpr, G: tl.constexpr, TQ: tl.constexpr,
@@ -430,7 +430,7 @@ def _internal_level(pool, span, lev, L, mbase, mu_ptr, lcnt_ptr, lo_ptr, scr, tr
     # Only candidates are scored: other columns get a -inf bias (the reference masks them
     # before its softmax over the pool, so they change nothing).
     kid = pool * GB
-    cbase = mbase + _level_offset(L, GB, lev - 1) + kid
+    cbase = mbase + _level_offset(Lcap, GB, lev - 1) + kid
     if LATE:
         # Only the flags here: the chunks load each child's summaries right before its dots,
         # so a level holds one child's tiles at a time (less shared memory per program).
@@ -489,7 +489,7 @@ def _select_kernel(
     q_ptr, sink_ptr, mu_ptr, lcnt_ptr, lo_ptr, shi_ptr, slo_ptr, slc_ptr,
     idx_ptr, bcnt_ptr, short_ptr, trace_ptr, scr_ptr,
     sqb, sqh, sqn, sqd,
-    Hkv, Nq, Nk, L, total, T, M, n_sink, local_blocks, offset, scale,
+    Hkv, Nq, Nk, L, Lcap, sub_stride, total, T, M, n_sink, local_blocks, offset, scale,
     D: tl.constexpr, G: tl.constexpr, TQ: tl.constexpr, C: tl.constexpr,
     BD: tl.constexpr, GB: tl.constexpr, BEAM: tl.constexpr, TOPK: tl.constexpr, P: tl.constexpr,
     RB: tl.constexpr, MP: tl.constexpr, TW: tl.constexpr, W: tl.constexpr,
@@ -540,7 +540,7 @@ def _select_kernel(
     trace = trace_ptr + tile * (top + 1) * TW
     for it in range(top):
         # Two scratch rows, alternating between levels (see _children).
-        pool = _internal_level(pool, span, top - it, L, mbase, mu_ptr, lcnt_ptr, lo_ptr,
+        pool = _internal_level(pool, span, top - it, L, Lcap, mbase, mu_ptr, lcnt_ptr, lo_ptr,
                                scr_ptr + tile * (2 * P) + (it % 2) * P, trace,
                                qbase, qoff0, rr, d, n_rows, n_chunks, q_first, sqh, sqn, sqd,
                                qk_scale, s0, s1, lo, hi, clean_end, partial_end, live_end,
@@ -555,7 +555,7 @@ def _select_kernel(
     if BOUND:
         # A leaf's box is not finite iff one of its sub-blocks' is: flags from the leaf level.
         bad = tl.load(lcnt_ptr + mbase + pool, mask=cand, other=0.0) == float("inf")
-        sub0 = bh.to(tl.int64) * (L * NS) + pool * NS
+        sub0 = bh.to(tl.int64) * sub_stride + pool * NS
         mul = sub0  # unused
         bl = sub0
     else:
@@ -1020,7 +1020,8 @@ def select_blocks(q: Tensor, k: Tensor, is_causal: bool, scale: float, *, block_
                   bound_block: int = 0, flat_leaves: int = 0,
                   key_mask: Optional[Tensor] = None, causal_offset: int = 0,
                   trace: Optional[Tensor] = None,
-                  tuning: Optional[Mapping] = None) -> tuple[Tensor, Tensor]:
+                  tuning: Optional[Mapping] = None,
+                  pyramid: Optional[BoxPyramid] = None) -> tuple[Tensor, Tensor]:
     """Triton coarse-to-fine selection; same contract as ``reference.select_blocks`` without
     an explicit ``attn_mask`` (``dispatch.plan`` sends those calls to the reference).
 
@@ -1046,6 +1047,12 @@ def select_blocks(q: Tensor, k: Tensor, is_causal: bool, scale: float, *, block_
         tuning: overrides of :data:`SELECT_TUNING`, under ``"rescore"`` of
             :data:`RESCORE_TUNING` and under ``"flat"`` of :data:`FLAT_TUNING` (benchmark
             sweeps).
+        pyramid: a persistent :class:`~.triton_pyramid.BoxPyramid` up to date for these
+            ``Nk`` keys under this ``key_mask`` (a KV cache's, :mod:`pisa_compile.kv_cache`):
+            nothing is built, so the call reads no key outside the shortlist. Its boxes are
+            per leaf: ``bound_block`` is taken as ``block_size``, and there is no flat scan
+            (``flat_leaves`` is ignored). ``block_size``, ``branching`` and the resolved
+            ``beam`` must be the pyramid's.
 
     Returns:
         ``block_indices`` int32 ``[B, Hkv, T, M]`` (ascending, -1 padded, forced leaves
@@ -1056,20 +1063,42 @@ def select_blocks(q: Tensor, k: Tensor, is_causal: bool, scale: float, *, block_
     G = Hq // Hkv
     C, Tq = block_size, query_tile
     T = cdiv(Nq, Tq)
+    if pyramid is not None:
+        bound_block, flat_leaves = block_size, 0
+        if (pyramid.block_size, pyramid.branching, pyramid.beam) != (block_size, branching,
+                                                                    beam):
+            raise ValueError(
+                f"pyramid was laid out for block_size={pyramid.block_size}, branching="
+                f"{pyramid.branching}, beam={pyramid.beam}; the call has {block_size}, "
+                f"{branching}, {beam}")
+        if pyramid.hi.dtype != q.dtype:
+            raise ValueError(f"pyramid boxes are {pyramid.hi.dtype}, q is {q.dtype}")
+        if Nk > pyramid.capacity or pyramid.hi.shape[:2] != k.shape[:2]:
+            raise ValueError(f"pyramid holds {pyramid.capacity} keys of {tuple(pyramid.hi.shape[:2])}"
+                             f" (B, Hkv); k is {tuple(k.shape)}")
     beam = flat_beam(Nk, block_size, branching, beam, flat_leaves, leaf_scoring=leaf_scoring,
                      shortlist=shortlist, bound_block=bound_block)
     # Read as bytes: a value cast (Inductor cannot lower bool->uint8 views); q: never read.
     km = q if key_mask is None else key_mask.to(torch.uint8)
     live_limit = min(Nk, Nq + causal_offset) if is_causal else None
     key_live = None if key_mask is None else km[:, None, :]
+    L = cdiv(Nk, C)
+    if pyramid is not None:
+        # Per-leaf boxes: the leaf level is its own sub-block level.
+        total, Lcap = pyramid.total, pyramid.leaf_capacity
+        boxes = (pyramid.hi, pyramid.lo, pyramid.lc, pyramid.hi, pyramid.lo, pyramid.lc)
+        sub_stride = total
+    else:
+        Lcap = L
+        sub_stride = L * (block_size // bound_block if bound_block else 1)
     with stage_range("pisa.pyramid", k):
-        mu, cnt, lcnt, total = pyramid_buffers(k, block_size, branching, beam,
-                                               live_limit=live_limit, key_live=key_live)
-        if bound_block:
+        if pyramid is None:
+            mu, cnt, lcnt, total = pyramid_buffers(k, block_size, branching, beam,
+                                                   live_limit=live_limit, key_live=key_live)
+        if bound_block and pyramid is None:
             # The same liveness and counts as the pyramid, so boxes and terms agree.
             boxes = box_buffers(k, cnt, total, block_size, bound_block, branching, beam,
                                 q.dtype, live_limit=live_limit, key_live=key_live)
-    L = cdiv(Nk, C)
     M = block_width(Nk, block_size, top_k, sink_blocks, local_blocks, query_tile)
     offset = query_offset(Nq, Nk, is_causal, causal_offset)
     meta, launch = select_launch(G, Nq, Nk, D, block_size=block_size, top_k=top_k,
@@ -1124,7 +1153,7 @@ def select_blocks(q: Tensor, k: Tensor, is_causal: bool, scale: float, *, block_
         q, counts if sinks is None else sinks, mu_dot, lcnt, lo, shi, slo, slc, sel_idx,
         sel_counts, short_idx, counts if trace is None else trace, scratch,
         *q.stride(),
-        Hkv, Nq, Nk, L, total, T, M, min(sink_blocks, L), local_blocks,
+        Hkv, Nq, Nk, L, Lcap, sub_stride, total, T, M, min(sink_blocks, L), local_blocks,
         0 if offset is None else offset, float(scale),
         CAUSAL=bool(is_causal), HAS_LOCAL=offset is not None and local_blocks > 0,
         HAS_KEY_MASK=key_mask is not None, LOWP=q.dtype != torch.float32,

@@ -1,0 +1,228 @@
+"""A static KV cache that keeps PISA's key pyramid beside the keys (DESIGN.md "Persistent
+pyramid"): decode selects from the pyramid and reads only the keys it picks.
+
+Dense decode reads all of ``K`` and ``V`` per step. Rebuilding the pyramid per step (what
+:func:`pisa_compile.pisa_attention` does) reads all of ``K`` too, so it cannot beat dense
+decode. Here the pyramid's boxes (per leaf and per node above it: channel max/min of the
+keys, Quest's page bounds arranged as PISA's pyramid) are updated as keys are appended: a
+step touches one leaf and its ``O(log L)`` ancestors. A decode step then reads the boxes of
+the walk's pool per level, the keys of the leaves it scores exactly, and the ``K``/``V``
+blocks it attends.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .config import PisaConfig
+from .kernels import dispatch
+from .kernels.geometry import dense_mask
+from .kernels.runtime import DECODE_MAX_QUERIES, stage_range
+from .kernels.triton_pyramid import BoxPyramid, append_boxes, box_pyramid
+
+__all__ = ["PisaKVCache", "SPARSE_DECODE_FROM"]
+
+# Keys from which a decode step selects from the pyramid rather than reading every key: the
+# crossover measured on the H200 (profiles/bench_decode.json).
+SPARSE_DECODE_FROM = 16384
+
+
+class PisaKVCache:
+    """One attention layer's KV cache, preallocated, with a persistent PISA key pyramid.
+
+    Prefill and decode both go through it: :meth:`append` writes the new keys and values and
+    updates the pyramid, :meth:`attend` runs causal attention for the newest queries.
+    A decode call (at most 16 queries) over at least ``sparse_from`` keys on the Triton path
+    is sparse: per query (query tile 1; the ``G`` query heads of a KV head share it) it
+    walks the pyramid's boxes (``branching``, ``beam``), scores the pool's leaves exactly
+    (``shortlist``), and attends the ``top_k`` best plus the forced leaves with the split-K
+    decode kernel. Other calls run :func:`pisa_compile.pisa_attention` with ``config``
+    (a long prefill: PISA; a short call: dense), or dense SDPA below ``sparse_from``.
+
+    Args:
+        batch_size, num_kv_heads, max_len, head_dim: ``B``, ``Hkv``, the most tokens, ``D``
+            (ints >= 1).
+        value_dim: ``Dv`` (default ``head_dim``).
+        dtype: the keys' and values' dtype (the pyramid's boxes are stored in it).
+        device: where the cache lives.
+        config: :class:`~pisa_compile.PisaConfig` for the selection (``block_size``,
+            ``top_k``, ``branching``, ``beam``, ``sink_blocks``, ``local_blocks``,
+            ``shortlist``) and for prefill. Default ``PisaConfig()``.
+        sparse_from: keys from which a decode step is sparse (default
+            :data:`SPARSE_DECODE_FROM`, the measured crossover with dense decode).
+
+    Memory: the pyramid takes ``(2 * D * itemsize + 8)`` bytes per node and head, about
+    ``2 * ceil(max_len / block_size)`` nodes (``branching`` 2): 3.2% of the K/V cache at
+    ``D = 128``, ``block_size`` 64 (:meth:`nbytes`).
+
+    Raises:
+        ValueError: a size < 1, or ``sparse_from`` < 0.
+        TypeError: ``config`` is not a PisaConfig.
+    """
+
+    def __init__(self, batch_size: int, num_kv_heads: int, max_len: int, head_dim: int, *,
+                 value_dim: Optional[int] = None, dtype: torch.dtype = torch.bfloat16,
+                 device="cuda", config: Optional[PisaConfig] = None,
+                 sparse_from: int = SPARSE_DECODE_FROM):
+        value_dim = head_dim if value_dim is None else value_dim
+        for name, val in (("batch_size", batch_size), ("num_kv_heads", num_kv_heads),
+                          ("max_len", max_len), ("head_dim", head_dim),
+                          ("value_dim", value_dim)):
+            if not isinstance(val, int) or val < 1:
+                raise ValueError(f"PisaKVCache: {name} must be an int >= 1, got {val!r}")
+        if not isinstance(sparse_from, int) or sparse_from < 0:
+            raise ValueError(f"PisaKVCache: sparse_from must be an int >= 0, got {sparse_from!r}")
+        config = PisaConfig() if config is None else config
+        if not isinstance(config, PisaConfig):
+            raise TypeError(f"PisaKVCache: config must be a PisaConfig, got "
+                            f"{type(config).__name__}")
+        self.config, self.sparse_from = config, sparse_from
+        # Decode selects per query from per-leaf boxes by the walk (no flat scan).
+        self.decode_config = config.replace(query_tile=1, bound_block=config.block_size,
+                                            flat_leaves=0, dense_tail=0, min_seq_len=0)
+        self.keys = torch.zeros(batch_size, num_kv_heads, max_len, head_dim, dtype=dtype,
+                                device=device)
+        self.values = torch.zeros(batch_size, num_kv_heads, max_len, value_dim, dtype=dtype,
+                                  device=device)
+        self.key_mask: Optional[Tensor] = None  # bool [B, max_len], once padding is given
+        self.pyramid: BoxPyramid = box_pyramid(
+            batch_size, num_kv_heads, max_len, head_dim, dtype, device,
+            block_size=config.block_size, branching=config.branching,
+            beam=config.effective_beam)
+        self.length = 0
+
+    def reset(self) -> None:
+        """Empty the cache (the buffers are kept)."""
+        self.length = 0
+        self.key_mask = None
+        self.pyramid.cnt.zero_()
+        self.pyramid.lc.fill_(float("-inf"))
+        self.pyramid.hi.zero_()
+        self.pyramid.lo.zero_()
+
+    def nbytes(self) -> dict:
+        """``{"kv": bytes of K and V, "pyramid": bytes of the pyramid}`` (allocated)."""
+        return {"kv": self.keys.numel() * self.keys.element_size()
+                + self.values.numel() * self.values.element_size(),
+                "pyramid": self.pyramid.nbytes()}
+
+    def append(self, key: Tensor, value: Tensor, key_padding_mask: Optional[Tensor] = None
+               ) -> None:
+        """Write ``n`` new tokens at positions ``[length, length + n)`` and update the pyramid.
+
+        Args:
+            key: ``[B, Hkv, n, D]``; value: ``[B, Hkv, n, Dv]`` (the cache's dtype and device).
+            key_padding_mask: None (all real) or ``[B, n]`` bool/int, nonzero = a real token
+                (a tokenizer's ``attention_mask`` for these tokens; left padding).
+
+        Raises:
+            ValueError: shapes that do not match the cache, or more tokens than fit.
+        """
+        B, Hkv, cap, D = self.keys.shape
+        if key.dim() != 4 or (key.shape[0], key.shape[1], key.shape[3]) != (B, Hkv, D):
+            raise ValueError(f"PisaKVCache.append: key must be [B={B}, Hkv={Hkv}, n, D={D}], "
+                             f"got {tuple(key.shape)}")
+        n = key.shape[2]
+        if tuple(value.shape) != (B, Hkv, n, self.values.shape[3]):
+            raise ValueError(f"PisaKVCache.append: value must be "
+                             f"{[B, Hkv, n, self.values.shape[3]]}, got {tuple(value.shape)}")
+        if n == 0:
+            return
+        start, end = self.length, self.length + n
+        if end > cap:
+            raise ValueError(f"PisaKVCache.append: {n} tokens after {start} exceed max_len={cap}")
+        if key_padding_mask is not None:
+            if tuple(key_padding_mask.shape) != (B, n):
+                raise ValueError(f"PisaKVCache.append: key_padding_mask must be [B={B}, n={n}],"
+                                 f" got {tuple(key_padding_mask.shape)}")
+            if self.key_mask is None:
+                self.key_mask = torch.ones(B, cap, dtype=torch.bool, device=self.keys.device)
+            self.key_mask[:, start:end] = key_padding_mask != 0
+        elif self.key_mask is not None:
+            self.key_mask[:, start:end] = True
+        self.keys[:, :, start:end] = key
+        self.values[:, :, start:end] = value
+        self.length = end
+        if self._triton_refusal(key) is None:
+            # Only the Triton decode reads the pyramid: elsewhere decode is dense.
+            with stage_range("pisa.pyramid", key):
+                append_boxes(self.pyramid, self.keys, start, end, self.key_mask)
+
+    def _triton_refusal(self, t: Tensor) -> Optional[str]:
+        return dispatch.triton_refusal(t, self.values, self.config.kernel)
+
+    def decode_is_sparse(self, n_queries: int, t: Optional[Tensor] = None) -> bool:
+        """Whether :meth:`attend` of ``n_queries`` queries now selects from the pyramid."""
+        t = self.keys if t is None else t
+        return (n_queries <= DECODE_MAX_QUERIES and self.length >= self.sparse_from
+                and self._triton_refusal(t) is None)
+
+    def attend(self, query: Tensor, *, scale: Optional[float] = None) -> Tensor:
+        """Causal attention of the newest ``Nq`` queries over the cache's ``length`` tokens.
+
+        Query ``i`` sits at position ``length - Nq + i`` and sees keys ``j <= length - Nq +
+        i`` that are not padding.
+
+        Args:
+            query: ``[B, Hq, Nq, D]`` in the cache's dtype, ``Hq`` a multiple of ``Hkv``,
+                ``1 <= Nq <= length``.
+            scale: softmax scale (default ``1 / sqrt(D)``).
+
+        Returns:
+            ``[B, Hq, Nq, Dv]`` in the cache's dtype (rows that see no key are 0).
+
+        Raises:
+            ValueError: a query that does not match the cache, or more queries than tokens.
+        """
+        B, Hkv, _, D = self.keys.shape
+        n = self.length
+        if (query.dim() != 4 or query.shape[0] != B or query.shape[3] != D
+                or query.shape[1] % Hkv != 0 or query.dtype != self.keys.dtype):
+            raise ValueError(f"PisaKVCache.attend: query must be [B={B}, Hq (a multiple of "
+                             f"{Hkv}), Nq, D={D}] {self.keys.dtype}, got {tuple(query.shape)} "
+                             f"{query.dtype}")
+        Nq = query.shape[2]
+        if not 1 <= Nq <= n:
+            raise ValueError(f"PisaKVCache.attend: need 1 <= Nq <= length ({n}), got Nq={Nq}")
+        scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+        k, v = self.keys[:, :, :n], self.values[:, :, :n]
+        km = None if self.key_mask is None else self.key_mask[:, :n]
+        if self.decode_is_sparse(Nq, query):
+            return self._sparse_decode(query, k, v, km, scale)
+        if Nq <= DECODE_MAX_QUERIES:
+            mask = None if (km is None and Nq == 1) else dense_mask(
+                B, Nq, n, True, n - Nq, km, device=query.device)
+            return F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scale,
+                                                  enable_gqa=True)
+        from .ops import pisa_attention
+        return pisa_attention(query, k, v, is_causal=True, causal_offset=n - Nq, key_mask=km,
+                              scale=scale, enable_gqa=True, config=self.config)
+
+    def select(self, query: Tensor, *, scale: Optional[float] = None) -> tuple[Tensor, Tensor]:
+        """The decode selection of :meth:`attend` from the persistent pyramid (Triton):
+        ``block_indices`` int32 ``[B, Hkv, Nq, M]`` (ascending, -1 padded) and
+        ``block_counts`` int32 ``[B, Hkv, Nq]``; arguments as :meth:`attend`."""
+        from .kernels import triton_select
+        n = self.length
+        scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
+        km = None if self.key_mask is None else self.key_mask[:, :n]
+        with stage_range("pisa.select", query):
+            return triton_select.select_blocks(
+                query, self.keys[:, :, :n], True, scale, key_mask=km,
+                causal_offset=n - query.shape[2], pyramid=self.pyramid,
+                **self.decode_config.selection_options())
+
+    def _sparse_decode(self, q: Tensor, k: Tensor, v: Tensor, km: Optional[Tensor],
+                       scale: float) -> Tensor:
+        from .kernels.triton_decode import decode_attention
+        idx, counts = self.select(q, scale=scale)
+        with stage_range("pisa.decode", q):
+            out, _ = decode_attention(q, k, v, None, True, scale, idx, counts,
+                                      block_size=self.config.block_size, query_tile=1,
+                                      key_mask=km, causal_offset=k.shape[2] - q.shape[2])
+        return out

@@ -1,0 +1,251 @@
+"""PisaKVCache and its persistent pyramid, in Triton's interpreter (CPU, fp32/fp16).
+
+The pyramid after any sequence of appends equals the pyramid built from scratch over the same
+keys; a sparse decode step from it selects what the from-scratch Triton selection does (and
+that one is diffed against the reference in ``test_triton_select.py``), attends what the
+reference attends under that selection, equals dense attention in the exact regime, and never
+reads a padded key.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("triton was imported without TRITON_INTERPRET=1; run this module on its own",
+                allow_module_level=True)
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+pytest.importorskip("triton")
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+from pisa_compile import PisaConfig, PisaKVCache  # noqa: E402
+from pisa_compile.kernels import reference as ref  # noqa: E402
+from pisa_compile.kernels import triton_pyramid as tp  # noqa: E402
+from pisa_compile.kernels import triton_select as ts  # noqa: E402
+from pisa_compile.kernels.geometry import dense_mask, level_sizes  # noqa: E402
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("TRITON_INTERPRET is not 1", allow_module_level=True)
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # log2(0) in the interpreter
+
+
+def _cfg(**kw):
+    base = dict(block_size=4, top_k=2, branching=2, beam=2, sink_blocks=1, local_blocks=1,
+                shortlist=None, kernel="triton", min_seq_len=0)
+    return PisaConfig(**{**base, **kw})
+
+
+def _scratch_levels(k, key_mask, C, g, beam, dtype):
+    """The box levels of a pyramid built from scratch over ``k`` (``box_buffers``)."""
+    n = k.shape[2]
+    live = None if key_mask is None else key_mask[:, None, :n].to(torch.uint8)
+    _, cnt, _, total = tp.pyramid_buffers(k, C, g, beam, key_live=live)
+    hi, lo, lc, *_ = ts.box_buffers(k, cnt, total, C, C, g, beam, dtype,
+                                    key_live=None if key_mask is None else key_mask[:, None, :n])
+    out, off = [], 0
+    for size in level_sizes(n, C, g, beam):
+        out.append((hi[:, :, off:off + size], lo[:, :, off:off + size], lc[:, :, off:off + size]))
+        off += size
+    return out
+
+
+def _assert_pyramid_is_scratch(cache: PisaKVCache):
+    pyr, n = cache.pyramid, cache.length
+    km = None if cache.key_mask is None else cache.key_mask[:, :n]
+    want = _scratch_levels(cache.keys[:, :, :n], km, pyr.block_size, pyr.branching, pyr.beam,
+                           cache.keys.dtype)
+    for lev, (off, (hi, lo, lc)) in enumerate(zip(pyr.level_offsets(), want)):
+        size = hi.shape[2]
+        assert torch.equal(pyr.hi[:, :, off:off + size], hi), f"level {lev} hi after {n} keys"
+        assert torch.equal(pyr.lo[:, :, off:off + size], lo), f"level {lev} lo after {n} keys"
+        assert torch.equal(pyr.lc[:, :, off:off + size], lc), f"level {lev} lc after {n} keys"
+
+
+@settings(max_examples=25)
+@given(B=st.integers(1, 2), Hkv=st.integers(1, 2), C=st.sampled_from([4, 8]),
+       g=st.sampled_from([2, 3]), beam=st.integers(1, 3),
+       chunks=st.lists(st.integers(1, 37), min_size=1, max_size=6),
+       padded=st.booleans(), seed=st.integers(0, 2 ** 16))
+def test_pyramid_after_appends_equals_scratch(B, Hkv, C, g, beam, chunks, padded, seed):
+    gen = torch.Generator().manual_seed(seed)
+    cap = sum(chunks) + int(torch.randint(0, 9, (1,), generator=gen))
+    cache = PisaKVCache(B, Hkv, cap, 8, dtype=torch.float32, device="cpu",
+                        config=_cfg(block_size=C, branching=g, beam=beam, top_k=1))
+    for n in chunks:
+        k = torch.randn(B, Hkv, n, 8, generator=gen)
+        pad = (torch.rand(B, n, generator=gen) > 0.3) if padded else None
+        cache.append(k, torch.randn(B, Hkv, n, 8, generator=gen), pad)
+        _assert_pyramid_is_scratch(cache)
+
+
+def test_pyramid_keeps_a_non_finite_key_first():
+    cache = PisaKVCache(1, 1, 40, 8, dtype=torch.float32, device="cpu", config=_cfg())
+    k = torch.randn(1, 1, 40, 8)
+    k[0, 0, 13, 2] = float("nan")
+    for i in range(0, 40, 7):
+        cache.append(k[:, :, i:i + 7], k[:, :, i:i + 7])
+    _assert_pyramid_is_scratch(cache)
+    assert cache.pyramid.lc[0, 0, 13 // 4].item() == float("inf")
+
+
+def _decode_case(seed=0, B=2, Hkv=2, G=3, D=16, n_prompt=61, steps=5, padded=True, **kw):
+    gen = torch.Generator().manual_seed(seed)
+    cfg = _cfg(**kw)
+    cap = n_prompt + steps
+    cache = PisaKVCache(B, Hkv, cap, D, dtype=torch.float32, device="cpu", config=cfg,
+                        sparse_from=0)
+    pad = None
+    if padded:  # left padding of 0 and 9 tokens
+        pad = torch.ones(B, n_prompt, dtype=torch.bool)
+        pad[1, :9] = False
+    k = torch.randn(B, Hkv, cap, D, generator=gen)
+    v = torch.randn(B, Hkv, cap, D, generator=gen)
+    q = torch.randn(B, Hkv * G, cap, D, generator=gen)
+    cache.append(k[:, :, :n_prompt], v[:, :, :n_prompt], pad)
+    return cache, q, k, v, n_prompt, steps
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_decode_selects_as_the_scratch_selection(padded):
+    cache, q, k, v, n0, steps = _decode_case(padded=padded)
+    for s in range(steps):
+        n = n0 + s
+        if s:
+            cache.append(k[:, :, n - 1:n], v[:, :, n - 1:n])
+        qs = q[:, :, n - 1:n]
+        km = None if cache.key_mask is None else cache.key_mask[:, :n]
+        got = cache.select(qs)
+        want = ts.select_blocks(qs, k[:, :, :n], True, 0.25, key_mask=km, causal_offset=n - 1,
+                                **cache.decode_config.selection_options())
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), f"step {s}"
+        _assert_pyramid_is_scratch(cache)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_decode_attends_what_the_reference_attends(padded):
+    cache, q, k, v, n0, steps = _decode_case(padded=padded, seed=1)
+    for s in range(steps):
+        n = n0 + s
+        if s:
+            cache.append(k[:, :, n - 1:n], v[:, :, n - 1:n])
+        qs = q[:, :, n - 1:n]
+        assert cache.decode_is_sparse(1, qs)
+        out = cache.attend(qs, scale=0.25)
+        km = None if cache.key_mask is None else cache.key_mask[:, :n]
+        bi, bc = cache.select(qs, scale=0.25)
+        want, _ = ref.sparse_attention(qs, k[:, :, :n], v[:, :, :n], None, True, 0.25, bi, bc,
+                                       block_size=cache.config.block_size, query_tile=1,
+                                       key_mask=km, causal_offset=n - 1)
+        torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
+        # Every selected leaf is visible, and a selection holds top_k scored leaves or all.
+        assert int(bc.min()) >= 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_decode_exact_regime_equals_dense(dtype):
+    """top_k covering every leaf: the sparse decode is dense attention (GQA, left padding)."""
+    cache, q, k, v, n0, steps = _decode_case(top_k=64, seed=2)
+    cache2 = PisaKVCache(2, 2, n0 + steps, 16, dtype=dtype, device="cpu",
+                         config=cache.config, sparse_from=0)
+    cache2.append(k[:, :, :n0].to(dtype), v[:, :, :n0].to(dtype), cache.key_mask[:, :n0])
+    for s in range(steps):
+        n = n0 + s
+        if s:
+            cache2.append(k[:, :, n - 1:n].to(dtype), v[:, :, n - 1:n].to(dtype))
+        qs = q[:, :, n - 1:n].to(dtype)
+        out = cache2.attend(qs)
+        mask = dense_mask(2, 1, n, True, n - 1, cache2.key_mask[:, :n])
+        want = F.scaled_dot_product_attention(qs.float(), k[:, :, :n].to(dtype).float(),
+                                              v[:, :, :n].to(dtype).float(), attn_mask=mask,
+                                              enable_gqa=True)
+        tol = 2e-5 if dtype == torch.float32 else 2e-3
+        torch.testing.assert_close(out.float(), want, atol=tol, rtol=tol)
+
+
+def test_decode_never_reads_padded_keys():
+    """Padded keys changed (to huge values and NaN) leave every output bit-identical."""
+    outs = []
+    for poison in (False, True):
+        cache, q, k, v, n0, steps = _decode_case(seed=3)
+        k, v = k.clone(), v.clone()
+        if poison:
+            k[1, :, :9] = 1e4
+            v[1, :, :9] = float("nan")
+        cache = PisaKVCache(2, 2, n0 + steps, 16, dtype=torch.float32, device="cpu",
+                            config=cache.config, sparse_from=0)
+        pad = torch.ones(2, n0, dtype=torch.bool)
+        pad[1, :9] = False
+        cache.append(k[:, :, :n0], v[:, :, :n0], pad)
+        res = []
+        for s in range(steps):
+            n = n0 + s
+            if s:
+                cache.append(k[:, :, n - 1:n], v[:, :, n - 1:n])
+            res.append(cache.attend(q[:, :, n - 1:n]))
+        outs.append(torch.stack(res))
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_dense_below_sparse_from_and_prefill():
+    cache, q, k, v, n0, _ = _decode_case(padded=False, top_k=64)
+    cache.sparse_from = n0 + 1
+    assert not cache.decode_is_sparse(1)
+    out = cache.attend(q[:, :, n0 - 1:n0])
+    want = F.scaled_dot_product_attention(q[:, :, n0 - 1:n0], k[:, :, :n0], v[:, :, :n0],
+                                          enable_gqa=True)
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
+    # More queries than a decode step: pisa_attention's causal prefill (bottom-right).
+    out = cache.attend(q[:, :, n0 - 20:n0])
+    mask = dense_mask(2, 20, n0, True, n0 - 20)
+    dense = F.scaled_dot_product_attention(q[:, :, n0 - 20:n0], k[:, :, :n0], v[:, :, :n0],
+                                           attn_mask=mask, enable_gqa=True)
+    torch.testing.assert_close(out, dense, atol=2e-5, rtol=2e-5)  # top_k: the exact regime
+
+
+def test_reset_empties_the_pyramid():
+    cache, q, k, v, n0, _ = _decode_case()
+    cache.reset()
+    assert cache.length == 0 and cache.key_mask is None
+    cache.append(k[:, :, :10], v[:, :, :10])
+    _assert_pyramid_is_scratch(cache)
+
+
+def test_bad_input_names_the_argument():
+    cache = PisaKVCache(1, 2, 16, 8, dtype=torch.float32, device="cpu", config=_cfg())
+    with pytest.raises(ValueError, match="key must be"):
+        cache.append(torch.randn(1, 3, 4, 8), torch.randn(1, 3, 4, 8))
+    with pytest.raises(ValueError, match="value must be"):
+        cache.append(torch.randn(1, 2, 4, 8), torch.randn(1, 2, 5, 8))
+    with pytest.raises(ValueError, match="key_padding_mask"):
+        cache.append(torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8), torch.ones(1, 5))
+    with pytest.raises(ValueError, match="exceed max_len"):
+        cache.append(torch.randn(1, 2, 17, 8), torch.randn(1, 2, 17, 8))
+    cache.append(torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8))
+    with pytest.raises(ValueError, match="Nq <= length"):
+        cache.attend(torch.randn(1, 2, 5, 8))
+    with pytest.raises(ValueError, match="query must be"):
+        cache.attend(torch.randn(1, 3, 1, 8))
+    with pytest.raises(ValueError, match="query must be"):
+        cache.attend(torch.randn(1, 2, 1, 8, dtype=torch.float64))
+    with pytest.raises(ValueError, match="max_len"):
+        PisaKVCache(1, 1, 0, 8, device="cpu")
+    with pytest.raises(ValueError, match="sparse_from"):
+        PisaKVCache(1, 1, 8, 8, device="cpu", sparse_from=-1)
+    with pytest.raises(TypeError, match="config"):
+        PisaKVCache(1, 1, 8, 8, device="cpu", config={"top_k": 2})
+    pyr = cache.pyramid
+    with pytest.raises(ValueError, match="start < end"):
+        tp.append_boxes(pyr, cache.keys, 3, 3)
+    with pytest.raises(ValueError, match="laid out for"):
+        ts.select_blocks(torch.randn(1, 2, 1, 8), cache.keys[:, :, :4], True, 0.3,
+                         **{**cache.decode_config.selection_options(), "branching": 3},
+                         causal_offset=3, pyramid=pyr)

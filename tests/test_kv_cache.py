@@ -30,7 +30,8 @@ from pisa_compile import PisaConfig, PisaKVCache  # noqa: E402
 from pisa_compile.kernels import reference as ref  # noqa: E402
 from pisa_compile.kernels import triton_pyramid as tp  # noqa: E402
 from pisa_compile.kernels import triton_select as ts  # noqa: E402
-from pisa_compile.kernels.geometry import dense_mask, level_sizes  # noqa: E402
+from pisa_compile.kernels.geometry import dense_mask  # noqa: E402
+from tests.pyramid_check import assert_pyramid_is_scratch  # noqa: E402
 
 if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("TRITON_INTERPRET is not 1", allow_module_level=True)
@@ -42,32 +43,6 @@ def _cfg(**kw):
     base = dict(block_size=4, top_k=2, branching=2, beam=2, sink_blocks=1, local_blocks=1,
                 shortlist=None, kernel="triton", min_seq_len=0)
     return PisaConfig(**{**base, **kw})
-
-
-def _scratch_levels(k, key_mask, C, g, beam, dtype):
-    """The box levels of a pyramid built from scratch over ``k`` (``box_buffers``)."""
-    n = k.shape[2]
-    live = None if key_mask is None else key_mask[:, None, :n].to(torch.uint8)
-    _, cnt, _, total = tp.pyramid_buffers(k, C, g, beam, key_live=live)
-    hi, lo, lc, *_ = ts.box_buffers(k, cnt, total, C, C, g, beam, dtype,
-                                    key_live=None if key_mask is None else key_mask[:, None, :n])
-    out, off = [], 0
-    for size in level_sizes(n, C, g, beam):
-        out.append((hi[:, :, off:off + size], lo[:, :, off:off + size], lc[:, :, off:off + size]))
-        off += size
-    return out
-
-
-def _assert_pyramid_is_scratch(cache: PisaKVCache):
-    pyr, n = cache.pyramid, cache.length
-    km = None if cache.key_mask is None else cache.key_mask[:, :n]
-    want = _scratch_levels(cache.keys[:, :, :n], km, pyr.block_size, pyr.branching, pyr.beam,
-                           cache.keys.dtype)
-    for lev, (off, (hi, lo, lc)) in enumerate(zip(pyr.level_offsets(), want)):
-        size = hi.shape[2]
-        assert torch.equal(pyr.hi[:, :, off:off + size], hi), f"level {lev} hi after {n} keys"
-        assert torch.equal(pyr.lo[:, :, off:off + size], lo), f"level {lev} lo after {n} keys"
-        assert torch.equal(pyr.lc[:, :, off:off + size], lc), f"level {lev} lc after {n} keys"
 
 
 @settings(max_examples=25)
@@ -84,7 +59,7 @@ def test_pyramid_after_appends_equals_scratch(B, Hkv, C, g, beam, chunks, padded
         k = torch.randn(B, Hkv, n, 8, generator=gen)
         pad = (torch.rand(B, n, generator=gen) > 0.3) if padded else None
         cache.append(k, torch.randn(B, Hkv, n, 8, generator=gen), pad)
-        _assert_pyramid_is_scratch(cache)
+        assert_pyramid_is_scratch(cache)
 
 
 def test_pyramid_keeps_a_non_finite_key_first():
@@ -93,7 +68,7 @@ def test_pyramid_keeps_a_non_finite_key_first():
     k[0, 0, 13, 2] = float("nan")
     for i in range(0, 40, 7):
         cache.append(k[:, :, i:i + 7], k[:, :, i:i + 7])
-    _assert_pyramid_is_scratch(cache)
+    assert_pyramid_is_scratch(cache)
     assert cache.pyramid.lc[0, 0, 13 // 4].item() == float("inf")
 
 
@@ -127,7 +102,7 @@ def test_decode_selects_as_the_scratch_selection(padded):
         want = ts.select_blocks(qs, k[:, :, :n], True, 0.25, key_mask=km, causal_offset=n - 1,
                                 **cache.decode_config.selection_options())
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), f"step {s}"
-        _assert_pyramid_is_scratch(cache)
+        assert_pyramid_is_scratch(cache)
 
 
 @pytest.mark.parametrize("padded", [False, True])
@@ -216,7 +191,7 @@ def test_reset_empties_the_pyramid():
     cache.reset()
     assert cache.length == 0 and cache.key_mask is None
     cache.append(k[:, :, :10], v[:, :, :10])
-    _assert_pyramid_is_scratch(cache)
+    assert_pyramid_is_scratch(cache)
 
 
 def test_bad_input_names_the_argument():
@@ -249,3 +224,20 @@ def test_bad_input_names_the_argument():
         ts.select_blocks(torch.randn(1, 2, 1, 8), cache.keys[:, :, :4], True, 0.3,
                          **{**cache.decode_config.selection_options(), "branching": 3},
                          causal_offset=3, pyramid=pyr)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_split_rescoring_selects_the_same(padded):
+    """The decode rescoring spread over programs (``split``) picks what one program per tile
+    picks, from the persistent pyramid, for one query and for a short tile of queries."""
+    cache, q, k, v, n0, _ = _decode_case(padded=padded, seed=4, top_k=3)
+    opts = cache.decode_config.selection_options()
+    km = None if cache.key_mask is None else cache.key_mask[:, :n0]
+    for nq, tile in ((1, 1), (5, 4)):
+        qs = q[:, :, n0 - nq:n0]
+        got = [ts.select_blocks(qs, k[:, :, :n0], True, 0.25, key_mask=km,
+                                causal_offset=n0 - nq, pyramid=cache.pyramid,
+                                tuning={"rescore": {"split": split, "split_leaves": 3}},
+                                **{**opts, "query_tile": tile})
+               for split in (False, True)]
+        assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])

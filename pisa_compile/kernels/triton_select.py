@@ -641,12 +641,12 @@ def _leaf_lse2(qv, qpos, kbase, skn, skd, km_row, skmn, leaf, Nk, q_first, offse
 @triton.jit
 def _rescore_kernel(
     q_ptr, k_ptr, km_ptr, lcnt_ptr, short_ptr, fidx_ptr, fcnt_ptr, idx_ptr, bcnt_ptr, trace_ptr,
-    scr_ptr, sqb, sqh, sqn, sqd, skb, skh, skn, skd, skmb, skmn,
+    scr_ptr, lse_ptr, sqb, sqh, sqn, sqd, skb, skh, skn, skd, skmb, skmn,
     Hkv, Nq, Nk, total, T, n_tiles, M, offset, scale, trace_stride,
     D: tl.constexpr, G: tl.constexpr, TQ: tl.constexpr, C: tl.constexpr, KC: tl.constexpr,
     BD: tl.constexpr, TOPK: tl.constexpr, W: tl.constexpr, RB: tl.constexpr, MP: tl.constexpr,
     TW: tl.constexpr, CAUSAL: tl.constexpr, HAS_KEY_MASK: tl.constexpr, LOWP: tl.constexpr,
-    TRACE: tl.constexpr,
+    TRACE: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """Persistent programs over the ``n_tiles = B * Hkv * T`` (query tile, batch * KV head)
     pairs, tile-major within a head so that concurrent programs share the head's keys in L2:
@@ -661,26 +661,69 @@ def _rescore_kernel(
     ``[RB, W]`` tile after the chunk: a register tile would need a select over all of it per
     leaf, which cost 17.1 against 15.2 ms of selection at 32K
     (``profiles/select_rescore_tune.json``).
+
+    With ``SPLIT`` (few tiles of at most ``RB`` rows: decode) the scores were computed by
+    :func:`_rescore_split_kernel`, many programs per tile, into ``lse_ptr`` ``[tiles, W, RB]``;
+    this kernel only reads them and picks.
     """
     scale = tl.cast(scale, tl.float32)
     scr = scr_ptr + tl.program_id(0).to(tl.int64) * (W * RB)
     for tid in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
         _rescore_tile(tid % T, tid // T, q_ptr, k_ptr, km_ptr, lcnt_ptr, short_ptr, fidx_ptr,
-                      fcnt_ptr, idx_ptr, bcnt_ptr, trace_ptr, scr, sqb, sqh, sqn, sqd, skb, skh,
-                      skn, skd, skmb, skmn, Hkv, Nq, Nk, total, T, M, offset, scale,
+                      fcnt_ptr, idx_ptr, bcnt_ptr, trace_ptr, scr, lse_ptr, sqb, sqh, sqn, sqd,
+                      skb, skh, skn, skd, skmb, skmn, Hkv, Nq, Nk, total, T, M, offset, scale,
                       trace_stride, D, G, TQ, C, KC, BD, TOPK, W, RB, MP, TW, CAUSAL,
-                      HAS_KEY_MASK, LOWP, TRACE)
+                      HAS_KEY_MASK, LOWP, TRACE, SPLIT)
+
+
+@triton.jit
+def _rescore_split_kernel(
+    q_ptr, k_ptr, km_ptr, short_ptr, lse_ptr, sqb, sqh, sqn, sqd, skb, skh, skn, skd, skmb,
+    skmn, Hkv, Nq, Nk, T, offset, scale,
+    D: tl.constexpr, G: tl.constexpr, TQ: tl.constexpr, C: tl.constexpr, KC: tl.constexpr,
+    BD: tl.constexpr, W: tl.constexpr, RB: tl.constexpr, PER: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_KEY_MASK: tl.constexpr, LOWP: tl.constexpr,
+):
+    """The exact leaf scores of one tile's shortlist slots ``[PER * program_id(1), +PER)``
+    (tile ``program_id(0)``, at most ``RB`` rows) into ``lse_ptr [tiles, W, RB]``: a decode
+    tile's shortlist is spread over ``W / PER`` programs instead of one walking it leaf by
+    leaf (bound by the latency of each leaf's loads: 183 of a 250 us step at 128K, B=8)."""
+    scale = tl.cast(scale, tl.float32)
+    tile = tl.program_id(0)
+    t = tile % T
+    bh = tile // T
+    b = bh // Hkv
+    h = bh % Hkv
+    q_first = t * TQ
+    n_rows = (tl.minimum(q_first + TQ, Nq) - q_first) * G
+    rr = tl.arange(0, RB)
+    d = tl.arange(0, BD)
+    qoff0 = (rr % G).to(tl.int64) * sqh + (q_first + rr // G).to(tl.int64) * sqn
+    qbase = q_ptr + b.to(tl.int64) * sqb + (h * G).to(tl.int64) * sqh
+    qv, _ = _q_rows(qbase, qoff0, 0, rr, n_rows, q_first, sqh, sqn, sqd, d, D, BD, G, RB)
+    qpos = q_first + rr // G
+    kbase = k_ptr + b.to(tl.int64) * skb + h.to(tl.int64) * skh
+    km_row = km_ptr + b.to(tl.int64) * skmb
+    short_row = short_ptr + tile.to(tl.int64) * W
+    out = lse_ptr + tile.to(tl.int64) * (W * RB)
+    for jj in range(PER):
+        j = tl.program_id(1) * PER + jj
+        leaf = tl.load(short_row + j, mask=j < W, other=-1)
+        if leaf >= 0:  # the shortlist is compact: -1 past its last slot
+            lse = _leaf_lse2(qv, qpos, kbase, skn, skd, km_row, skmn, leaf, Nk, q_first,
+                             offset, scale * LOG2E, d, D, C, KC, CAUSAL, HAS_KEY_MASK, LOWP)
+            tl.store(out + j * RB + rr, lse)
 
 
 @triton.jit
 def _rescore_tile(
     t, bh, q_ptr, k_ptr, km_ptr, lcnt_ptr, short_ptr, fidx_ptr, fcnt_ptr, idx_ptr, bcnt_ptr,
-    trace_ptr, scr, sqb, sqh, sqn, sqd, skb, skh, skn, skd, skmb, skmn,
+    trace_ptr, scr, lse_ptr, sqb, sqh, sqn, sqd, skb, skh, skn, skd, skmb, skmn,
     Hkv, Nq, Nk, total, T, M, offset, scale, trace_stride,
     D: tl.constexpr, G: tl.constexpr, TQ: tl.constexpr, C: tl.constexpr, KC: tl.constexpr,
     BD: tl.constexpr, TOPK: tl.constexpr, W: tl.constexpr, RB: tl.constexpr, MP: tl.constexpr,
     TW: tl.constexpr, CAUSAL: tl.constexpr, HAS_KEY_MASK: tl.constexpr, LOWP: tl.constexpr,
-    TRACE: tl.constexpr,
+    TRACE: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """One tile of :func:`_rescore_kernel`: query tile ``t`` of batch * KV head ``bh``."""
     b = bh // Hkv
@@ -705,7 +748,13 @@ def _rescore_tile(
         kbase = k_ptr + b.to(tl.int64) * skb + h.to(tl.int64) * skh
         km_row = km_ptr + b.to(tl.int64) * skmb
         qk_scale = scale * LOG2E
-        for c in range((n_rows + RB - 1) // RB):
+        if SPLIT:  # one row chunk, its scores already in lse_ptr
+            _, row_ok = _q_rows(qbase, qoff0, 0, rr, n_rows, q_first, sqh, sqn, sqd, d, D, BD,
+                                G, RB)
+            s = tl.load(lse_ptr + tile * (W * RB) + ws[None, :] * RB + rr[:, None],
+                        mask=(ws < n_ok)[None, :], other=float("-inf"))
+            S += _pool_share2(s, ok & ~bad, row_ok)
+        for c in range(0 if SPLIT else (n_rows + RB - 1) // RB):
             qv, row_ok = _q_rows(qbase, qoff0, c, rr, n_rows, q_first, sqh, sqn, sqd, d, D, BD,
                                  G, RB)
             qpos = q_first + (c * RB + rr) // G
@@ -894,8 +943,10 @@ SELECT_TUNING = dict(row_block=64, num_warps=None, num_stages=None, maxnreg=None
 # the same at 32K, profiles/select_rescore_tune.json).
 # Two or four leaves per dot ([2C or 4C, D] key tiles) spilled 438-510 registers and took 31-49
 # ms instead of 19.3 at 32K (defaults, 128-leaf shortlist; profiles/select_flat_tune.json).
+# split: None (auto: tiles of one row chunk, fewer than two per multiprocessor, as in decode),
+# True or False; split_leaves: shortlist slots per program of the split scores.
 RESCORE_TUNING = dict(row_block=64, key_block=64, num_warps=4, num_stages=None,
-                      programs_per_sm=4)
+                      programs_per_sm=4, split=None, split_leaves=8)
 
 # Launch settings of the flat kernel (one-level pools wider than the walk's): rows per chunk,
 # leaves per chunk (leaf_block * block_size / bound_block sub-blocks per dot), warps. At 32K
@@ -1176,17 +1227,40 @@ def _rescore(q, k, km, lcnt, short_idx, sel_idx, sel_counts, idx, counts, trace,
     RBx = min(rt["row_block"], max(16, 8192 // W),
               max(16, triton.next_power_of_2(min(G * Tq, G * Nq))))
     n_tiles = B * Hkv * T
-    n_prog = min(n_tiles, rt["programs_per_sm"] * multiprocessors(q.device))
-    scr = torch.empty(n_prog * W * RBx, dtype=torch.float32, device=q.device)
+    n_sm = multiprocessors(q.device)
+    n_prog = min(n_tiles, rt["programs_per_sm"] * n_sm)
+    # Few tiles of one row chunk each (decode): the shortlist's scores spread over programs.
+    split = rt["split"]
+    if split is None:
+        split = G * min(Tq, Nq) <= RBx and n_tiles < 2 * n_sm
+    per = rt["split_leaves"]
+    if split:
+        if G * min(Tq, Nq) > RBx:
+            raise ValueError(f"a split rescoring needs at most {RBx} rows per tile, got "
+                             f"{G * min(Tq, Nq)}")
+        lse = torch.empty(n_tiles * W * RBx, dtype=torch.float32, device=q.device)
+        launcher(_rescore_split_kernel, q)[(n_tiles, cdiv(W, per))](
+            q, k, km, short_idx, lse, *q.stride(), *k.stride(),
+            *((0, 0) if key_mask is None else km.stride()), Hkv, Nq, Nk, T,
+            0 if offset is None else offset, float(scale),
+            D=D, G=G, TQ=Tq, C=meta["C"], KC=max(16, min(meta["C"], rt["key_block"])),
+            BD=meta["BD"], W=W, RB=RBx, PER=per, CAUSAL=bool(is_causal),
+            HAS_KEY_MASK=key_mask is not None, LOWP=q.dtype != torch.float32,
+            num_warps=rt["num_warps"])
+    else:
+        lse = counts  # unused
+    scr = torch.empty(n_prog * W * RBx if not split else 1, dtype=torch.float32,
+                      device=q.device)
     launcher(_rescore_kernel, q)[(n_prog,)](
         q, k, km, lcnt, short_idx, sel_idx, sel_counts, idx, counts,
-        counts if trace is None else trace, scr,
+        counts if trace is None else trace, scr, lse,
         *q.stride(), *k.stride(), *((0, 0) if key_mask is None else km.stride()),
         Hkv, Nq, Nk, total, T, n_tiles, M, 0 if offset is None else offset, float(scale),
         0 if trace is None else trace.shape[3] * TW,
         D=D, G=G, TQ=Tq, C=meta["C"], KC=max(16, min(meta["C"], rt["key_block"])),
         BD=meta["BD"], TOPK=meta["TOPK"], W=W, RB=RBx, MP=meta["MP"], TW=TW,
         CAUSAL=bool(is_causal), HAS_KEY_MASK=key_mask is not None,
-        LOWP=q.dtype != torch.float32, TRACE=trace is not None, num_warps=rt["num_warps"],
+        LOWP=q.dtype != torch.float32, TRACE=trace is not None, SPLIT=bool(split),
+        num_warps=rt["num_warps"],
         **({"num_stages": rt["num_stages"]} if rt["num_stages"] is not None else {}))
     return idx, counts

@@ -80,18 +80,12 @@ def main():
                                         causal_offset=n - 1, pyramid=cache.pyramid,
                                         tuning=tuning, **opts)
 
-    cands = {"default": {}}
-    for w in (1, 2, 8):
-        cands[f"select_warps{w}"] = {"num_warps": w}
-    cands["select_late0"] = {"late_loads": False}
-    cands["select_late1"] = {"late_loads": True}
-    cands["select_rb16"] = {"row_block": 16}
-    for w in (1, 2, 8):
+    cands = {"default": {}, "no_split": {"rescore": {"split": False}}}
+    for per in (2, 4, 16, 32):
+        cands[f"split_leaves{per}"] = {"rescore": {"split_leaves": per}}
+    for w in (2, 8):
         cands[f"rescore_warps{w}"] = {"rescore": {"num_warps": w}}
-    cands["rescore_kb32"] = {"rescore": {"key_block": 32}}
-    cands["rescore_rb16"] = {"rescore": {"row_block": 16}}
-    cands["rescore_stages1"] = {"rescore": {"num_stages": 1}}
-    cands["rescore_stages3"] = {"rescore": {"num_stages": 3}}
+        cands[f"select_warps{w}"] = {"num_warps": w}
     for name, tuning in cands.items():
         try:
             sweep[name] = _graph_ms(sel(tuning))

@@ -16,7 +16,7 @@ keys, batches ``B``. Per ``(B, N)``, with ``triton.testing.do_bench`` (median ms
   keys of the leaves scored exactly, K/V of the attended blocks; dense: all of K/V), and
   ``pyramid_share``: the pyramid's bytes over the K/V cache's.
 
-    python -m benchmarks.bench_decode --batches 1 8 --lengths 8192 32768 131072 \\
+    python -m benchmarks.bench_decode --batches 1 8 --lengths 8192 16384 32768 65536 131072 \\
         --json profiles/bench_decode.json
 """
 
@@ -90,7 +90,10 @@ def run(B: int, N: int, cfg: PisaConfig) -> dict:
     ref = F.scaled_dot_product_attention(q, kc, vc, enable_gqa=True).float()
     mem = cache.nbytes()
     bp, bd = step_bytes(cfg, N) * B * HKV, 2 * N * D * 2 * B * HKV
-    row = dict(B=B, N=N, dense_ms=min(dense, dense_view), dense_view_ms=dense_view,
+    auto = PisaKVCache(B, HKV, 16, D, dtype=dt, device=dev, config=cfg)
+    auto.length = N  # the cost model reads only the shapes
+    auto.keys = auto.keys.expand(B, HKV, N, D)
+    row = dict(B=B, N=N, cost_model_sparse_eager=auto.decode_is_sparse(1), dense_ms=min(dense, dense_view), dense_view_ms=dense_view,
                dense_contiguous_ms=dense, pisa_ms=pisa, pisa_graph_ms=pisa_graph, select_ms=sel,
                append_ms=app, rebuild_ms=rebuild,
                speedup_eager=min(dense, dense_view) / pisa,

@@ -25,11 +25,14 @@ from .kernels.geometry import dense_mask
 from .kernels.runtime import DECODE_MAX_QUERIES, stage_range
 from .kernels.triton_pyramid import BoxPyramid, append_boxes, box_pyramid
 
-__all__ = ["PisaKVCache", "SPARSE_DECODE_FROM"]
+__all__ = ["PisaKVCache", "SPARSE_DECODE_BYTES"]
 
-# Keys from which a decode step selects from the pyramid rather than reading every key: the
-# crossover measured on the H200 (profiles/bench_decode.json).
-SPARSE_DECODE_FROM = 16384
+# The cost model: a sparse step takes about the same time at any length (0.05-0.14 ms on the
+# H200 replayed from a CUDA graph, 0.4 ms launched eagerly, mostly host time), dense decode
+# reads every key and value once. So a step is sparse from this many bytes of K/V per step
+# (the crossovers of profiles/bench_decode.json: B=8 between 8K and 16K keys, B=1 near 80K
+# in a graph; eagerly B=8 near 56K, B=1 past 128K).
+SPARSE_DECODE_BYTES = {"graph": 384 << 20, "eager": 2 << 30}
 
 
 class PisaKVCache:
@@ -37,12 +40,12 @@ class PisaKVCache:
 
     Prefill and decode both go through it: :meth:`append` writes the new keys and values and
     updates the pyramid, :meth:`attend` runs causal attention for the newest queries.
-    A decode call (at most 16 queries) over at least ``sparse_from`` keys on the Triton path
-    is sparse: per query (query tile 1; the ``G`` query heads of a KV head share it) it
+    A decode call (at most 16 queries) on the Triton path is sparse where the cost model says
+    it is faster than dense (``sparse_from``): per query (query tile 1; the ``G`` query heads of a KV head share it) it
     walks the pyramid's boxes (``branching``, ``beam``), scores the pool's leaves exactly
     (``shortlist``), and attends the ``top_k`` best plus the forced leaves with the split-K
     decode kernel. Other calls run :func:`pisa_compile.pisa_attention` with ``config``
-    (a long prefill: PISA; a short call: dense), or dense SDPA below ``sparse_from``.
+    (a long prefill: PISA; a short call: dense), or dense SDPA where dense is faster.
 
     Args:
         batch_size, num_kv_heads, max_len, head_dim: ``B``, ``Hkv``, the most tokens, ``D``
@@ -53,8 +56,10 @@ class PisaKVCache:
         config: :class:`~pisa_compile.PisaConfig` for the selection (``block_size``,
             ``top_k``, ``branching``, ``beam``, ``sink_blocks``, ``local_blocks``,
             ``shortlist``) and for prefill. Default ``PisaConfig()``.
-        sparse_from: keys from which a decode step is sparse (default
-            :data:`SPARSE_DECODE_FROM`, the measured crossover with dense decode).
+        sparse_from: keys from which a decode step is sparse; None (default): the cost model,
+            sparse once a dense step would read :data:`SPARSE_DECODE_BYTES` of K/V (more while
+            launched eagerly than while a CUDA graph is captured, whose replays have no host
+            time).
 
     Memory: the pyramid takes ``(2 * D * itemsize + 8)`` bytes per node and head, about
     ``2 * ceil(max_len / block_size)`` nodes (``branching`` 2): 3.2% of the K/V cache at
@@ -68,14 +73,14 @@ class PisaKVCache:
     def __init__(self, batch_size: int, num_kv_heads: int, max_len: int, head_dim: int, *,
                  value_dim: Optional[int] = None, dtype: torch.dtype = torch.bfloat16,
                  device="cuda", config: Optional[PisaConfig] = None,
-                 sparse_from: int = SPARSE_DECODE_FROM):
+                 sparse_from: Optional[int] = None):
         value_dim = head_dim if value_dim is None else value_dim
         for name, val in (("batch_size", batch_size), ("num_kv_heads", num_kv_heads),
                           ("max_len", max_len), ("head_dim", head_dim),
                           ("value_dim", value_dim)):
             if not isinstance(val, int) or val < 1:
                 raise ValueError(f"PisaKVCache: {name} must be an int >= 1, got {val!r}")
-        if not isinstance(sparse_from, int) or sparse_from < 0:
+        if sparse_from is not None and (not isinstance(sparse_from, int) or sparse_from < 0):
             raise ValueError(f"PisaKVCache: sparse_from must be an int >= 0, got {sparse_from!r}")
         config = PisaConfig() if config is None else config
         if not isinstance(config, PisaConfig):
@@ -159,8 +164,14 @@ class PisaKVCache:
     def decode_is_sparse(self, n_queries: int, t: Optional[Tensor] = None) -> bool:
         """Whether :meth:`attend` of ``n_queries`` queries now selects from the pyramid."""
         t = self.keys if t is None else t
-        return (n_queries <= DECODE_MAX_QUERIES and self.length >= self.sparse_from
-                and self._triton_refusal(t) is None)
+        if n_queries > DECODE_MAX_QUERIES or self._triton_refusal(t) is not None:
+            return False
+        if self.sparse_from is not None:
+            return self.length >= self.sparse_from
+        B, Hkv, _, D = self.keys.shape
+        dense_bytes = B * Hkv * self.length * (D + self.values.shape[3]) * t.element_size()
+        graph = t.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        return dense_bytes >= SPARSE_DECODE_BYTES["graph" if graph else "eager"]
 
     def attend(self, query: Tensor, *, scale: Optional[float] = None) -> Tensor:
         """Causal attention of the newest ``Nq`` queries over the cache's ``length`` tokens.

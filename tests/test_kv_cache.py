@@ -241,3 +241,14 @@ def test_split_rescoring_selects_the_same(padded):
                                 **{**opts, "query_tile": tile})
                for split in (False, True)]
         assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
+
+
+def test_cost_model_reads_the_bytes_of_a_dense_step():
+    from pisa_compile.kv_cache import SPARSE_DECODE_BYTES
+    cache, q, *_ = _decode_case()
+    cache.sparse_from = None
+    per_key = 2 * 2 * (16 + 16) * 4  # B * Hkv * (D + Dv) * itemsize
+    cache.length = SPARSE_DECODE_BYTES["eager"] // per_key - 1
+    assert not cache.decode_is_sparse(1, q)
+    cache.length += 1
+    assert cache.decode_is_sparse(1, q) and not cache.decode_is_sparse(17, q)

@@ -303,52 +303,39 @@ def _box_leaf_kernel(k_ptr, km_ptr, hi_ptr, lo_ptr, cnt_ptr, lc_ptr,
 
 
 @triton.jit
-def _box_upper_kernel(hi_ptr, lo_ptr, cnt_ptr, lc_ptr, leaf0, leaf1, Lcap, total, D, n_lev,
-                      GB: tl.constexpr, GP: tl.constexpr, NB: tl.constexpr, DB: tl.constexpr):
-    """The ancestors of leaves ``[leaf0, leaf1]`` of head ``program_id(0)`` (channels of slice
-    ``program_id(1)``), level by level upwards: union of the children's boxes, counts summed;
-    a node over a non-finite box is not finite."""
-    bh = tl.program_id(0)
-    d = tl.program_id(1) * DB + tl.arange(0, DB)
+def _box_node_kernel(hi_ptr, lo_ptr, cnt_ptr, lc_ptr, node0, node1, off_prev, n_prev, off_cur,
+                     total, D, GB: tl.constexpr, GP: tl.constexpr, NB: tl.constexpr,
+                     BD: tl.constexpr):
+    """Nodes ``[node0, node1]`` of one level (rows from ``off_cur``) of head
+    ``program_id(1)``, ``NB`` per program: the union of their children's boxes (the level
+    below, ``n_prev`` nodes from ``off_prev``), counts summed; a node over a non-finite box is
+    not finite. One launch per level: a level reads only what earlier launches wrote (a
+    single launch walking the levels with CTA barriers lost upper-level writes on the H200)."""
+    bh = tl.program_id(1)
+    node = node0 + tl.program_id(0) * NB + tl.arange(0, NB)
+    nm = node <= node1
+    d = tl.arange(0, BD)
     dm = d < D
     j = tl.arange(0, GP)
     base = bh.to(tl.int64) * total
-    n_prev = Lcap
-    off_prev = n_prev * 0
-    a = leaf0
-    z = leaf1
-    for _lev in range(1, n_lev):
-        n_cur = (n_prev + GB - 1) // GB
-        off_cur = off_prev + n_prev
-        a = a // GB
-        z = z // GB
-        for i0 in range(a, z + 1, NB):
-            node = i0 + tl.arange(0, NB)
-            nm = node <= z
-            kid = node[:, None] * GB + j[None, :]  # [NB, GP]
-            km = (kid < n_prev) & (j[None, :] < GB) & nm[:, None]
-            cn = tl.load(cnt_ptr + base + off_prev + kid, mask=km, other=0.0)
-            bad = tl.max((tl.load(lc_ptr + base + off_prev + kid, mask=km, other=0.0)
-                          == float("inf")).to(tl.int32), axis=1) > 0
-            live = km & (cn > 0.0)
-            ptr = (base + off_prev + kid)[:, :, None] * D + d[None, None, :]
-            lm = live[:, :, None] & dm[None, None, :]
-            h = tl.max(tl.load(hi_ptr + ptr, mask=lm, other=float("-inf")).to(tl.float32), axis=1)
-            x = tl.min(tl.load(lo_ptr + ptr, mask=lm, other=float("inf")).to(tl.float32), axis=1)
-            c = tl.sum(cn, axis=1)
-            zero = (bad | (c == 0.0))[:, None]
-            optr = (base + off_cur + node)[:, None] * D + d[None, :]
-            om = nm[:, None] & dm[None, :]
-            tl.store(hi_ptr + optr, tl.where(zero, 0.0, h).to(hi_ptr.dtype.element_ty), mask=om)
-            tl.store(lo_ptr + optr, tl.where(zero, 0.0, x).to(lo_ptr.dtype.element_ty), mask=om)
-            # Every channel-slice program writes the same counts (each reads back its own).
-            tl.store(cnt_ptr + base + off_cur + node, c, mask=nm)
-            tl.store(lc_ptr + base + off_cur + node, tl.where(bad, float("inf"), tl.log2(c)),
-                     mask=nm)
-        # The next level reads what other threads of this CTA just wrote.
-        tl.debug_barrier()
-        n_prev = n_cur
-        off_prev = off_cur
+    kid = node[:, None] * GB + j[None, :]  # [NB, GP]
+    km = (kid < n_prev) & (j[None, :] < GB) & nm[:, None]
+    cn = tl.load(cnt_ptr + base + off_prev + kid, mask=km, other=0.0)
+    bad = tl.max((tl.load(lc_ptr + base + off_prev + kid, mask=km, other=0.0)
+                  == float("inf")).to(tl.int32), axis=1) > 0
+    live = km & (cn > 0.0)
+    ptr = (base + off_prev + kid)[:, :, None] * D + d[None, None, :]
+    lm = live[:, :, None] & dm[None, None, :]
+    h = tl.max(tl.load(hi_ptr + ptr, mask=lm, other=float("-inf")).to(tl.float32), axis=1)
+    x = tl.min(tl.load(lo_ptr + ptr, mask=lm, other=float("inf")).to(tl.float32), axis=1)
+    c = tl.sum(cn, axis=1)
+    zero = (bad | (c == 0.0))[:, None]
+    optr = (base + off_cur + node)[:, None] * D + d[None, :]
+    om = nm[:, None] & dm[None, :]
+    tl.store(hi_ptr + optr, tl.where(zero, 0.0, h).to(hi_ptr.dtype.element_ty), mask=om)
+    tl.store(lo_ptr + optr, tl.where(zero, 0.0, x).to(lo_ptr.dtype.element_ty), mask=om)
+    tl.store(cnt_ptr + base + off_cur + node, c, mask=nm)
+    tl.store(lc_ptr + base + off_cur + node, tl.where(bad, float("inf"), tl.log2(c)), mask=nm)
 
 
 def append_boxes(pyramid: BoxPyramid, k: Tensor, start: int, end: int,
@@ -356,7 +343,7 @@ def append_boxes(pyramid: BoxPyramid, k: Tensor, start: int, end: int,
     """Bring ``pyramid`` up to date after keys ``[start, end)`` of ``k`` were written: the
     leaves holding them are recomputed from ``k`` and their ancestors from their children,
     ``O((end - start + C) * D + D log L)`` work per head (a decode step touches one leaf and
-    its ``O(log L)`` ancestors), in two launches, in place.
+    its ``O(log L)`` ancestors), in one launch per level, in place.
 
     Args:
         pyramid: from :func:`box_pyramid`, up to date for the keys before ``start``.
@@ -389,10 +376,13 @@ def append_boxes(pyramid: BoxPyramid, k: Tensor, start: int, end: int,
         k, km_arg, pyramid.hi, pyramid.lo, pyramid.cnt, pyramid.lc, *k.stride(), *sm,
         Hkv, end, leaf0, total, D, C=C, KC=KC, BD=BD, HAS_KEY_MASK=key_mask is not None,
         num_warps=4)
-    n_lev = len(level_sizes(pyramid.capacity, C, g, pyramid.beam))
-    if n_lev > 1:
-        DB = min(BD, 32)
-        launcher(_box_upper_kernel, k)[(B * Hkv, triton.cdiv(BD, DB))](
-            pyramid.hi, pyramid.lo, pyramid.cnt, pyramid.lc, leaf0, leaf1,
-            pyramid.leaf_capacity, total, D, n_lev, GB=g, GP=triton.next_power_of_2(g),
-            NB=64 if leaf1 > leaf0 else 16, DB=DB, num_warps=4)
+    sizes = level_sizes(pyramid.capacity, C, g, pyramid.beam)
+    offs = pyramid.level_offsets()
+    a, z = leaf0, leaf1
+    for lev in range(1, len(sizes)):
+        a, z = a // g, z // g
+        NB = 16 if z - a < 16 else 64
+        launcher(_box_node_kernel, k)[(triton.cdiv(z - a + 1, NB), B * Hkv)](
+            pyramid.hi, pyramid.lo, pyramid.cnt, pyramid.lc, a, z, offs[lev - 1],
+            sizes[lev - 1], offs[lev], total, D, GB=g, GP=triton.next_power_of_2(g), NB=NB,
+            BD=BD, num_warps=4)

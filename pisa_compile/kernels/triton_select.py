@@ -944,9 +944,11 @@ SELECT_TUNING = dict(row_block=64, num_warps=None, num_stages=None, maxnreg=None
 # Two or four leaves per dot ([2C or 4C, D] key tiles) spilled 438-510 registers and took 31-49
 # ms instead of 19.3 at 32K (defaults, 128-leaf shortlist; profiles/select_flat_tune.json).
 # split: None (auto: tiles of one row chunk, fewer than two per multiprocessor, as in decode),
-# True or False; split_leaves: shortlist slots per program of the split scores.
+# True or False; split_leaves: shortlist slots per program of the split scores (2: 0.112 ms
+# per decode step at 128K, B=8, against 0.123 with 8 and 0.136 with 32,
+# profiles/decode_probe.json).
 RESCORE_TUNING = dict(row_block=64, key_block=64, num_warps=4, num_stages=None,
-                      programs_per_sm=4, split=None, split_leaves=8)
+                      programs_per_sm=4, split=None, split_leaves=2)
 
 # Launch settings of the flat kernel (one-level pools wider than the walk's): rows per chunk,
 # leaves per chunk (leaf_block * block_size / bound_block sub-blocks per dot), warps. At 32K

@@ -66,7 +66,7 @@ class Dense:
 class Pisa:
     def __init__(self, B, cap, sparse_from):
         self.c = PisaKVCache(B, HKV, cap, HD, device="cuda", config=PisaConfig(),
-                             sparse_from=sparse_from)
+                             sparse_from=sparse_from, cuda_graph=True)
 
     def __call__(self, q, k, v):
         self.c.append(k, v)

@@ -20,10 +20,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .config import PisaConfig
-from .kernels import dispatch
+from .kernels import dispatch, persistent
 from .kernels.geometry import dense_mask
 from .kernels.runtime import DECODE_MAX_QUERIES, stage_range
-from .kernels.triton_pyramid import BoxPyramid, append_boxes, box_pyramid
+from .kernels.persistent import BoxPyramid, box_pyramid
 
 __all__ = ["PisaKVCache", "SPARSE_DECODE_BYTES"]
 
@@ -57,12 +57,15 @@ class PisaKVCache:
             ``top_k``, ``branching``, ``beam``, ``sink_blocks``, ``local_blocks``,
             ``shortlist``) and for prefill. Default ``PisaConfig()``.
         sparse_from: keys from which a decode step is sparse; None (default): the cost model,
-            sparse once a dense step would read :data:`SPARSE_DECODE_BYTES` of K/V (more while
-            launched eagerly than while a CUDA graph is captured, whose replays have no host
-            time).
+            sparse once a dense step would read :data:`SPARSE_DECODE_BYTES` of K/V (measured
+            on the H200 for one shape: Hkv=8, D=128, G=4).
+        cuda_graph: the steps are replayed from CUDA graphs (no host time per step): the
+            cost model's ``"graph"`` threshold, else ``"eager"``. A captured step is valid for
+            one cache length only (the length, the ``[:n]`` views and the offsets are Python
+            values baked in at capture).
 
     Memory: the pyramid takes ``(2 * D * itemsize + 8)`` bytes per node and head, about
-    ``2 * ceil(max_len / block_size)`` nodes (``branching`` 2): 3.2% of the K/V cache at
+    ``2 * ceil(max_len / block_size)`` nodes (``branching`` 2): 3.1% of the K/V cache at
     ``D = 128``, ``block_size`` 64 (:meth:`nbytes`).
 
     Raises:
@@ -73,7 +76,7 @@ class PisaKVCache:
     def __init__(self, batch_size: int, num_kv_heads: int, max_len: int, head_dim: int, *,
                  value_dim: Optional[int] = None, dtype: torch.dtype = torch.bfloat16,
                  device="cuda", config: Optional[PisaConfig] = None,
-                 sparse_from: Optional[int] = None):
+                 sparse_from: Optional[int] = None, cuda_graph: bool = False):
         value_dim = head_dim if value_dim is None else value_dim
         for name, val in (("batch_size", batch_size), ("num_kv_heads", num_kv_heads),
                           ("max_len", max_len), ("head_dim", head_dim),
@@ -86,7 +89,7 @@ class PisaKVCache:
         if not isinstance(config, PisaConfig):
             raise TypeError(f"PisaKVCache: config must be a PisaConfig, got "
                             f"{type(config).__name__}")
-        self.config, self.sparse_from = config, sparse_from
+        self.config, self.sparse_from, self.cuda_graph = config, sparse_from, bool(cuda_graph)
         # Decode selects per query from per-leaf boxes by the walk (no flat scan).
         self.decode_config = config.replace(query_tile=1, bound_block=config.block_size,
                                             flat_leaves=0, dense_tail=0, min_seq_len=0)
@@ -100,6 +103,8 @@ class PisaKVCache:
             block_size=config.block_size, branching=config.branching,
             beam=config.effective_beam)
         self.length = 0
+        # Compiled models' decode steps find the pyramid through the keys they are handed.
+        persistent.register(self.keys, self)
 
     def reset(self) -> None:
         """Empty the cache (the buffers are kept)."""
@@ -133,6 +138,10 @@ class PisaKVCache:
             raise ValueError(f"PisaKVCache.append: key must be [B={B}, Hkv={Hkv}, n, D={D}], "
                              f"got {tuple(key.shape)}")
         n = key.shape[2]
+        for name, t in (("key", key), ("value", value)):
+            if t.dtype != self.keys.dtype or t.device != self.keys.device:
+                raise ValueError(f"PisaKVCache.append: {name} must be {self.keys.dtype} on "
+                                 f"{self.keys.device} (the cache's), got {t.dtype} on {t.device}")
         if tuple(value.shape) != (B, Hkv, n, self.values.shape[3]):
             raise ValueError(f"PisaKVCache.append: value must be "
                              f"{[B, Hkv, n, self.values.shape[3]]}, got {tuple(value.shape)}")
@@ -153,8 +162,9 @@ class PisaKVCache:
         self.keys[:, :, start:end] = key
         self.values[:, :, start:end] = value
         self.length = end
-        if self._triton_refusal(key) is None:
+        if self._triton_refusal(self.keys) is None:
             # Only the Triton decode reads the pyramid: elsewhere decode is dense.
+            from .kernels.triton_pyramid import append_boxes  # Triton: only where it runs
             with stage_range("pisa.pyramid", key):
                 append_boxes(self.pyramid, self.keys, start, end, self.key_mask)
 
@@ -170,8 +180,7 @@ class PisaKVCache:
             return self.length >= self.sparse_from
         B, Hkv, _, D = self.keys.shape
         dense_bytes = B * Hkv * self.length * (D + self.values.shape[3]) * t.element_size()
-        graph = t.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        return dense_bytes >= SPARSE_DECODE_BYTES["graph" if graph else "eager"]
+        return dense_bytes >= SPARSE_DECODE_BYTES["graph" if self.cuda_graph else "eager"]
 
     def attend(self, query: Tensor, *, scale: Optional[float] = None) -> Tensor:
         """Causal attention of the newest ``Nq`` queries over the cache's ``length`` tokens.
@@ -190,6 +199,23 @@ class PisaKVCache:
         Raises:
             ValueError: a query that does not match the cache, or more queries than tokens.
         """
+        self._check_query(query)
+        n, Nq, D = self.length, query.shape[2], self.keys.shape[3]
+        scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+        k, v = self.keys[:, :, :n], self.values[:, :, :n]
+        km = None if self.key_mask is None else self.key_mask[:, :n]
+        if self.decode_is_sparse(Nq, query):
+            return self._sparse_decode(query, k, v, km, scale)
+        if Nq <= DECODE_MAX_QUERIES:
+            mask = None if (km is None and Nq == 1) else dense_mask(
+                query.shape[0], Nq, n, True, n - Nq, km, device=query.device)
+            return F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scale,
+                                                  enable_gqa=True)
+        from .ops import pisa_attention
+        return pisa_attention(query, k, v, is_causal=True, causal_offset=n - Nq, key_mask=km,
+                              scale=scale, enable_gqa=True, config=self.config)
+
+    def _check_query(self, query: Tensor) -> None:
         B, Hkv, _, D = self.keys.shape
         n = self.length
         if (query.dim() != 4 or query.shape[0] != B or query.shape[3] != D
@@ -200,24 +226,19 @@ class PisaKVCache:
         Nq = query.shape[2]
         if not 1 <= Nq <= n:
             raise ValueError(f"PisaKVCache.attend: need 1 <= Nq <= length ({n}), got Nq={Nq}")
-        scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-        k, v = self.keys[:, :, :n], self.values[:, :, :n]
-        km = None if self.key_mask is None else self.key_mask[:, :n]
-        if self.decode_is_sparse(Nq, query):
-            return self._sparse_decode(query, k, v, km, scale)
-        if Nq <= DECODE_MAX_QUERIES:
-            mask = None if (km is None and Nq == 1) else dense_mask(
-                B, Nq, n, True, n - Nq, km, device=query.device)
-            return F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scale,
-                                                  enable_gqa=True)
-        from .ops import pisa_attention
-        return pisa_attention(query, k, v, is_causal=True, causal_offset=n - Nq, key_mask=km,
-                              scale=scale, enable_gqa=True, config=self.config)
 
     def select(self, query: Tensor, *, scale: Optional[float] = None) -> tuple[Tensor, Tensor]:
         """The decode selection of :meth:`attend` from the persistent pyramid (Triton):
         ``block_indices`` int32 ``[B, Hkv, Nq, M]`` (ascending, -1 padded) and
-        ``block_counts`` int32 ``[B, Hkv, Nq]``; arguments as :meth:`attend`."""
+        ``block_counts`` int32 ``[B, Hkv, Nq]``; arguments as :meth:`attend`.
+
+        Raises:
+            ValueError: as :meth:`attend`, or the Triton kernels cannot run here (the reason).
+        """
+        self._check_query(query)
+        why = self._triton_refusal(query)
+        if why is not None:
+            raise ValueError(f"PisaKVCache.select runs the Triton selection: {why}")
         from .kernels import triton_select
         n = self.length
         scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
@@ -228,9 +249,29 @@ class PisaKVCache:
                 causal_offset=n - query.shape[2], pyramid=self.pyramid,
                 **self.decode_config.selection_options())
 
+    def decode(self, query: Tensor, key: Tensor, value: Tensor, key_mask: Optional[Tensor],
+               causal_offset: int, scale: float) -> Optional[Tensor]:
+        """A compiled model's decode step over this cache's keys: the sparse decode of
+        :meth:`attend` where the cost model says so, under the call's own ``key_mask``
+        (``[B, length]`` bool, or None), else None (the caller runs dense attention).
+
+        ``key`` and ``value`` must be this cache's ``keys[:, :, :length]`` and values (the
+        caller found them by :func:`pisa_compile.kernels.persistent.lookup`); the queries
+        must be the last ones (``causal_offset == length - Nq``). The pyramid's boxes are the
+        cache's (padding the cache was not told of loosens them; the scores and the attention
+        read ``key_mask``)."""
+        Nq = query.shape[2]
+        if (value.data_ptr() != self.values.data_ptr() or value.shape[2] != self.length
+                or causal_offset != self.length - Nq or query.dtype != self.keys.dtype
+                or not self.decode_is_sparse(Nq, query)):
+            return None
+        return self._sparse_decode(query, key, value, key_mask, float(scale))
+
     def _sparse_decode(self, q: Tensor, k: Tensor, v: Tensor, km: Optional[Tensor],
                        scale: float) -> Tensor:
+        from torch._dynamo.utils import counters
         from .kernels.triton_decode import decode_attention
+        counters["pisa"]["sparse_decode"] += 1  # tests: the pyramid really served the step
         idx, counts = self.select(q, scale=scale)
         with stage_range("pisa.decode", q):
             out, _ = decode_attention(q, k, v, None, True, scale, idx, counts,

@@ -20,8 +20,9 @@ from torch import Tensor
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .config import PisaConfig
-from .kernels import dispatch
+from .kernels import dispatch, persistent
 from .kernels.dispatch import Plan
+from .kernels.runtime import DECODE_MAX_QUERIES
 from .kernels.geometry import block_width, cdiv, dense_mask
 
 __all__ = ["pisa_attention", "select_blocks", "plan", "Plan", "check_causal_buffer",
@@ -78,6 +79,25 @@ def _(q, k, v, attn_mask, key_mask, block_indices, block_counts, is_causal, caus
     out = q.new_empty((B, Hq, Nq, v.shape[-1]))
     lse = q.new_empty((B, Hq, Nq), dtype=torch.promote_types(q.dtype, torch.float32))
     return out, lse
+
+
+@torch.library.custom_op("pisa::cached_decode", mutates_args=())
+def _cached_decode_op(q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor],
+                      causal_offset: int, scale: float, kernel: str) -> Tensor:
+    # At run time: keys that are a PisaKVCache's decode from its pyramid, the rest densely.
+    owner = persistent.lookup(k)
+    if owner is not None:
+        km = None if key_mask is None else key_mask != 0
+        out = owner.decode(q, k, v, km, causal_offset, scale)
+        if out is not None:
+            return out
+    return _dense(q, k, v, None, key_mask, True, causal_offset, None, scale, True,
+                  kernel=kernel).contiguous()
+
+
+@_cached_decode_op.register_fake
+def _(q, k, v, key_mask, causal_offset, scale, kernel):
+    return q.new_empty((*q.shape[:3], v.shape[3]))
 
 
 @torch.library.custom_op("pisa::attention_backward", mutates_args=())
@@ -403,6 +423,8 @@ def pisa_attention(
     tail_bound = config.dense_tail + config.query_tile
     if how.attention == dispatch.SDPA:
         whole_tail = how.reason == dispatch.IN_DENSE_TAIL
+        if whole_tail and _cached_decode_applies(q, k, v, attn_mask, is_causal, window, config):
+            return _cached_decode_op(q, k, v, key_mask, causal_offset, float(scale), config.kernel)
         return _dense(q, k, v, attn_mask, key_mask, is_causal, causal_offset, window, scale,
                       enable_gqa, max_rows=tail_bound if whole_tail else None,
                       kernel=config.kernel)
@@ -431,6 +453,17 @@ def pisa_attention(
                                  is_causal, causal_offset, scale, config.block_size,
                                  config.query_tile, how.attention)
     return out if tail is None else torch.cat([out, tail], dim=2)
+
+
+def _cached_decode_applies(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
+                           is_causal: bool, window, config: PisaConfig) -> bool:
+    """Whether a decode call (within the dense tail) goes through ``pisa::cached_decode``,
+    which looks its keys up among the live :class:`~pisa_compile.PisaKVCache` s at run time:
+    causal, no explicit mask or window, no gradient, at most 16 queries, on the Triton path,
+    and only once a cache exists (a graph traced before keeps its traced dense decode)."""
+    return (persistent.any_registered() and is_causal and attn_mask is None and window is None
+            and not _needs_grad(q, k, v) and q.shape[2] <= DECODE_MAX_QUERIES
+            and dispatch.triton_refusal(q, v, config.kernel) is None)
 
 
 def _dense(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],

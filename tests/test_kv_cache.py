@@ -121,8 +121,7 @@ def test_decode_attends_what_the_reference_attends(padded):
                                        block_size=cache.config.block_size, query_tile=1,
                                        key_mask=km, causal_offset=n - 1)
         torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
-        # Every selected leaf is visible, and a selection holds top_k scored leaves or all.
-        assert int(bc.min()) >= 1
+        assert int(bc.min()) >= 1  # every query attends at least its own leaf
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -252,3 +251,25 @@ def test_cost_model_reads_the_bytes_of_a_dense_step():
     assert not cache.decode_is_sparse(1, q)
     cache.length += 1
     assert cache.decode_is_sparse(1, q) and not cache.decode_is_sparse(17, q)
+
+
+def test_append_refuses_another_dtype():
+    cache = PisaKVCache(1, 2, 16, 8, dtype=torch.float16, device="cpu", config=_cfg())
+    with pytest.raises(ValueError, match="key must be torch.float16"):
+        cache.append(torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8).half())
+
+
+def test_a_pool_wider_than_the_walks_registers_selects_as_the_reference():
+    """beam 70: a one-level pool of 256 nodes, which from scratch would run the flat kernel;
+    with a pyramid the walk takes it (every head its own boxes)."""
+    gen = torch.Generator().manual_seed(5)
+    cfg = _cfg(beam=70, top_k=3)
+    cache = PisaKVCache(1, 3, 200, 8, dtype=torch.float32, device="cpu", config=cfg,
+                        sparse_from=0)
+    k = torch.randn(1, 3, 200, 8, generator=gen)
+    cache.append(k, k)
+    q = torch.randn(1, 6, 1, 8, generator=gen)
+    got = cache.select(q, scale=0.3)
+    want = ref.select_blocks(q, k, None, True, 0.3, causal_offset=199,
+                             **cache.decode_config.selection_options())
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

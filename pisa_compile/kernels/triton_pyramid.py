@@ -17,7 +17,7 @@ order.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 import triton
@@ -25,6 +25,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .geometry import cdiv, level_sizes
+from .persistent import BoxPyramid
 from .runtime import launcher
 
 
@@ -190,75 +191,7 @@ def build_pyramid(k: Tensor, key_live: Tensor, block_size: int, branching: int,
 
 
 # -- a persistent box pyramid (decode: kept beside a KV cache, updated as keys are appended) --
-
-class BoxPyramid(NamedTuple):
-    """Key boxes of every pyramid node for up to ``capacity`` keys, laid out for the capacity
-    so that appending keys never moves a node (DESIGN.md "Persistent pyramid").
-
-    Level ``l`` (0 = leaves of ``block_size`` keys) starts at row ``sum_{i<l} ceil(L_cap /
-    g^i)`` of each ``[B, Hkv]`` slice (``L_cap = ceil(capacity / block_size)``); with ``n``
-    keys its first ``ceil(ceil(n / C) / g^l)`` nodes are in use, the same nodes (same
-    numbering) as a pyramid built from scratch over those ``n`` keys.
-
-    Attributes:
-        hi, lo: ``[B, Hkv, total, D]`` in the keys' dtype: channel max/min over each node's
-            live keys (0 when empty or not finite).
-        cnt: float32 ``[B, Hkv, total]`` live keys per node.
-        lc: float32 ``[B, Hkv, total]``: ``log2(cnt)`` (``-inf`` empty, ``+inf`` a box holding
-            a non-finite key, which the selection keeps first).
-        capacity, block_size, branching, beam: the layout (``beam`` resolved: levels coarsen
-            until one has at most ``branching * beam`` nodes).
-    """
-
-    hi: Tensor
-    lo: Tensor
-    cnt: Tensor
-    lc: Tensor
-    capacity: int
-    block_size: int
-    branching: int
-    beam: int
-
-    @property
-    def leaf_capacity(self) -> int:
-        return cdiv(self.capacity, self.block_size)
-
-    @property
-    def total(self) -> int:
-        return self.hi.shape[2]
-
-    def level_offsets(self) -> list[int]:
-        """Row of each level's first node (the capacity layout)."""
-        offs, off = [], 0
-        for n in level_sizes(self.capacity, self.block_size, self.branching, self.beam):
-            offs.append(off)
-            off += n
-        return offs
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.hi, self.lo, self.cnt, self.lc))
-
-
-def box_pyramid(batch: int, kv_heads: int, capacity: int, head_dim: int, dtype: torch.dtype,
-                device, *, block_size: int, branching: int, beam: int) -> BoxPyramid:
-    """An empty :class:`BoxPyramid` for ``capacity`` keys (every node empty).
-
-    Args:
-        batch, kv_heads, capacity, head_dim: ``B``, ``Hkv``, the most keys, ``D`` (ints >= 1).
-        dtype: the keys' dtype (the boxes are stored in it); device: where.
-        block_size, branching, beam: the PISA options (``beam`` resolved, >= 1).
-
-    Returns:
-        A :class:`BoxPyramid` of ``sum(level_sizes(capacity, ...))`` rows per head:
-        ``2 * D * itemsize + 8`` bytes each.
-    """
-    total = sum(level_sizes(capacity, block_size, branching, beam))
-    hi = torch.zeros(batch, kv_heads, total, head_dim, dtype=dtype, device=device)
-    return BoxPyramid(hi, torch.zeros_like(hi),
-                      torch.zeros(batch, kv_heads, total, dtype=torch.float32, device=device),
-                      torch.full((batch, kv_heads, total), float("-inf"), device=device),
-                      capacity, block_size, branching, beam)
-
+# The layout is :class:`.persistent.BoxPyramid`'s.
 
 @triton.jit
 def _box_leaf_kernel(k_ptr, km_ptr, hi_ptr, lo_ptr, cnt_ptr, lc_ptr,
@@ -363,6 +296,13 @@ def append_boxes(pyramid: BoxPyramid, k: Tensor, start: int, end: int,
     if k.dim() != 4 or (k.shape[0], k.shape[1], k.shape[3]) != (B, Hkv, D) or k.shape[2] < end:
         raise ValueError(f"append_boxes: k must be [B={B}, Hkv={Hkv}, >= {end}, D={D}], "
                          f"got {tuple(k.shape)}")
+    if key_mask is not None and (key_mask.dim() != 2 or key_mask.shape[0] != B
+                                 or key_mask.shape[1] < end):
+        raise ValueError(f"append_boxes: key_mask must be [B={B}, >= {end}], got "
+                         f"{tuple(key_mask.shape)}")
+    if k.dtype != pyramid.hi.dtype or k.device != pyramid.hi.device:
+        raise ValueError(f"append_boxes: k is {k.dtype} on {k.device}, the pyramid "
+                         f"{pyramid.hi.dtype} on {pyramid.hi.device}")
     C, g = pyramid.block_size, pyramid.branching
     leaf0, leaf1 = start // C, (end - 1) // C
     BD = max(16, triton.next_power_of_2(D))

@@ -73,7 +73,8 @@ from . import reference
 from .geometry import (block_width, cdiv, flat_beam, level_sizes, local_bound, query_offset,
                        sink_start)
 from .runtime import launcher, multiprocessors, stage_range
-from .triton_pyramid import BoxPyramid, n_levels, pyramid_buffers
+from .persistent import BoxPyramid
+from .triton_pyramid import n_levels, pyramid_buffers
 from .triton_util import LOG2E
 
 
@@ -1104,7 +1105,7 @@ def select_blocks(q: Tensor, k: Tensor, is_causal: bool, scale: float, *, block_
             ``Nk`` keys under this ``key_mask`` (a KV cache's, :mod:`pisa_compile.kv_cache`):
             nothing is built, so the call reads no key outside the shortlist. Its boxes are
             per leaf: ``bound_block`` is taken as ``block_size``, and there is no flat scan
-            (``flat_leaves`` is ignored). ``block_size``, ``branching`` and the resolved
+            (``flat_leaves`` is ignored; a pool wider than 128 nodes runs on the walk). ``block_size``, ``branching`` and the resolved
             ``beam`` must be the pyramid's.
 
     Returns:
@@ -1124,8 +1125,14 @@ def select_blocks(q: Tensor, k: Tensor, is_causal: bool, scale: float, *, block_
                 f"pyramid was laid out for block_size={pyramid.block_size}, branching="
                 f"{pyramid.branching}, beam={pyramid.beam}; the call has {block_size}, "
                 f"{branching}, {beam}")
-        if pyramid.hi.dtype != q.dtype:
-            raise ValueError(f"pyramid boxes are {pyramid.hi.dtype}, q is {q.dtype}")
+        if pyramid.hi.dtype != q.dtype or pyramid.hi.device != q.device or (
+                pyramid.hi.shape[3] != D):
+            raise ValueError(f"pyramid boxes are {pyramid.hi.dtype} on {pyramid.hi.device} of "
+                             f"head dim {pyramid.hi.shape[3]}; q is {q.dtype} on {q.device}, "
+                             f"head dim {D}")
+        if is_causal and Nq + causal_offset < Nk:
+            raise ValueError(f"a pyramid holds every key: a causal call needs Nq + "
+                             f"causal_offset >= Nk, got {Nq} + {causal_offset} < {Nk}")
         if Nk > pyramid.capacity or pyramid.hi.shape[:2] != k.shape[:2]:
             raise ValueError(f"pyramid holds {pyramid.capacity} keys of {tuple(pyramid.hi.shape[:2])}"
                              f" (B, Hkv); k is {tuple(k.shape)}")
@@ -1160,7 +1167,9 @@ def select_blocks(q: Tensor, k: Tensor, is_causal: bool, scale: float, *, block_
                                  leaf_scoring=leaf_scoring, shortlist=shortlist,
                                  bound_block=bound_block, tuning=tuning)
 
-    flat = meta.pop("FLAT")
+    # The flat kernel reads a sub-block layout, not a persistent pyramid's: the walk takes
+    # any pool (past WALK_MAX_POOL with more registers than it likes).
+    flat = meta.pop("FLAT") and pyramid is None
     P, W, TW, exact = meta["P"], meta["W"], meta["TW"], meta["EXACT"]
     idx = torch.empty(B, Hkv, T, M, dtype=torch.int32, device=q.device)
     counts = torch.empty(B, Hkv, T, dtype=torch.int32, device=q.device)

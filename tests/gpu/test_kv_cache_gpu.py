@@ -78,14 +78,27 @@ def test_exact_regime_equals_dense():
 
 
 def test_padding_never_leaks_and_graph_capture():
+    """Padded keys poisoned before they are appended (huge keys, NaN values): the pyramid,
+    the selection and the output are bit-identical."""
     cfg = PisaConfig()
     outs = []
+    g = torch.Generator(device="cuda").manual_seed(1)
+    n0 = 40000
+    k = torch.randn(B, HKV, n0, D, device="cuda", generator=g).to(torch.bfloat16)
+    v = torch.randn(B, HKV, n0, D, device="cuda", generator=g).to(torch.bfloat16)
+    q = torch.randn(B, HKV * G, n0, D, device="cuda", generator=g).to(torch.bfloat16)
+    km = torch.ones(B, n0, dtype=torch.bool, device="cuda")
+    km[1, :3000] = False
     for poison in (False, True):
-        cache, q, k, v = _filled(40000, 1, cfg, pad=(0, 3000), seed=1)
+        kk, vv = k.clone(), v.clone()
         if poison:
-            cache.keys[1, :, :3000] = 100.0
-            cache.values[1, :, :3000] = float("nan")
-        qs = q[:, :, 39999:40000].clone()
+            kk[1, :, :3000] = 100.0
+            vv[1, :, :3000] = float("nan")
+        cache = PisaKVCache(B, HKV, n0, D, dtype=torch.bfloat16, device="cuda", config=cfg,
+                            sparse_from=0)
+        for i in range(0, n0, 8192):
+            cache.append(kk[:, :, i:i + 8192], vv[:, :, i:i + 8192], km[:, i:i + 8192])
+        qs = q[:, :, n0 - 1:n0].clone()
         outs.append(cache.attend(qs))
     assert torch.equal(outs[0], outs[1])
     # One decode step in a CUDA graph (static shapes, no host synchronisation).

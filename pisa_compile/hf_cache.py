@@ -1,0 +1,135 @@
+"""``PisaCache``: a transformers ``Cache`` whose layers keep PISA's persistent pyramid, so that
+``generate(past_key_values=PisaCache(max_cache_len))`` on a model compiled with
+``backend="pisa"`` decodes sparsely (DESIGN.md "Persistent pyramid").
+
+Each layer is a :class:`~pisa_compile.PisaKVCache` (preallocated keys and values for
+``max_cache_len`` tokens and the pyramid's boxes). ``update`` runs eagerly (a graph break
+under ``torch.compile``: the append launches the pyramid kernels) and returns views
+``keys[:, :, :length]``; the compiled attention's decode op recognises those views at run time
+(``pisa_compile.kernels.persistent``) and selects from the pyramid where the cost model says
+sparse is faster. Without ``backend="pisa"`` the cache behaves as a ``DynamicCache`` (dense
+attention reads the views).
+
+Needs transformers >= 5 (``transformers.cache_utils.Cache`` with layer classes).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+from .config import PisaConfig
+from .kv_cache import PisaKVCache
+
+__all__ = ["PisaCache", "PisaLayer"]
+
+
+class PisaLayer(DynamicLayer):
+    """One decoder layer's cache: a :class:`PisaKVCache` created at the first ``update``
+    (its batch, heads, head dims, dtype and device), ``keys``/``values`` its filled views."""
+
+    is_compileable = False  # its update breaks the graph (eager kernel launches)
+
+    def __init__(self, max_cache_len: int, config: Optional[PisaConfig] = None,
+                 sparse_from: Optional[int] = None):
+        super().__init__()
+        self.max_cache_len, self.pisa_config, self.sparse_from = (max_cache_len, config,
+                                                                  sparse_from)
+        self.cache: Optional[PisaKVCache] = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        B, H, _, D = key_states.shape
+        self.cache = PisaKVCache(B, H, self.max_cache_len, D, value_dim=value_states.shape[3],
+                                 dtype=key_states.dtype, device=key_states.device,
+                                 config=self.pisa_config, sparse_from=self.sparse_from)
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+        self._views()
+
+    def _views(self) -> None:
+        n = self.cache.length
+        self.keys, self.values = self.cache.keys[:, :, :n], self.cache.values[:, :, :n]
+
+    @torch.compiler.disable
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append ``[B, Hkv, n, D]`` keys and values; returns every cached key and value
+        (views of the preallocated buffers).
+
+        Raises:
+            ValueError: more tokens than ``max_cache_len``, or shapes that do not match the
+                first call's (from :meth:`PisaKVCache.append`).
+        """
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.cache.append(key_states, value_states)
+        self._views()
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return 0 if self.cache is None else self.cache.length
+
+    def get_max_cache_shape(self) -> int:
+        return self.max_cache_len
+
+    def reset(self) -> None:
+        if self.cache is not None:
+            self.cache.reset()
+            self._views()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Reorder the batch (beam search): keys and values are gathered and the pyramid is
+        rebuilt over them."""
+        if self.cache is None:
+            return
+        n = self.cache.length
+        k = self.cache.keys[:, :, :n].index_select(0, beam_idx.to(self.device))
+        v = self.cache.values[:, :, :n].index_select(0, beam_idx.to(self.device))
+        km = None if self.cache.key_mask is None else self.cache.key_mask[:, :n].index_select(
+            0, beam_idx.to(self.device))
+        self.cache.reset()
+        self.cache.append(k, v, km)
+        self._views()
+
+    def crop(self, *args, **kwargs) -> None:
+        raise NotImplementedError("PisaCache does not crop (assisted decoding); use a "
+                                  "DynamicCache for it")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("PisaCache has a fixed batch; build it for the expanded batch")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError("PisaCache has a fixed batch; build it for the selected batch")
+
+
+class PisaCache(Cache):
+    """A transformers cache with a persistent PISA pyramid per layer, for ``generate()``.
+
+    Args:
+        max_cache_len: the most tokens (prompt plus new tokens) a layer holds (int >= 1).
+        config: the selection options of decode (:class:`PisaKVCache`); default
+            ``PisaConfig()``.
+        sparse_from: keys from which a decode step is sparse; None: the cost model of
+            :class:`PisaKVCache`.
+
+    Example::
+
+        model.forward = torch.compile(model.forward, backend="pisa")
+        out = model.generate(**inputs, max_new_tokens=64,
+                             past_key_values=PisaCache(inputs["input_ids"].shape[1] + 64))
+
+    Raises:
+        ValueError: ``max_cache_len`` < 1 (at the first update: a layer's
+            :class:`PisaKVCache` validates its sizes).
+    """
+
+    def __init__(self, max_cache_len: int, config: Optional[PisaConfig] = None,
+                 sparse_from: Optional[int] = None):
+        if not isinstance(max_cache_len, int) or max_cache_len < 1:
+            raise ValueError(f"PisaCache: max_cache_len must be an int >= 1, got "
+                             f"{max_cache_len!r}")
+        super().__init__(layer_class_to_replicate=functools.partial(
+            PisaLayer, max_cache_len, config, sparse_from))

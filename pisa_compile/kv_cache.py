@@ -39,7 +39,8 @@ class PisaKVCache:
     """One attention layer's KV cache, preallocated, with a persistent PISA key pyramid.
 
     Prefill and decode both go through it: :meth:`append` writes the new keys and values and
-    updates the pyramid, :meth:`attend` runs causal attention for the newest queries.
+    updates the pyramid (from the length where decode turns sparse; below it the cache costs
+    what a dense one does), :meth:`attend` runs causal attention for the newest queries.
     A decode call (at most 16 queries) on the Triton path is sparse where the cost model says
     it is faster than dense (``sparse_from``): per query (query tile 1; the ``G`` query heads of a KV head share it) it
     walks the pyramid's boxes (``branching``, ``beam``), scores the pool's leaves exactly
@@ -103,12 +104,13 @@ class PisaKVCache:
             block_size=config.block_size, branching=config.branching,
             beam=config.effective_beam)
         self.length = 0
+        self.pyramid_length = 0  # keys the pyramid is up to date for
         # Compiled models' decode steps find the pyramid through the keys they are handed.
         persistent.register(self.keys, self)
 
     def reset(self) -> None:
         """Empty the cache (the buffers are kept)."""
-        self.length = 0
+        self.length = self.pyramid_length = 0
         self.key_mask = None
         self.pyramid.cnt.zero_()
         self.pyramid.lc.fill_(float("-inf"))
@@ -162,11 +164,21 @@ class PisaKVCache:
         self.keys[:, :, start:end] = key
         self.values[:, :, start:end] = value
         self.length = end
-        if self._triton_refusal(self.keys) is None:
-            # Only the Triton decode reads the pyramid: elsewhere decode is dense.
+        # Kept only where decode would read it: below the cost model's threshold (and off
+        # the Triton path) a step costs what a dense cache's does; the first sparse-worthy
+        # length catches the pyramid up in one pass.
+        if self.decode_is_sparse(1):
+            self._sync_pyramid()
+
+    def _sync_pyramid(self) -> None:
+        """Bring the pyramid up to ``length`` keys (the leaves from ``pyramid_length`` on,
+        and their ancestors)."""
+        if self.pyramid_length < self.length:
             from .kernels.triton_pyramid import append_boxes  # Triton: only where it runs
-            with stage_range("pisa.pyramid", key):
-                append_boxes(self.pyramid, self.keys, start, end, self.key_mask)
+            with stage_range("pisa.pyramid", self.keys):
+                append_boxes(self.pyramid, self.keys, self.pyramid_length, self.length,
+                             self.key_mask)
+            self.pyramid_length = self.length
 
     def _triton_refusal(self, t: Tensor) -> Optional[str]:
         return dispatch.triton_refusal(t, self.values, self.config.kernel)
@@ -240,6 +252,7 @@ class PisaKVCache:
         if why is not None:
             raise ValueError(f"PisaKVCache.select runs the Triton selection: {why}")
         from .kernels import triton_select
+        self._sync_pyramid()
         n = self.length
         scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
         km = None if self.key_mask is None else self.key_mask[:, :n]

@@ -54,7 +54,7 @@ def test_pyramid_after_appends_equals_scratch(B, Hkv, C, g, beam, chunks, padded
     gen = torch.Generator().manual_seed(seed)
     cap = sum(chunks) + int(torch.randint(0, 9, (1,), generator=gen))
     cache = PisaKVCache(B, Hkv, cap, 8, dtype=torch.float32, device="cpu",
-                        config=_cfg(block_size=C, branching=g, beam=beam, top_k=1))
+                        config=_cfg(block_size=C, branching=g, beam=beam, top_k=1), sparse_from=0)
     for n in chunks:
         k = torch.randn(B, Hkv, n, 8, generator=gen)
         pad = (torch.rand(B, n, generator=gen) > 0.3) if padded else None
@@ -63,7 +63,8 @@ def test_pyramid_after_appends_equals_scratch(B, Hkv, C, g, beam, chunks, padded
 
 
 def test_pyramid_keeps_a_non_finite_key_first():
-    cache = PisaKVCache(1, 1, 40, 8, dtype=torch.float32, device="cpu", config=_cfg())
+    cache = PisaKVCache(1, 1, 40, 8, dtype=torch.float32, device="cpu", config=_cfg(),
+                        sparse_from=0)
     k = torch.randn(1, 1, 40, 8)
     k[0, 0, 13, 2] = float("nan")
     for i in range(0, 40, 7):
@@ -273,3 +274,17 @@ def test_a_pool_wider_than_the_walks_registers_selects_as_the_reference():
     want = ref.select_blocks(q, k, None, True, 0.3, causal_offset=199,
                              **cache.decode_config.selection_options())
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_pyramid_is_kept_from_the_sparse_length_on():
+    """Below ``sparse_from`` appends leave the pyramid alone; the first append at it catches
+    the pyramid up over every key so far."""
+    gen = torch.Generator().manual_seed(6)
+    cache = PisaKVCache(1, 2, 64, 8, dtype=torch.float32, device="cpu", config=_cfg(),
+                        sparse_from=30)
+    k = torch.randn(1, 2, 64, 8, generator=gen)
+    cache.append(k[:, :, :29], k[:, :, :29])
+    assert cache.pyramid_length == 0 and int(cache.pyramid.cnt.sum()) == 0
+    cache.append(k[:, :, 29:33], k[:, :, 29:33])
+    assert cache.pyramid_length == 33
+    assert_pyramid_is_scratch(cache)

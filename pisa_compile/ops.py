@@ -423,7 +423,11 @@ def pisa_attention(
     tail_bound = config.dense_tail + config.query_tile
     if how.attention == dispatch.SDPA:
         whole_tail = how.reason == dispatch.IN_DENSE_TAIL
-        if whole_tail and _cached_decode_applies(q, k, v, attn_mask, is_causal, window, config):
+        m4 = _mask4(attn_mask)
+        if whole_tail and _cached_decode_applies(q, k, v, m4, is_causal, window, config):
+            if m4 is not None:  # one query: its bool mask row is a key mask
+                key_mask = m4[:, 0, 0, :].expand(q.shape[0], k.shape[2])
+                causal_offset = k.shape[2] - 1
             return _cached_decode_op(q, k, v, key_mask, causal_offset, float(scale), config.kernel)
         return _dense(q, k, v, attn_mask, key_mask, is_causal, causal_offset, window, scale,
                       enable_gqa, max_rows=tail_bound if whole_tail else None,
@@ -459,11 +463,20 @@ def _cached_decode_applies(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[
                            is_causal: bool, window, config: PisaConfig) -> bool:
     """Whether a decode call (within the dense tail) goes through ``pisa::cached_decode``,
     which looks its keys up among the live :class:`~pisa_compile.PisaKVCache` s at run time:
-    causal, no explicit mask or window, no gradient, at most 16 queries, on the Triton path,
-    and only once a cache exists (a graph traced before keeps its traced dense decode)."""
-    return (persistent.any_registered() and is_causal and attn_mask is None and window is None
-            and not _needs_grad(q, k, v) and q.shape[2] <= DECODE_MAX_QUERIES
-            and dispatch.triton_refusal(q, v, config.kernel) is None)
+    causal without an explicit mask, or one query under a bool mask ``[B or 1, 1, 1, Nk]`` (a
+    key mask: transformers' decode masks), no window, no gradient, at most 16 queries, on the
+    Triton path, and only once a cache exists (a graph traced before keeps its traced dense
+    decode)."""
+    if not (persistent.any_registered() and window is None and not _needs_grad(q, k, v)
+            and q.shape[2] <= DECODE_MAX_QUERIES
+            and dispatch.triton_refusal(q, v, config.kernel) is None):
+        return False
+    if attn_mask is None:
+        return is_causal
+    # One query under a bool mask that does not vary by head: the mask is a key mask.
+    return (q.shape[2] == 1 and attn_mask.dtype == torch.bool and attn_mask.dim() == 4
+            and attn_mask.shape[1] == 1 and attn_mask.shape[2] == 1
+            and attn_mask.shape[0] in (1, q.shape[0]))
 
 
 def _dense(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],

@@ -1,0 +1,45 @@
+"""``generate(past_key_values=PisaCache(...))`` with ``backend="pisa"`` on the GPU: sparse decode
+from the pyramid runs, and in the exact regime the greedy tokens and scores are dense's.
+Skipped without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+transformers = pytest.importorskip("transformers")
+
+from pisa_compile import PisaConfig  # noqa: E402
+from pisa_compile.hf_cache import PisaCache  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+def test_generate_exact_regime_on_gpu(fresh_dynamo):
+    from torch._dynamo.utils import counters
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512,
+                                   num_hidden_layers=2, num_attention_heads=8,
+                                   num_key_value_heads=2, head_dim=32,
+                                   max_position_embeddings=8192, pad_token_id=0, bos_token_id=1,
+                                   eos_token_id=2)
+    cfg._attn_implementation = "sdpa"
+    m = transformers.LlamaForCausalLM(cfg).cuda().eval()
+    ids = torch.randint(3, 256, (2, 3000), device="cuda")
+    am = torch.ones_like(ids)
+    am[1, :300] = 0
+    new = 8
+    kw = dict(input_ids=ids, attention_mask=am, max_new_tokens=new, do_sample=False,
+              output_scores=True, return_dict_in_generate=True)
+    dense = m.generate(**kw)
+    pc = PisaConfig(top_k=64, kernel="triton", min_seq_len=0)  # 47 leaves: all selected
+    m.forward = torch.compile(m.forward, backend="pisa", dynamic=True,
+                              options=dict(min_seq_len=0, kernel="triton"))
+    with torch._dynamo.config.patch(recompile_limit=64):
+        out = m.generate(**kw, past_key_values=PisaCache(3000 + new, config=pc, sparse_from=0))
+    assert counters["pisa"]["sparse_decode"] == (new - 1) * 2
+    for a, b in zip(out.scores, dense.scores):
+        torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-3)
+    assert torch.equal(out.sequences, dense.sequences)

@@ -1,0 +1,73 @@
+"""``generate(past_key_values=PisaCache(...))`` on a model compiled with ``backend="pisa"``: the
+decode steps run the persistent pyramid's sparse decode (a counter says so), and in the exact
+regime the greedy tokens are dense attention's (tiny Llama, Triton's interpreter on CPU)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("triton was imported without TRITON_INTERPRET=1; run this module on its own",
+                allow_module_level=True)
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+transformers = pytest.importorskip("transformers")
+if int(transformers.__version__.split(".")[0]) < 5:
+    pytest.skip("PisaCache needs transformers >= 5", allow_module_level=True)
+
+from pisa_compile import PisaConfig  # noqa: E402
+from pisa_compile.hf_cache import PisaCache  # noqa: E402
+
+pytestmark = [pytest.mark.filterwarnings("ignore::RuntimeWarning"),
+              pytest.mark.filterwarnings("ignore::FutureWarning")]
+
+
+def _model():
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=16,
+                                   max_position_embeddings=512, pad_token_id=0, bos_token_id=1,
+                                   eos_token_id=2)
+    cfg._attn_implementation = "sdpa"
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def test_generate_with_pisa_cache_decodes_sparsely_and_exactly(fresh_dynamo):
+    from torch._dynamo.utils import counters
+    m = _model()
+    ids = torch.randint(3, 128, (2, 40), generator=torch.Generator().manual_seed(1))
+    am = torch.ones_like(ids)
+    am[1, :7] = 0  # left padding
+    new = 5
+    dense = m.generate(input_ids=ids, attention_mask=am, max_new_tokens=new, do_sample=False)
+    # top_k covers every leaf: the exact regime, so the tokens must be dense's.
+    pc = PisaConfig(block_size=4, top_k=64, kernel="triton", min_seq_len=0)
+    m.forward = torch.compile(m.forward, backend="pisa", dynamic=True,
+                              options=dict(min_seq_len=0, kernel="triton"))
+    cache = PisaCache(40 + new, config=pc, sparse_from=0)
+    with torch._dynamo.config.patch(recompile_limit=64):
+        out = m.generate(input_ids=ids, attention_mask=am, max_new_tokens=new,
+                         do_sample=False, past_key_values=cache)
+    assert torch.equal(out, dense)
+    # Every decode step of both layers read the pyramid (the last token is not decoded).
+    assert counters["pisa"]["sparse_decode"] == (new - 1) * 2
+    assert cache.get_seq_length() == 40 + new - 1
+
+
+def test_pisa_cache_bad_input():
+    with pytest.raises(ValueError, match="max_cache_len"):
+        PisaCache(0)
+    cache = PisaCache(8, config=PisaConfig(kernel="reference"))
+    k = torch.randn(1, 2, 6, 4)
+    cache.update(k, k, 0)
+    with pytest.raises(ValueError, match="exceed max_len"):
+        cache.update(k, k, 0)
+    with pytest.raises(NotImplementedError, match="crop"):
+        cache.layers[0].crop(2)

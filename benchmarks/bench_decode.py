@@ -29,6 +29,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from benchmarks.cuda_graphs import graph_ms
 from pisa_compile import PisaConfig, PisaKVCache, pisa_attention
 from pisa_compile.kernels.geometry import block_width, cdiv, level_sizes
 from pisa_compile.kernels.triton_pyramid import append_boxes
@@ -51,19 +52,6 @@ def step_bytes(cfg: PisaConfig, n: int, itemsize: int = 2) -> int:
     return boxes + exact + M * C * 2 * D * itemsize
 
 
-def _graph_ms(fn, do_bench) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return do_bench(g.replay)
-
-
 def run(B: int, N: int, cfg: PisaConfig) -> dict:
     from triton.testing import do_bench
     torch.manual_seed(0)
@@ -79,7 +67,7 @@ def run(B: int, N: int, cfg: PisaConfig) -> dict:
     dense_view = do_bench(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
     dense = do_bench(lambda: F.scaled_dot_product_attention(q, kc, vc, enable_gqa=True))
     pisa = do_bench(lambda: cache.attend(q))
-    pisa_graph = _graph_ms(lambda: cache.attend(q), do_bench)
+    pisa_graph = graph_ms(lambda: cache.attend(q))
     sel = do_bench(lambda: cache.select(q))
     app = do_bench(lambda: append_boxes(cache.pyramid, cache.keys, N - 1, N))
     rebuild_cfg = cfg.replace(dense_tail=0, min_seq_len=0)

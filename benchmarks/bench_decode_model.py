@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from benchmarks.cuda_graphs import capture
 from pisa_compile import PisaConfig, PisaKVCache
 
 HIDDEN, HQ, HKV, HD, FFN, LAYERS = 2048, 32, 8, 64, 8192, 4
@@ -99,15 +100,7 @@ def _step_ms(layers, caches, x, N):
             h = layer(h, c)
         return h
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = step()
+    g, out = capture(step, warmup=2)
     eager = do_bench(step)
     return do_bench(g.replay), eager, out
 

@@ -12,6 +12,7 @@ import json
 
 import torch
 
+from benchmarks.cuda_graphs import graph_ms
 from pisa_compile import PisaConfig, PisaKVCache
 from pisa_compile.kernels import triton_select as ts
 
@@ -26,20 +27,6 @@ def _cache(B, N, cfg):
         cache.append(torch.randn(B, HKV, m, D, device="cuda", dtype=torch.bfloat16),
                      torch.randn(B, HKV, m, D, device="cuda", dtype=torch.bfloat16))
     return cache
-
-
-def _graph_ms(fn):
-    from triton.testing import do_bench
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return do_bench(g.replay)
 
 
 def kernels(cache, q):
@@ -88,7 +75,7 @@ def main():
         cands[f"select_warps{w}"] = {"num_warps": w}
     for name, tuning in cands.items():
         try:
-            sweep[name] = _graph_ms(sel(tuning))
+            sweep[name] = graph_ms(sel(tuning))
         except Exception as e:  # a launch setting a kernel cannot take
             sweep[name] = repr(e)[:200]
         print(name, sweep[name], flush=True)
@@ -101,8 +88,8 @@ def main():
         del cache
         torch.cuda.empty_cache()
         cache = _cache(a.B, a.N, cfg)
-        shapes[name] = dict(select_ms=_graph_ms(lambda: cache.select(q)),
-                            attend_ms=_graph_ms(lambda: cache.attend(q)))
+        shapes[name] = dict(select_ms=graph_ms(lambda: cache.select(q)),
+                            attend_ms=graph_ms(lambda: cache.attend(q)))
         print(name, shapes[name], flush=True)
     res["shapes"] = shapes
     if a.json:

@@ -12,6 +12,7 @@ if not torch.cuda.is_available():
 transformers = pytest.importorskip("transformers")
 
 from pisa_compile import PisaConfig  # noqa: E402
+from pisa_compile.backend import pisa_backend  # noqa: E402
 from pisa_compile.hf_cache import PisaCache  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -35,8 +36,10 @@ def test_generate_exact_regime_on_gpu(fresh_dynamo):
               output_scores=True, return_dict_in_generate=True)
     dense = m.generate(**kw)
     pc = PisaConfig(top_k=64, kernel="triton", min_seq_len=0)  # 47 leaves: all selected
-    m.forward = torch.compile(m.forward, backend="pisa", dynamic=True,
-                              options=dict(min_seq_len=0, kernel="triton"))
+    # The backend by function: on a machine where the package is not installed, the name
+    # "pisa" has no entry point.
+    m.forward = torch.compile(m.forward, dynamic=True, backend=lambda gm, ex: pisa_backend(
+        gm, ex, options=dict(min_seq_len=0, kernel="triton")))
     with torch._dynamo.config.patch(recompile_limit=64):
         out = m.generate(**kw, past_key_values=PisaCache(3000 + new, config=pc, sparse_from=0))
     assert counters["pisa"]["sparse_decode"] == (new - 1) * 2

@@ -65,8 +65,20 @@ class PisaLayer(DynamicLayer):
         """
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        n = key_states.shape[2]
+        if self.cache.length + n > self.max_cache_len:
+            raise ValueError(
+                f"PisaCache: max_cache_len={self.max_cache_len} is too small: a layer holds "
+                f"{self.cache.length} tokens and gets {n} more (build PisaCache with at least "
+                f"the prompt length plus max_new_tokens; a cache is reused by a later "
+                f"generate() call, so reset() it first for a new prompt)")
         self.cache.append(key_states, value_states)
         self._views()
+        # Batch, heads and head dim are fixed: the compiled graph after this break must not
+        # take them as symbols (a symbolic head count cannot be proved a GQA multiple).
+        for t in (self.keys, self.values):
+            for dim in (0, 1, 3):
+                torch._dynamo.mark_static(t, dim)
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
@@ -120,16 +132,25 @@ class PisaCache(Cache):
         model.forward = torch.compile(model.forward, backend="pisa")
         out = model.generate(**inputs, max_new_tokens=64,
                              past_key_values=PisaCache(inputs["input_ids"].shape[1] + 64))
+        # (transformers >= 5.24 names the argument ``cache=``)
 
     Raises:
-        ValueError: ``max_cache_len`` < 1 (at the first update: a layer's
-            :class:`PisaKVCache` validates its sizes).
+        ValueError: ``max_cache_len`` < 1 or ``sparse_from`` < 0; at an update, more tokens
+            than ``max_cache_len``.
+        TypeError: ``config`` is not a PisaConfig.
     """
 
     def __init__(self, max_cache_len: int, config: Optional[PisaConfig] = None,
                  sparse_from: Optional[int] = None):
-        if not isinstance(max_cache_len, int) or max_cache_len < 1:
+        if not isinstance(max_cache_len, int) or isinstance(max_cache_len, bool) or (
+                max_cache_len < 1):
             raise ValueError(f"PisaCache: max_cache_len must be an int >= 1, got "
                              f"{max_cache_len!r}")
+        if config is not None and not isinstance(config, PisaConfig):
+            raise TypeError(f"PisaCache: config must be a PisaConfig, got "
+                            f"{type(config).__name__}")
+        if sparse_from is not None and (not isinstance(sparse_from, int) or sparse_from < 0):
+            raise ValueError(f"PisaCache: sparse_from must be an int >= 0 or None, got "
+                             f"{sparse_from!r}")
         super().__init__(layer_class_to_replicate=functools.partial(
             PisaLayer, max_cache_len, config, sparse_from))

@@ -60,8 +60,8 @@ class PisaKVCache:
         sparse_from: keys from which a decode step is sparse; None (default): the cost model,
             sparse once a dense step would read :data:`SPARSE_DECODE_BYTES` of K/V (measured
             on the H200 for one shape: Hkv=8, D=128, G=4).
-        cuda_graph: the steps are replayed from CUDA graphs (no host time per step): the
-            cost model's ``"graph"`` threshold, else ``"eager"``. A captured step is valid for
+        cuda_graph: tells the cost model that you replay the steps from CUDA graphs you
+            capture (no host time per step): its ``"graph"`` threshold, else ``"eager"``. A captured step is valid for
             one cache length only (the length, the ``[:n]`` views and the offsets are Python
             values baked in at capture).
 
@@ -82,8 +82,10 @@ class PisaKVCache:
         for name, val in (("batch_size", batch_size), ("num_kv_heads", num_kv_heads),
                           ("max_len", max_len), ("head_dim", head_dim),
                           ("value_dim", value_dim)):
-            if not isinstance(val, int) or val < 1:
+            if not isinstance(val, int) or isinstance(val, bool) or val < 1:
                 raise ValueError(f"PisaKVCache: {name} must be an int >= 1, got {val!r}")
+        if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise ValueError(f"PisaKVCache: dtype must be a floating dtype, got {dtype!r}")
         if sparse_from is not None and (not isinstance(sparse_from, int) or sparse_from < 0):
             raise ValueError(f"PisaKVCache: sparse_from must be an int >= 0, got {sparse_from!r}")
         config = PisaConfig() if config is None else config
@@ -151,7 +153,7 @@ class PisaKVCache:
             return
         start, end = self.length, self.length + n
         if end > cap:
-            raise ValueError(f"PisaKVCache.append: {n} tokens after {start} exceed max_len={cap}")
+            raise ValueError(f"PisaKVCache.append: {start} + {n} tokens exceed max_len={cap}")
         if key_padding_mask is not None:
             if tuple(key_padding_mask.shape) != (B, n):
                 raise ValueError(f"PisaKVCache.append: key_padding_mask must be [B={B}, n={n}],"
@@ -239,10 +241,13 @@ class PisaKVCache:
         if not 1 <= Nq <= n:
             raise ValueError(f"PisaKVCache.attend: need 1 <= Nq <= length ({n}), got Nq={Nq}")
 
-    def select(self, query: Tensor, *, scale: Optional[float] = None) -> tuple[Tensor, Tensor]:
+    def select(self, query: Tensor, *, scale: Optional[float] = None,
+               key_mask: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
         """The decode selection of :meth:`attend` from the persistent pyramid (Triton):
         ``block_indices`` int32 ``[B, Hkv, Nq, M]`` (ascending, -1 padded) and
-        ``block_counts`` int32 ``[B, Hkv, Nq]``; arguments as :meth:`attend`.
+        ``block_counts`` int32 ``[B, Hkv, Nq]``; arguments as :meth:`attend`. ``key_mask``
+        (bool ``[B, length]``): padding to honour in place of the cache's own (the sinks and
+        the exact scores read it; the boxes are the cache's).
 
         Raises:
             ValueError: as :meth:`attend`, or the Triton kernels cannot run here (the reason).
@@ -255,7 +260,8 @@ class PisaKVCache:
         self._sync_pyramid()
         n = self.length
         scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
-        km = None if self.key_mask is None else self.key_mask[:, :n]
+        km = key_mask if key_mask is not None else (
+            None if self.key_mask is None else self.key_mask[:, :n])
         with stage_range("pisa.select", query):
             return triton_select.select_blocks(
                 query, self.keys[:, :, :n], True, scale, key_mask=km,
@@ -270,14 +276,23 @@ class PisaKVCache:
 
         ``key`` and ``value`` must be this cache's ``keys[:, :, :length]`` and values (the
         caller found them by :func:`pisa_compile.kernels.persistent.lookup`); the queries
-        must be the last ones (``causal_offset == length - Nq``). The pyramid's boxes are the
-        cache's (padding the cache was not told of loosens them; the scores and the attention
-        read ``key_mask``)."""
+        must be the last ones (``causal_offset == length - Nq``). A cache that was told of
+        no padding adopts ``key_mask`` at the first such call and rebuilds its pyramid once
+        (``O(length)``); later calls are assumed to bring the same padding. The sinks, the
+        exact scores and the attention read the call's ``key_mask``."""
         Nq = query.shape[2]
         if (value.data_ptr() != self.values.data_ptr() or value.shape[2] != self.length
                 or causal_offset != self.length - Nq or query.dtype != self.keys.dtype
                 or not self.decode_is_sparse(Nq, query)):
             return None
+        if key_mask is not None and self.key_mask is None:
+            # The first call that brings padding (transformers gives the cache none): the
+            # cache adopts it and rebuilds its pyramid once, so that padded keys stop
+            # steering the walk (later tokens are real).
+            self.key_mask = torch.ones(self.keys.shape[0], self.keys.shape[2], dtype=torch.bool,
+                                       device=self.keys.device)
+            self.key_mask[:, :self.length] = key_mask
+            self.pyramid_length = 0
         return self._sparse_decode(query, key, value, key_mask, float(scale))
 
     def _sparse_decode(self, q: Tensor, k: Tensor, v: Tensor, km: Optional[Tensor],
@@ -285,7 +300,7 @@ class PisaKVCache:
         from torch._dynamo.utils import counters
         from .kernels.triton_decode import decode_attention
         counters["pisa"]["sparse_decode"] += 1  # tests: the pyramid really served the step
-        idx, counts = self.select(q, scale=scale)
+        idx, counts = self.select(q, scale=scale, key_mask=km)
         with stage_range("pisa.decode", q):
             out, _ = decode_attention(q, k, v, None, True, scale, idx, counts,
                                       block_size=self.config.block_size, query_tile=1,

@@ -427,6 +427,7 @@ def pisa_attention(
         if whole_tail and _cached_decode_applies(q, k, v, m4, is_causal, window, config):
             if m4 is not None:  # one query: its bool mask row is a key mask
                 key_mask = m4[:, 0, 0, :].expand(q.shape[0], k.shape[2])
+            if not is_causal:  # one query that sees every (unmasked) key: the last position
                 causal_offset = k.shape[2] - 1
             return _cached_decode_op(q, k, v, key_mask, causal_offset, float(scale), config.kernel)
         return _dense(q, k, v, attn_mask, key_mask, is_causal, causal_offset, window, scale,
@@ -463,16 +464,16 @@ def _cached_decode_applies(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[
                            is_causal: bool, window, config: PisaConfig) -> bool:
     """Whether a decode call (within the dense tail) goes through ``pisa::cached_decode``,
     which looks its keys up among the live :class:`~pisa_compile.PisaKVCache` s at run time:
-    causal without an explicit mask, or one query under a bool mask ``[B or 1, 1, 1, Nk]`` (a
-    key mask: transformers' decode masks), no window, no gradient, at most 16 queries, on the
+    causal without an explicit mask, or one query with no mask or under a bool mask
+    ``[B or 1, 1, 1, Nk]`` (a key mask: transformers' decode calls), no window, no gradient, at most 16 queries, on the
     Triton path, and only once a cache exists (a graph traced before keeps its traced dense
     decode)."""
     if not (persistent.any_registered() and window is None and not _needs_grad(q, k, v)
             and q.shape[2] <= DECODE_MAX_QUERIES
             and dispatch.triton_refusal(q, v, config.kernel) is None):
         return False
-    if attn_mask is None:
-        return is_causal
+    if attn_mask is None:  # causal, or one query that sees every key (transformers' decode)
+        return is_causal or q.shape[2] == 1
     # One query under a bool mask that does not vary by head: the mask is a key mask.
     return (q.shape[2] == 1 and attn_mask.dtype == torch.bool and attn_mask.dim() == 4
             and attn_mask.shape[1] == 1 and attn_mask.shape[2] == 1

@@ -61,13 +61,40 @@ def test_generate_with_pisa_cache_decodes_sparsely_and_exactly(fresh_dynamo):
     assert cache.get_seq_length() == 40 + new - 1
 
 
+@pytest.mark.parametrize("padded", [False, True])
+def test_every_decode_step_reads_the_pyramid(fresh_dynamo, padded):
+    """Unpadded (transformers passes no mask for one query) and left-padded batches, B equal
+    to the KV heads (a symbol of its own would hide the GQA ratio): every step sparse."""
+    from torch._dynamo.utils import counters
+    m = _model()
+    ids = torch.randint(3, 128, (2, 33), generator=torch.Generator().manual_seed(2))
+    am = torch.ones_like(ids)
+    if padded:
+        am[0, :5] = 0
+    new = 4
+    dense = m.generate(input_ids=ids, attention_mask=am, max_new_tokens=new, do_sample=False)
+    pc = PisaConfig(block_size=4, top_k=64, kernel="triton", min_seq_len=0)
+    m.forward = torch.compile(m.forward, backend="pisa", dynamic=True,
+                              options=dict(min_seq_len=0, kernel="triton"))
+    with torch._dynamo.config.patch(recompile_limit=64):
+        out = m.generate(input_ids=ids, attention_mask=am, max_new_tokens=new, do_sample=False,
+                         past_key_values=PisaCache(33 + new, config=pc, sparse_from=0))
+    assert torch.equal(out, dense)
+    assert counters["pisa"]["sparse_decode"] == (new - 1) * 2
+    assert counters["pisa"]["left_dense"] == 0
+
+
 def test_pisa_cache_bad_input():
     with pytest.raises(ValueError, match="max_cache_len"):
         PisaCache(0)
     cache = PisaCache(8, config=PisaConfig(kernel="reference"))
     k = torch.randn(1, 2, 6, 4)
     cache.update(k, k, 0)
-    with pytest.raises(ValueError, match="exceed max_len"):
+    with pytest.raises(ValueError, match="max_cache_len=8 is too small"):
         cache.update(k, k, 0)
+    with pytest.raises(TypeError, match="PisaConfig"):
+        PisaCache(8, config={"top_k": 2})
+    with pytest.raises(ValueError, match="sparse_from"):
+        PisaCache(8, sparse_from=-1)
     with pytest.raises(NotImplementedError, match="crop"):
         cache.layers[0].crop(2)

@@ -288,3 +288,32 @@ def test_pyramid_is_kept_from_the_sparse_length_on():
     cache.append(k[:, :, 29:33], k[:, :, 29:33])
     assert cache.pyramid_length == 33
     assert_pyramid_is_scratch(cache)
+
+
+def test_decode_honours_the_calls_padding():
+    """A cache not told of the padding (a transformers cache: the mask comes with the call)
+    adopts the call's key mask: it selects as a cache told of it (padded keys that look
+    relevant do not steer the walk), and the output is the reference's under that selection."""
+    gen = torch.Generator().manual_seed(7)
+    cfg = _cfg(block_size=8, top_k=1)
+    n = 120
+    k = torch.randn(1, 2, n, 16, generator=gen)
+    v = torch.randn(1, 2, n, 16, generator=gen)
+    q = torch.randn(1, 4, 1, 16, generator=gen)
+    k[:, :, :40] = q[:, :2].repeat_interleave(1, 1)[:, :, :1] * 3  # padding that looks relevant
+    km = torch.ones(1, n, dtype=torch.bool)
+    km[:, :40] = False
+    cache = PisaKVCache(1, 2, n, 16, dtype=torch.float32, device="cpu", config=cfg,
+                        sparse_from=0)
+    cache.append(k, v)  # no padding given
+    out = cache.decode(q, cache.keys[:, :, :n], cache.values[:, :, :n], km, n - 1, 0.25)
+    bi, bc = cache.select(q, scale=0.25)
+    told = PisaKVCache(1, 2, n, 16, dtype=torch.float32, device="cpu", config=cfg,
+                       sparse_from=0)
+    told.append(k, v, km)
+    want_bi, want_bc = told.select(q, scale=0.25)
+    assert torch.equal(bi, want_bi) and torch.equal(bc, want_bc)
+    assert int(bi[bi >= 0].min()) >= 40 // 8  # no padded leaf: sinks from the first real key
+    want, _ = ref.sparse_attention(q, k, v, None, True, 0.25, bi, bc, block_size=8,
+                                   query_tile=1, key_mask=km, causal_offset=n - 1)
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)

@@ -1168,8 +1168,12 @@ def select_blocks(q: Tensor, k: Tensor, is_causal: bool, scale: float, *, block_
                                  bound_block=bound_block, tuning=tuning)
 
     # The flat kernel reads a sub-block layout, not a persistent pyramid's: the walk takes
-    # any pool (past WALK_MAX_POOL with more registers than it likes).
+    # any pool (past WALK_MAX_POOL with more registers than it likes) up to its [P, P] rank.
     flat = meta.pop("FLAT") and pyramid is None
+    if pyramid is not None and meta["P"] > 1024:
+        raise ValueError(f"a pyramid's walk holds at most 1024 nodes per level: branching * "
+                         f"(beam + forced leaves) = {meta['P']} (top_k={top_k}, beam={beam}); "
+                         f"use a smaller top_k or beam")
     P, W, TW, exact = meta["P"], meta["W"], meta["TW"], meta["EXACT"]
     idx = torch.empty(B, Hkv, T, M, dtype=torch.int32, device=q.device)
     counts = torch.empty(B, Hkv, T, dtype=torch.int32, device=q.device)

@@ -468,16 +468,21 @@ def _cached_decode_applies(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[
     ``[B or 1, 1, 1, Nk]`` (a key mask: transformers' decode calls), no window, no gradient, at most 16 queries, on the
     Triton path, and only once a cache exists (a graph traced before keeps its traced dense
     decode)."""
-    if not (persistent.any_registered() and window is None and not _needs_grad(q, k, v)
-            and q.shape[2] <= DECODE_MAX_QUERIES
+    nq = q.shape[2]
+    # Only a query count known at trace time: a test on a symbolic one would guard it (and
+    # recompile graphs that never decode).
+    if not (persistent.any_registered() and isinstance(nq, int) and nq <= DECODE_MAX_QUERIES
+            and window is None and not _needs_grad(q, k, v)
             and dispatch.triton_refusal(q, v, config.kernel) is None):
         return False
     if attn_mask is None:  # causal, or one query that sees every key (transformers' decode)
-        return is_causal or q.shape[2] == 1
+        return is_causal or nq == 1
     # One query under a bool mask that does not vary by head: the mask is a key mask.
-    return (q.shape[2] == 1 and attn_mask.dtype == torch.bool and attn_mask.dim() == 4
-            and attn_mask.shape[1] == 1 and attn_mask.shape[2] == 1
-            and attn_mask.shape[0] in (1, q.shape[0]))
+    shape = attn_mask.shape
+    return (nq == 1 and attn_mask.dtype == torch.bool and attn_mask.dim() == 4
+            and statically_known_true(shape[1] == 1) and statically_known_true(shape[2] == 1)
+            and (statically_known_true(shape[0] == 1)
+                 or statically_known_true(shape[0] == q.shape[0])))
 
 
 def _dense(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],

@@ -29,13 +29,34 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from benchmarks.cuda_graphs import graph_ms
 from pisa_compile import PisaConfig, PisaKVCache, pisa_attention
 from pisa_compile.kernels.geometry import block_width, cdiv, level_sizes
 from pisa_compile.kernels.triton_pyramid import append_boxes
 from pisa_compile.kernels.triton_select import pool_size
 
 HQ, HKV, D = 32, 8, 128
+
+
+def capture(fn, warmup: int = 3):
+    """``(graph, out)``: ``fn`` run ``warmup`` times on a side stream (lazy allocations and
+    Triton compiles happen outside the capture), then captured once."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = fn()
+    return g, out
+
+
+def graph_ms(fn) -> float:
+    """Median ms of replaying ``fn`` from a CUDA graph (``triton.testing.do_bench``)."""
+    from triton.testing import do_bench
+    g, _ = capture(fn)
+    return do_bench(g.replay)
 
 
 def step_bytes(cfg: PisaConfig, n: int, itemsize: int = 2) -> int:

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from benchmarks.cuda_graphs import capture
+from benchmarks.bench_decode import capture
 from pisa_compile import PisaConfig, PisaKVCache
 
 HIDDEN, HQ, HKV, HD, FFN, LAYERS = 2048, 32, 8, 64, 8192, 4

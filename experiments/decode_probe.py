@@ -12,7 +12,7 @@ import json
 
 import torch
 
-from benchmarks.cuda_graphs import graph_ms
+from benchmarks.bench_decode import graph_ms
 from pisa_compile import PisaConfig, PisaKVCache
 from pisa_compile.kernels import triton_select as ts
 

@@ -101,7 +101,8 @@ def run(B: int, N: int, cfg: PisaConfig) -> dict:
     bp, bd = step_bytes(cfg, N) * B * HKV, 2 * N * D * 2 * B * HKV
     auto = PisaKVCache(B, HKV, 16, D, dtype=dt, device=dev, config=cfg)
     auto.length = N  # the cost model reads only the shapes
-    row = dict(B=B, N=N, cost_model_sparse_eager=auto.decode_is_sparse(1), dense_ms=min(dense, dense_view), dense_view_ms=dense_view,
+    row = dict(B=B, N=N, cost_model_sparse_eager=auto.decode_is_sparse(1),
+               dense_ms=min(dense, dense_view), dense_view_ms=dense_view,
                dense_contiguous_ms=dense, pisa_ms=pisa, pisa_graph_ms=pisa_graph, select_ms=sel,
                append_ms=app, rebuild_ms=rebuild,
                speedup_eager=min(dense, dense_view) / pisa,

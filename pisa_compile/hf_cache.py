@@ -22,7 +22,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from .config import PisaConfig
-from .kv_cache import PisaKVCache
+from .kv_cache import PisaKVCache, check_options
 
 __all__ = ["PisaCache", "PisaLayer"]
 
@@ -146,11 +146,6 @@ class PisaCache(Cache):
                 max_cache_len < 1):
             raise ValueError(f"PisaCache: max_cache_len must be an int >= 1, got "
                              f"{max_cache_len!r}")
-        if config is not None and not isinstance(config, PisaConfig):
-            raise TypeError(f"PisaCache: config must be a PisaConfig, got "
-                            f"{type(config).__name__}")
-        if sparse_from is not None and (not isinstance(sparse_from, int) or sparse_from < 0):
-            raise ValueError(f"PisaCache: sparse_from must be an int >= 0 or None, got "
-                             f"{sparse_from!r}")
+        check_options(config, sparse_from, "PisaCache")  # now, not at the first update
         super().__init__(layer_class_to_replicate=functools.partial(
             PisaLayer, max_cache_len, config, sparse_from))

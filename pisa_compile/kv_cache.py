@@ -35,6 +35,25 @@ __all__ = ["PisaKVCache", "SPARSE_DECODE_BYTES"]
 SPARSE_DECODE_BYTES = {"graph": 384 << 20, "eager": 2 << 30}
 
 
+def check_options(config: Optional[PisaConfig], sparse_from: Optional[int],
+                  where: str) -> PisaConfig:
+    """``config`` (default ``PisaConfig()``) once ``config`` and ``sparse_from`` are checked;
+    ``where`` names the caller in the errors.
+
+    Raises:
+        TypeError: ``config`` is not a PisaConfig.
+        ValueError: ``sparse_from`` is not None or an int >= 0.
+    """
+    if sparse_from is not None and (not isinstance(sparse_from, int) or isinstance(
+            sparse_from, bool) or sparse_from < 0):
+        raise ValueError(f"{where}: sparse_from must be an int >= 0 or None, got "
+                         f"{sparse_from!r}")
+    config = PisaConfig() if config is None else config
+    if not isinstance(config, PisaConfig):
+        raise TypeError(f"{where}: config must be a PisaConfig, got {type(config).__name__}")
+    return config
+
+
 class PisaKVCache:
     """One attention layer's KV cache, preallocated, with a persistent PISA key pyramid.
 
@@ -42,8 +61,8 @@ class PisaKVCache:
     updates the pyramid (from the length where decode turns sparse; below it the cache costs
     what a dense one does), :meth:`attend` runs causal attention for the newest queries.
     A decode call (at most 16 queries) on the Triton path is sparse where the cost model says
-    it is faster than dense (``sparse_from``): per query (query tile 1; the ``G`` query heads of a KV head share it) it
-    walks the pyramid's boxes (``branching``, ``beam``), scores the pool's leaves exactly
+    it is faster than dense (``sparse_from``): per query (query tile 1; the ``G`` query
+    heads of a KV head share it) it walks the pyramid's boxes (``branching``, ``beam``), scores the pool's leaves exactly
     (``shortlist``), and attends the ``top_k`` best plus the forced leaves with the split-K
     decode kernel. Other calls run :func:`pisa_compile.pisa_attention` with ``config``
     (a long prefill: PISA; a short call: dense), or dense SDPA where dense is faster.
@@ -61,8 +80,8 @@ class PisaKVCache:
             sparse once a dense step would read :data:`SPARSE_DECODE_BYTES` of K/V (measured
             on the H200 for one shape: Hkv=8, D=128, G=4).
         cuda_graph: tells the cost model that you replay the steps from CUDA graphs you
-            capture (no host time per step): its ``"graph"`` threshold, else ``"eager"``. A captured step is valid for
-            one cache length only (the length, the ``[:n]`` views and the offsets are Python
+            capture (no host time per step): its ``"graph"`` threshold, else ``"eager"``.
+            A captured step is valid for one cache length only (the length, the ``[:n]`` views and the offsets are Python
             values baked in at capture).
 
     Memory: the pyramid takes ``(2 * D * itemsize + 8)`` bytes per node and head, about
@@ -86,12 +105,7 @@ class PisaKVCache:
                 raise ValueError(f"PisaKVCache: {name} must be an int >= 1, got {val!r}")
         if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise ValueError(f"PisaKVCache: dtype must be a floating dtype, got {dtype!r}")
-        if sparse_from is not None and (not isinstance(sparse_from, int) or sparse_from < 0):
-            raise ValueError(f"PisaKVCache: sparse_from must be an int >= 0, got {sparse_from!r}")
-        config = PisaConfig() if config is None else config
-        if not isinstance(config, PisaConfig):
-            raise TypeError(f"PisaKVCache: config must be a PisaConfig, got "
-                            f"{type(config).__name__}")
+        config = check_options(config, sparse_from, "PisaKVCache")
         self.config, self.sparse_from, self.cuda_graph = config, sparse_from, bool(cuda_graph)
         # Decode selects per query from per-leaf boxes by the walk (no flat scan).
         self.decode_config = config.replace(query_tile=1, bound_block=config.block_size,
@@ -158,9 +172,7 @@ class PisaKVCache:
             if tuple(key_padding_mask.shape) != (B, n):
                 raise ValueError(f"PisaKVCache.append: key_padding_mask must be [B={B}, n={n}],"
                                  f" got {tuple(key_padding_mask.shape)}")
-            if self.key_mask is None:
-                self.key_mask = torch.ones(B, cap, dtype=torch.bool, device=self.keys.device)
-            self.key_mask[:, start:end] = key_padding_mask != 0
+            self._key_mask_buffer()[:, start:end] = key_padding_mask != 0
         elif self.key_mask is not None:
             self.key_mask[:, start:end] = True
         self.keys[:, :, start:end] = key
@@ -171,6 +183,13 @@ class PisaKVCache:
         # length catches the pyramid up in one pass.
         if self.decode_is_sparse(1):
             self._sync_pyramid()
+
+    def _key_mask_buffer(self) -> Tensor:
+        """``key_mask`` (bool ``[B, max_len]``), allocated all real on first use."""
+        if self.key_mask is None:
+            self.key_mask = torch.ones(self.keys.shape[0], self.keys.shape[2],
+                                       dtype=torch.bool, device=self.keys.device)
+        return self.key_mask
 
     def _sync_pyramid(self) -> None:
         """Bring the pyramid up to ``length`` keys (the leaves from ``pyramid_length`` on,
@@ -256,12 +275,17 @@ class PisaKVCache:
         why = self._triton_refusal(query)
         if why is not None:
             raise ValueError(f"PisaKVCache.select runs the Triton selection: {why}")
+        scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
+        km = key_mask if key_mask is not None else (
+            None if self.key_mask is None else self.key_mask[:, :self.length])
+        return self._select(query, scale, km)
+
+    def _select(self, query: Tensor, scale: float, km: Optional[Tensor]
+                ) -> tuple[Tensor, Tensor]:
+        """:meth:`select` on checked inputs (the decode paths checked them already)."""
         from .kernels import triton_select
         self._sync_pyramid()
         n = self.length
-        scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
-        km = key_mask if key_mask is not None else (
-            None if self.key_mask is None else self.key_mask[:, :n])
         with stage_range("pisa.select", query):
             return triton_select.select_blocks(
                 query, self.keys[:, :, :n], True, scale, key_mask=km,
@@ -289,9 +313,7 @@ class PisaKVCache:
             # The first call that brings padding (transformers gives the cache none): the
             # cache adopts it and rebuilds its pyramid once, so that padded keys stop
             # steering the walk (later tokens are real).
-            self.key_mask = torch.ones(self.keys.shape[0], self.keys.shape[2], dtype=torch.bool,
-                                       device=self.keys.device)
-            self.key_mask[:, :self.length] = key_mask
+            self._key_mask_buffer()[:, :self.length] = key_mask
             self.pyramid_length = 0
         return self._sparse_decode(query, key, value, key_mask, float(scale))
 
@@ -300,7 +322,7 @@ class PisaKVCache:
         from torch._dynamo.utils import counters
         from .kernels.triton_decode import decode_attention
         counters["pisa"]["sparse_decode"] += 1  # tests: the pyramid really served the step
-        idx, counts = self.select(q, scale=scale, key_mask=km)
+        idx, counts = self._select(q, scale, km)
         with stage_range("pisa.decode", q):
             out, _ = decode_attention(q, k, v, None, True, scale, idx, counts,
                                       block_size=self.config.block_size, query_tile=1,

@@ -429,7 +429,8 @@ def pisa_attention(
                 key_mask = m4[:, 0, 0, :].expand(q.shape[0], k.shape[2])
             if not is_causal:  # one query that sees every (unmasked) key: the last position
                 causal_offset = k.shape[2] - 1
-            return _cached_decode_op(q, k, v, key_mask, causal_offset, float(scale), config.kernel)
+            return _cached_decode_op(q, k, v, key_mask, causal_offset, float(scale),
+                                     config.kernel)
         return _dense(q, k, v, attn_mask, key_mask, is_causal, causal_offset, window, scale,
                       enable_gqa, max_rows=tail_bound if whole_tail else None,
                       kernel=config.kernel)
@@ -465,8 +466,8 @@ def _cached_decode_applies(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[
     """Whether a decode call (within the dense tail) goes through ``pisa::cached_decode``,
     which looks its keys up among the live :class:`~pisa_compile.PisaKVCache` s at run time:
     causal without an explicit mask, or one query with no mask or under a bool mask
-    ``[B or 1, 1, 1, Nk]`` (a key mask: transformers' decode calls), no window, no gradient, at most 16 queries, on the
-    Triton path, and only once a cache exists (a graph traced before keeps its traced dense
+    ``[B or 1, 1, 1, Nk]`` (a key mask: transformers' decode calls), no window, no gradient,
+    at most 16 queries, on the Triton path, and only once a cache exists (a graph traced before keeps its traced dense
     decode)."""
     nq = q.shape[2]
     # Only a query count known at trace time: a test on a symbolic one would guard it (and

@@ -1101,12 +1101,12 @@ def select_blocks(q: Tensor, k: Tensor, is_causal: bool, scale: float, *, block_
         tuning: overrides of :data:`SELECT_TUNING`, under ``"rescore"`` of
             :data:`RESCORE_TUNING` and under ``"flat"`` of :data:`FLAT_TUNING` (benchmark
             sweeps).
-        pyramid: a persistent :class:`~.triton_pyramid.BoxPyramid` up to date for these
+        pyramid: a persistent :class:`~.persistent.BoxPyramid` up to date for these
             ``Nk`` keys under this ``key_mask`` (a KV cache's, :mod:`pisa_compile.kv_cache`):
             nothing is built, so the call reads no key outside the shortlist. Its boxes are
             per leaf: ``bound_block`` is taken as ``block_size``, and there is no flat scan
-            (``flat_leaves`` is ignored; a pool wider than 128 nodes runs on the walk). ``block_size``, ``branching`` and the resolved
-            ``beam`` must be the pyramid's.
+            (``flat_leaves`` is ignored; a pool wider than 128 nodes runs on the walk).
+            ``block_size``, ``branching`` and the resolved ``beam`` must be the pyramid's.
 
     Returns:
         ``block_indices`` int32 ``[B, Hkv, T, M]`` (ascending, -1 padded, forced leaves
@@ -1134,8 +1134,8 @@ def select_blocks(q: Tensor, k: Tensor, is_causal: bool, scale: float, *, block_
             raise ValueError(f"a pyramid holds every key: a causal call needs Nq + "
                              f"causal_offset >= Nk, got {Nq} + {causal_offset} < {Nk}")
         if Nk > pyramid.capacity or pyramid.hi.shape[:2] != k.shape[:2]:
-            raise ValueError(f"pyramid holds {pyramid.capacity} keys of {tuple(pyramid.hi.shape[:2])}"
-                             f" (B, Hkv); k is {tuple(k.shape)}")
+            raise ValueError(f"pyramid holds {pyramid.capacity} keys of "
+                             f"{tuple(pyramid.hi.shape[:2])} (B, Hkv); k is {tuple(k.shape)}")
     beam = flat_beam(Nk, block_size, branching, beam, flat_leaves, leaf_scoring=leaf_scoring,
                      shortlist=shortlist, bound_block=bound_block)
     # Read as bytes: a value cast (Inductor cannot lower bool->uint8 views); q: never read.
@@ -1151,14 +1151,13 @@ def select_blocks(q: Tensor, k: Tensor, is_causal: bool, scale: float, *, block_
     else:
         Lcap = L
         sub_stride = L * (block_size // bound_block if bound_block else 1)
-    with stage_range("pisa.pyramid", k):
-        if pyramid is None:
+        with stage_range("pisa.pyramid", k):
             mu, cnt, lcnt, total = pyramid_buffers(k, block_size, branching, beam,
                                                    live_limit=live_limit, key_live=key_live)
-        if bound_block and pyramid is None:
-            # The same liveness and counts as the pyramid, so boxes and terms agree.
-            boxes = box_buffers(k, cnt, total, block_size, bound_block, branching, beam,
-                                q.dtype, live_limit=live_limit, key_live=key_live)
+            if bound_block:
+                # The same liveness and counts as the pyramid, so boxes and terms agree.
+                boxes = box_buffers(k, cnt, total, block_size, bound_block, branching, beam,
+                                    q.dtype, live_limit=live_limit, key_live=key_live)
     M = block_width(Nk, block_size, top_k, sink_blocks, local_blocks, query_tile)
     offset = query_offset(Nq, Nk, is_causal, causal_offset)
     meta, launch = select_launch(G, Nq, Nk, D, block_size=block_size, top_k=top_k,

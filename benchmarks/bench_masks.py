@@ -24,7 +24,8 @@ attention masked by a registered ``tril`` buffer) against the same layer calling
 difference.
 
 With ``--window W`` the stack is Mistral-shaped instead (the same sizes, ``sliding_window=W``):
-PISA hands its window sites to FlexAttention over the window's blocks.
+PISA hands its window sites to FlexAttention over the window's blocks, or with a key mask to
+its Triton attention kernels over them (``window_paths``: the plans counted per path).
 """
 
 from __future__ import annotations
@@ -210,7 +211,9 @@ def main(argv=None):
                 rows.append(dict(n=n, backend=backend, call=call, window=args.window,
                                  ms=round(ms, 2),
                                  peak_gib=round(peak, 2),
-                                 reference_stages=_reference_stages(counters)))
+                                 reference_stages=_reference_stages(counters),
+                                 window_paths={k: v for k, v in counters["pisa"].items()
+                                               if "window" in k}))
                 print(rows[-1], flush=True)
     if args.json:
         with open(args.json, "w") as fh:

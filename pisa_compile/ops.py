@@ -24,6 +24,7 @@ from .kernels import dispatch, persistent
 from .kernels.dispatch import Plan
 from .kernels.runtime import DECODE_MAX_QUERIES
 from .kernels.geometry import block_width, cdiv, dense_mask
+from .kernels.window import WINDOW_QUERY_TILE, window_blocks
 
 __all__ = ["pisa_attention", "select_blocks", "plan", "Plan", "check_causal_buffer",
            "eager_empty_rows"]
@@ -64,17 +65,17 @@ def _(q, k, attn_mask, key_mask, is_causal, causal_offset, scale, block_size, to
 def _attention_op(
     q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], key_mask: Optional[Tensor],
     block_indices: Tensor, block_counts: Tensor, is_causal: bool, causal_offset: int,
-    scale: float, block_size: int, query_tile: int, impl: str,
+    scale: float, block_size: int, query_tile: int, impl: str, window: int = 0,
 ) -> tuple[Tensor, Tensor]:
     return dispatch.attention_forward(q, k, v, attn_mask, is_causal, scale, block_indices,
                                       block_counts, impl, block_size=block_size,
                                       query_tile=query_tile, key_mask=key_mask,
-                                      causal_offset=causal_offset)
+                                      causal_offset=causal_offset, window=window)
 
 
 @_attention_op.register_fake
 def _(q, k, v, attn_mask, key_mask, block_indices, block_counts, is_causal, causal_offset,
-      scale, block_size, query_tile, impl):
+      scale, block_size, query_tile, impl, window=0):
     B, Hq, Nq = q.shape[:3]
     out = q.new_empty((B, Hq, Nq, v.shape[-1]))
     lse = q.new_empty((B, Hq, Nq), dtype=torch.promote_types(q.dtype, torch.float32))
@@ -105,12 +106,13 @@ def _attention_backward_op(
     grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
     key_mask: Optional[Tensor], out: Tensor, lse: Tensor, block_indices: Tensor,
     block_counts: Tensor, is_causal: bool, causal_offset: int, scale: float, block_size: int,
-    query_tile: int, impl: str,
+    query_tile: int, impl: str, window: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     return dispatch.attention_backward(grad_out, q, k, v, attn_mask, out, lse, block_indices,
                                        block_counts, is_causal, scale, impl,
                                        block_size=block_size, query_tile=query_tile,
-                                       key_mask=key_mask, causal_offset=causal_offset)
+                                       key_mask=key_mask, causal_offset=causal_offset,
+                                       window=window)
 
 
 @_attention_backward_op.register_fake
@@ -133,7 +135,7 @@ def _backward(ctx, grad_out, _grad_lse):
                                         out, lse, block_indices, block_counts, ctx.is_causal,
                                         ctx.causal_offset, ctx.scale, *ctx.rest)
     # The selection is fixed (DESIGN.md "Attention"): no gradient for it or the masks.
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
 
 
 torch.library.register_autograd("pisa::attention", _backward, setup_context=_setup_context)
@@ -149,9 +151,10 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def forward(q, k, v, attn_mask, key_mask, block_indices, block_counts, is_causal,
-                causal_offset, scale, block_size, query_tile, impl):
+                causal_offset, scale, block_size, query_tile, impl, window=0):
         return _attention_op(q, k, v, attn_mask, key_mask, block_indices, block_counts,
-                             is_causal, causal_offset, scale, block_size, query_tile, impl)
+                             is_causal, causal_offset, scale, block_size, query_tile, impl,
+                             window)
 
     setup_context = staticmethod(_setup_context)
     backward = staticmethod(_backward)
@@ -418,6 +421,16 @@ def pisa_attention(
         from .kernels.window import window_attention
         return window_attention(q, k, v, window=window, causal_offset=causal_offset,
                                 key_mask=key_mask, scale=float(scale), enable_gqa=enable_gqa)
+    if how.attention == dispatch.TRITON_WINDOW:
+        # The window's leaf blocks as the block lists: no selection, exact.
+        block_indices, block_counts = window_blocks(
+            q.shape[0], k.shape[1], q.shape[2], k.shape[2], window, causal_offset,
+            config.block_size, WINDOW_QUERY_TILE, q.device)
+        impl = dispatch.DECODE if q.shape[2] <= DECODE_MAX_QUERIES else dispatch.TRITON
+        out, _lse = _Attention.apply(q, k, v, None, key_mask, block_indices, block_counts,
+                                     True, causal_offset, float(scale), config.block_size,
+                                     WINDOW_QUERY_TILE, impl, window)
+        return out
     # The tail has fewer than dense_tail + query_tile rows: a static bound for the GQA fold
     # when Nq is symbolic.
     tail_bound = config.dense_tail + config.query_tile
@@ -457,7 +470,7 @@ def pisa_attention(
         *config.selection_args(), how.select)
     out, _lse = _Attention.apply(q, k, v, attn_mask, key_mask, block_indices, block_counts,
                                  is_causal, causal_offset, scale, config.block_size,
-                                 config.query_tile, how.attention)
+                                 config.query_tile, how.attention, 0)
     return out if tail is None else torch.cat([out, tail], dim=2)
 
 
@@ -570,7 +583,7 @@ def _dense_split_k(q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor, is_causal:
     # instead of getting no tangent from the bare op.
     out, _lse = _Attention.apply(q, k, v, None, key_mask, block_indices, block_counts, is_causal,
                                  causal_offset, float(scale), _SPLIT_K_BLOCK, max_rows,
-                                 dispatch.DECODE)
+                                 dispatch.DECODE, 0)
     return out
 
 

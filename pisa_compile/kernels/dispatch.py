@@ -26,6 +26,7 @@ __all__ = ["Plan", "plan", "select_blocks", "attention_forward", "attention_back
 KERNELS = ("auto", "triton", "reference")
 SDPA, TRITON, DECODE, REFERENCE = "sdpa", "triton", "triton-decode", "reference"
 WINDOW = "flex-window"
+TRITON_WINDOW = "triton-window"
 
 
 class Plan(NamedTuple):
@@ -40,7 +41,9 @@ class Plan(NamedTuple):
             CUDA an explicit mask the fused selection cannot read), ``"triton"``,
             ``"triton-decode"`` (split-K over the blocks, for a few queries),
             ``"flex-window"`` (a sliding window: exact windowed attention through
-            FlexAttention, no selection, :mod:`.window`) or ``"reference"``.
+            FlexAttention, no selection, :mod:`.window`), ``"triton-window"`` (the same
+            through the Triton attention kernels over the window's leaf blocks: a window
+            with a key mask, or ``kernel="triton"``) or ``"reference"``.
         reason: why a stage does not run the fused Triton path; empty when everything does.
     """
 
@@ -146,10 +149,10 @@ def plan(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal
         window: a causal sliding window's width (keys per query), or None. From
             ``min_seq_len`` keys on, such a call is exact windowed attention: ``O(N * window)``
             already, and a query sees fewer keys than the sparse path starts at.
-        key_padding: the call has a ``key_mask``. With a window, under ``torch.compile``
-            on CUDA, it plans dense SDPA under the window's mask: FlexAttention traced into
-            the graph with a per-batch key mask gave wrong rows on the H200 (left padding
-            reaching into the windows), where its eager calls were right.
+        key_padding: the call has a ``key_mask``. With a window it plans the Triton window
+            path: FlexAttention traced into the graph with a per-batch key mask gave wrong
+            rows on the H200 (left padding reaching into the windows), where its eager calls
+            were right. Where Triton cannot run, dense SDPA under the window's mask.
         dense_rows: how many of the last query rows attend densely (the ``dense_tail``
             option, as ``ops._tail_rows`` counts it): when that is every row (a decode
             step) the call is plain SDPA, which reads every key once, as a selection over
@@ -177,6 +180,10 @@ def plan(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal
         return Plan(None, SDPA, "empty input")
     if window is not None:
         from torch._dynamo.utils import counters
+        if (key_padding or kernel == "triton") and triton_refusal(q, v, kernel) is None:
+            counters["pisa"]["triton_window"] += 1  # tests: the window path really ran
+            return Plan(None, TRITON_WINDOW, f"sliding window({window}): exact windowed "
+                                             "attention (Triton), no selection")
         why = _flex_refusal(q, k, v, kernel)
         # tracing(): Dynamo's trace, and the backend's (fake tensors under compile_fx,
         # where torch <= 2.11's is_compiling() is False).
@@ -220,6 +227,12 @@ def plan(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal
     return _count_reference(q, Plan(REFERENCE, attention, f"selection: {why}"))
 
 
+def _window_needs_triton(impl: str, window: int) -> None:
+    if window and impl not in (TRITON, DECODE):
+        raise ValueError(f"a window ({window}) runs on the Triton attention kernels only, got "
+                         f"impl={impl!r}")
+
+
 def select_blocks(q: Tensor, k: Tensor, attn_mask: Optional[Tensor], is_causal: bool,
                   scale: float, impl: str, **options) -> tuple[Tensor, Tensor]:
     """``(block_indices, block_counts)`` by ``impl`` (a :class:`Plan`'s ``select``); the
@@ -236,11 +249,15 @@ def select_blocks(q: Tensor, k: Tensor, attn_mask: Optional[Tensor], is_causal: 
 def attention_forward(q, k, v, attn_mask, is_causal, scale, block_indices, block_counts,
                       impl: str, *, block_size: int, query_tile: int,
                       key_mask: Optional[Tensor] = None,
-                      causal_offset: int = 0) -> tuple[Tensor, Tensor]:
-    """``(out, lse)`` of block-sparse attention by ``impl`` (a :class:`Plan`'s ``attention``)."""
+                      causal_offset: int = 0, window: int = 0) -> tuple[Tensor, Tensor]:
+    """``(out, lse)`` of block-sparse attention by ``impl`` (a :class:`Plan`'s ``attention``);
+    ``window`` > 0: a causal sliding window on top of the block lists (Triton only)."""
     args = (q, k, v, attn_mask, is_causal, scale, block_indices, block_counts)
     shape = dict(block_size=block_size, query_tile=query_tile, key_mask=key_mask,
                  causal_offset=causal_offset)
+    _window_needs_triton(impl, window)
+    if window:
+        shape["window"] = window
     if impl == DECODE:
         from .triton_decode import decode_attention
         with stage_range("pisa.decode", q):
@@ -254,13 +271,17 @@ def attention_forward(q, k, v, attn_mask, is_causal, scale, block_indices, block
 
 def attention_backward(grad_out, q, k, v, attn_mask, out, lse, block_indices, block_counts,
                        is_causal, scale, impl: str, *, block_size: int, query_tile: int,
-                       key_mask: Optional[Tensor] = None, causal_offset: int = 0):
+                       key_mask: Optional[Tensor] = None, causal_offset: int = 0,
+                       window: int = 0):
     """``(dq, dk, dv)`` of :func:`attention_forward` with the selection held fixed; both
     Triton forward kernels share one backward."""
     args = (grad_out, q, k, v, attn_mask, out, lse, block_indices, block_counts, is_causal,
             scale)
     shape = dict(block_size=block_size, query_tile=query_tile, key_mask=key_mask,
                  causal_offset=causal_offset)
+    _window_needs_triton(impl, window)
+    if window:
+        shape["window"] = window
     with stage_range("pisa.attention_bwd", q):
         if impl in (TRITON, DECODE):
             from .triton_attention import sparse_attention_backward

@@ -24,7 +24,8 @@ before the sub-block's first query, and that has no key past ``Nk``, skips the m
 ``attn_mask`` is read (through its strides; stride 0 for broadcast dims) on every tile.
 
 Dtypes: float16 and bfloat16 (``tl.dot`` in the input dtype, fp32 accumulation) and float32
-(``tl.dot`` in TF32 on GPU: expect ~1e-3 relative error; exact in the interpreter). float64 is
+(``tl.dot`` in full fp32 under ``torch.get_float32_matmul_precision() == "highest"``, PyTorch's
+default; in TF32, about 1e-3 relative error, under ``"high"`` or ``"medium"``). float64 is
 not supported (the dispatcher keeps it on the reference). Head dims up to 256 (64 and 128 are the
 tuned ones); ``Dv`` may differ from ``D``.
 
@@ -46,7 +47,8 @@ from .geometry import cdiv
 from .runtime import MAX_HEAD_DIM, launcher
 from .triton_util import LN2, LOG2E, pow2
 
-__all__ = ["sparse_attention", "sparse_attention_backward", "transposed_index", "tile_params"]
+__all__ = ["sparse_attention", "sparse_attention_backward", "transposed_index", "tile_params",
+           "dot_precision"]
 
 # Most query tiles one dk/dv program walks for one leaf; longer lists are split (sink leaves).
 SEG_TILES = 128
@@ -130,13 +132,16 @@ def _key_live(kpos, kvalid, km_row, skmn, HAS_KEY_MASK: tl.constexpr):
 
 @triton.jit
 def _apply_mask(s, b, head, qi, row_ok, kpos, kvalid, Mask, smb, smh, smq, smk, mask_thr,
-                q_offset, IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
-                MASK_BOOL: tl.constexpr):
+                q_offset, window, IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
+                MASK_BOOL: tl.constexpr, HAS_WINDOW: tl.constexpr):
     """Scores ``s [BLOCK_M, BLOCK_N]`` (log2 units) with hidden keys at -inf, float bias added;
-    causal: query ``qi`` sees keys ``kpos <= qi + q_offset``."""
+    causal: query ``qi`` sees keys ``kpos <= qi + q_offset``, and with a window only keys
+    ``kpos > qi + q_offset - window``."""
     vis = kvalid[None, :] & row_ok[:, None]
     if IS_CAUSAL:
         vis = vis & (kpos[None, :] <= qi[:, None] + q_offset)
+    if HAS_WINDOW:
+        vis = vis & (kpos[None, :] > qi[:, None] + q_offset - window)
     if HAS_MASK:
         mp = (Mask + b.to(tl.int64) * smb + head[:, None].to(tl.int64) * smh
               + qi[:, None].to(tl.int64) * smq + kpos[None, :].to(tl.int64) * smk)
@@ -152,22 +157,27 @@ def _apply_mask(s, b, head, qi, row_ok, kpos, kvalid, Mask, smb, smh, smq, smk, 
 
 
 @triton.jit
-def _masked_scores(s, b, head, qi, row_ok, kpos, kvalid, any_pad, k_hi, q_lo, Mask, smb, smh,
-                   smq, smk, mask_thr, q_offset, IS_CAUSAL: tl.constexpr,
-                   HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr):
+def _masked_scores(s, b, head, qi, row_ok, kpos, kvalid, any_pad, k_hi, q_lo, q_hi, Mask,
+                   smb, smh, smq, smk, mask_thr, q_offset, window, IS_CAUSAL: tl.constexpr,
+                   HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, HAS_WINDOW: tl.constexpr):
     """:func:`_apply_mask` where the tile needs it: always with a mask; else only for a key
     tile with missing keys (``any_pad``: past ``Nk`` or key-masked) or, causal, a key
-    (``k_hi``) after the first row's position (``q_lo + q_offset``)."""
+    (``k_hi``) after the first row's position (``q_lo + q_offset``), or, with a window, a key
+    at or before the last row's window start (``q_hi + q_offset - window``)."""
     if HAS_MASK:
         s = _apply_mask(s, b, head, qi, row_ok, kpos, kvalid, Mask, smb, smh, smq, smk,
-                        mask_thr, q_offset, IS_CAUSAL, HAS_MASK, MASK_BOOL)
+                        mask_thr, q_offset, window, IS_CAUSAL, HAS_MASK, MASK_BOOL, HAS_WINDOW)
     else:
         need = any_pad
         if IS_CAUSAL:
             need = need | (k_hi > q_lo + q_offset)
+        if HAS_WINDOW:
+            k_lo = tl.min(tl.where(kvalid, kpos, 2147483647), 0)
+            need = need | (k_lo <= q_hi + q_offset - window)
         if need:
             s = _apply_mask(s, b, head, qi, row_ok, kpos, kvalid, Mask, smb, smh, smq, smk,
-                            mask_thr, q_offset, IS_CAUSAL, HAS_MASK, MASK_BOOL)
+                            mask_thr, q_offset, window, IS_CAUSAL, HAS_MASK, MASK_BOOL,
+                            HAS_WINDOW)
     return s
 
 
@@ -179,12 +189,14 @@ def _fwd_kernel(
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
     smb, smh, smq, smk, skmb, skmn, sob, soh, son, sod, slb, slh, sln,
     sib, sih, sit, scb, sch, sct,
-    Hkv, Nq, Nk, q_offset, qk_scale, mask_thr, ENTRIES_PER_SPLIT, part_stride_o, part_stride_l,
+    Hkv, Nq, Nk, q_offset, window, qk_scale, mask_thr, ENTRIES_PER_SPLIT, part_stride_o,
+    part_stride_l,
     G: tl.constexpr, TQ: tl.constexpr, TQE: tl.constexpr, C: tl.constexpr,
     D: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     N_SUB: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
-    HAS_KEY_MASK: tl.constexpr, SPLIT: tl.constexpr,
+    HAS_KEY_MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     """One program: one row sub-block of one query tile of one (batch, KV head)[, one split].
 
@@ -211,6 +223,7 @@ def _fwd_kernel(
               + offs_d[None, :] * sqd)
     q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
     q_lo = tl.min(tl.where(row_ok, qi, Nq), 0)
+    q_hi = tl.max(tl.where(row_ok, qi, 0), 0)
     k_base = K + b64 * skb + hkv.to(tl.int64) * skh
     v_base = V + b64 * svb + hkv.to(tl.int64) * svh
     km_row = KeyMask + b64 * skmb
@@ -226,11 +239,11 @@ def _fwd_kernel(
         kt = tl.load(k_base + kpos[None, :].to(tl.int64) * skn + offs_d[:, None] * skd,
                      mask=kvalid[None, :] & (offs_d[:, None] < D), other=0.0)
         kvalid = _key_live(kpos, kvalid, km_row, skmn, HAS_KEY_MASK)
-        s = tl.dot(q, kt) * qk_scale
+        s = tl.dot(q, kt, input_precision=DOT_PREC) * qk_scale
         any_pad, k_hi = _key_extent(kpos, kvalid)
-        s = _masked_scores(s, b, head, qi, row_ok, kpos, kvalid, any_pad, k_hi, q_lo, Mask,
-                           smb, smh, smq, smk, mask_thr, q_offset, IS_CAUSAL, HAS_MASK,
-                           MASK_BOOL)
+        s = _masked_scores(s, b, head, qi, row_ok, kpos, kvalid, any_pad, k_hi, q_lo, q_hi,
+                           Mask, smb, smh, smq, smk, mask_thr, q_offset, window, IS_CAUSAL,
+                           HAS_MASK, MASK_BOOL, HAS_WINDOW)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row that has seen no visible key yet keeps m = -inf; subtract 0 instead (no NaN).
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -239,7 +252,7 @@ def _fwd_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         vt = tl.load(v_base + kpos[:, None].to(tl.int64) * svn + offs_dv[None, :] * svd,
                      mask=kvalid[:, None] & (offs_dv[None, :] < DV), other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=DOT_PREC)
         m_i = m_new
 
     # No visible key: zeros and lse = -inf, as SDPA. l_i is NaN (not 0) for a row that met a
@@ -289,12 +302,12 @@ def _bwd_dq_kernel(
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
     smb, smh, smq, smk, skmb, skmn, sdob, sdoh, sdon, sdod, slb, slh, sln,
     sdqb, sdqh, sdqn, sdqd, sib, sih, sit, scb, sch, sct,
-    Hkv, Nq, Nk, q_offset, qk_scale, sm_scale, mask_thr,
+    Hkv, Nq, Nk, q_offset, window, qk_scale, sm_scale, mask_thr,
     G: tl.constexpr, TQ: tl.constexpr, TQE: tl.constexpr, C: tl.constexpr,
     D: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     N_SUB: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
-    HAS_KEY_MASK: tl.constexpr,
+    HAS_KEY_MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """``dq`` of one row sub-block of one tile: loop over the tile's blocks (no atomics)."""
     # Inductor may pass Python floats as fp64 scalars; keep the math in fp32.
@@ -320,6 +333,7 @@ def _bwd_dq_kernel(
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
     delta = tl.load(Delta + row, mask=row_ok, other=0.0)
     q_lo = tl.min(tl.where(row_ok, qi, Nq), 0)
+    q_hi = tl.max(tl.where(row_ok, qi, 0), 0)
     k_base = K + b64 * skb + hkv.to(tl.int64) * skh
     v_base = V + b64 * svb + hkv.to(tl.int64) * svh
     km_row = KeyMask + b64 * skmb
@@ -333,15 +347,15 @@ def _bwd_dq_kernel(
                     mask=kvalid[:, None] & (offs_d[None, :] < D), other=0.0)
         v = tl.load(v_base + kpos[:, None].to(tl.int64) * svn + offs_dv[None, :] * svd,
                     mask=kvalid[:, None] & (offs_dv[None, :] < DV), other=0.0)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
         any_pad, k_hi = _key_extent(kpos, kvalid)
-        s = _masked_scores(s, b, head, qi, row_ok, kpos, kvalid, any_pad, k_hi, q_lo, Mask,
-                           smb, smh, smq, smk, mask_thr, q_offset, IS_CAUSAL, HAS_MASK,
-                           MASK_BOOL)
+        s = _masked_scores(s, b, head, qi, row_ok, kpos, kvalid, any_pad, k_hi, q_lo, q_hi,
+                           Mask, smb, smh, smq, smk, mask_thr, q_offset, window, IS_CAUSAL,
+                           HAS_MASK, MASK_BOOL, HAS_WINDOW)
         p = tl.math.exp2(s - lse2[:, None])
-        dp = tl.dot(do, tl.trans(v))
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
         ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k)
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PREC)
     dq = dq * sm_scale
     tl.store(DQ + b64 * sdqb + h64 * sdqh + q64 * sdqn + offs_d[None, :] * sdqd,
              dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < D))
@@ -353,12 +367,12 @@ def _bwd_dkdv_kernel(
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
     smb, smh, smq, smk, skmb, skmn, sdob, sdoh, sdon, sdod, slb, slh, sln,
     sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd,
-    Hkv, Nq, Nk, q_offset, L, BHL, TM, SEG, qk_scale, sm_scale, mask_thr,
+    Hkv, Nq, Nk, q_offset, window, L, BHL, TM, SEG, qk_scale, sm_scale, mask_thr,
     G: tl.constexpr, TQ: tl.constexpr, TQE: tl.constexpr, C: tl.constexpr,
     D: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     N_SUB: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
-    HAS_KEY_MASK: tl.constexpr,
+    HAS_KEY_MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """``dk, dv`` of one key tile of one leaf, over one segment of the tiles that chose it.
 
@@ -440,16 +454,17 @@ def _bwd_dkdv_kernel(
             lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
             row = (b64 * (Hkv * G) + head.to(tl.int64)) * Nq + qi
             delta = tl.load(Delta + row, mask=row_ok, other=0.0)
-            s = tl.dot(q, tl.trans(k)) * qk_scale
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
             q_lo = tl.min(tl.where(row_ok, qi, Nq), 0)
-            s = _masked_scores(s, b, head, qi, row_ok, kpos, kvalid, any_pad, k_hi, q_lo, Mask,
-                               smb, smh, smq, smk, mask_thr, q_offset, IS_CAUSAL, HAS_MASK,
-                               MASK_BOOL)
+            q_hi = tl.max(tl.where(row_ok, qi, 0), 0)
+            s = _masked_scores(s, b, head, qi, row_ok, kpos, kvalid, any_pad, k_hi, q_lo, q_hi,
+                               Mask, smb, smh, smq, smk, mask_thr, q_offset, window,
+                               IS_CAUSAL, HAS_MASK, MASK_BOOL, HAS_WINDOW)
             p = tl.math.exp2(s - lse2[:, None])
-            dv += tl.dot(tl.trans(p.to(do.dtype)), do)
-            dp = tl.dot(do, tl.trans(v))
+            dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=DOT_PREC)
+            dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
             ds = p * (dp - delta[:, None])
-            dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+            dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=DOT_PREC)
     dk = dk * sm_scale
     final = kout & (multi_n == 0)
     tl.store(dK + b64 * sdkb + hk64 * sdkh + kpos[:, None].to(tl.int64) * sdkn
@@ -585,6 +600,16 @@ def tile_params(G: int, tq_eff: int, D: int, Dv: int, C: int, dtype: torch.dtype
                 num_stages=t["num_stages"])
 
 
+def dot_precision(dtype: torch.dtype) -> str:
+    """``tl.dot``'s ``input_precision`` for operands of ``dtype``: float32 follows
+    ``torch.get_float32_matmul_precision()`` as PyTorch's own matmuls do (``"highest"``, the
+    default: full fp32 products, ``"ieee"``; ``"high"``/``"medium"``: TF32, about 1e-3 relative
+    error). Half dtypes ignore it (``"tf32"``, Triton's default)."""
+    if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
+        return "ieee"
+    return "tf32"
+
+
 def _check(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, block_counts: Tensor,
            query_tile: int) -> None:
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -643,8 +668,11 @@ def _key_mask_args(key_mask: Optional[Tensor], q: Tensor, Nk: int):
 
 
 def _common(q, k, v, attn_mask, is_causal, block_indices, block_counts, block_size, query_tile,
-            tuning=None, key_mask=None):
+            tuning=None, key_mask=None, window=None):
     _check(q, k, v, block_indices, block_counts, query_tile)
+    if window is not None and (not is_causal or window < 1):
+        raise ValueError(f"window must be an int >= 1 with is_causal=True, got window={window}, "
+                         f"is_causal={is_causal}")
     B, Hq, Nq, D = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     G = Hq // Hkv
@@ -658,7 +686,8 @@ def _common(q, k, v, attn_mask, is_causal, block_indices, block_counts, block_si
     bi = block_indices.contiguous()
     bc = block_counts.contiguous()
     meta = dict(G=G, TQ=Tq, TQE=tqe, C=block_size, D=D, DV=Dv, IS_CAUSAL=bool(is_causal),
-                HAS_MASK=has_mask, MASK_BOOL=mask_bool, HAS_KEY_MASK=has_km, **tp)
+                HAS_MASK=has_mask, MASK_BOOL=mask_bool, HAS_KEY_MASK=has_km,
+                HAS_WINDOW=window is not None, DOT_PREC=dot_precision(q.dtype), **tp)
     # The key mask rides with the explicit mask: (mask, key mask), strides of both.
     return (B, Hq, Hkv, Nq, Nk, D, Dv, bi, bc, (mask, km), (*mstr, *kmstr), thr, meta)
 
@@ -666,7 +695,7 @@ def _common(q, k, v, attn_mask, is_causal, block_indices, block_counts, block_si
 def sparse_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal: bool,
                      scale: float, block_indices: Tensor, block_counts: Tensor, *,
                      block_size: int, query_tile: int, key_mask: Optional[Tensor] = None,
-                     causal_offset: int = 0,
+                     causal_offset: int = 0, window: Optional[int] = None,
                      tuning: Optional[dict] = None) -> tuple[Tensor, Tensor]:
     """Block-sparse attention forward; same contract as ``reference.sparse_attention``.
 
@@ -676,6 +705,8 @@ def sparse_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor
             ``[B, Hq, Nq, Nk]``. is_causal: query ``i`` sees keys ``j <= i + causal_offset``
             (0: SDPA's top-left rule). scale: softmax scale.
         key_mask: None or bool ``[B, Nk]``: False keys are never attended (padding).
+        window: None, or a causal sliding window (int >= 1; needs ``is_causal``): query ``i``
+            sees only keys ``j > i + causal_offset - window``.
         block_indices: int32 ``[B, Hkv, T, M]`` ascending, -1 padded. block_counts: int32
             ``[B, Hkv, T]``. block_size, query_tile: the PISA options of those names.
         tuning: overrides of :data:`ATTENTION_TILES` (benchmark sweeps).
@@ -689,7 +720,7 @@ def sparse_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor
     """
     B, Hq, Hkv, Nq, Nk, D, Dv, bi, bc, mask, mstr, thr, meta = _common(
         q, k, v, attn_mask, is_causal, block_indices, block_counts, block_size, query_tile,
-        tuning, key_mask)
+        tuning, key_mask, window)
     out = torch.empty(B, Hq, Nq, Dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, Hq, Nq, dtype=torch.float32, device=q.device)
     T = bi.shape[2]
@@ -698,7 +729,7 @@ def sparse_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor
         q, k, v, *mask, bi, bc, out, lse, out, lse,
         *q.stride(), *k.stride(), *v.stride(), *mstr, *out.stride(), *lse.stride(),
         *bi.stride()[:3], *bc.stride(),
-        Hkv, Nq, Nk, causal_offset, float(scale) * LOG2E.value, thr, 0, 0, 0,
+        Hkv, Nq, Nk, causal_offset, window or 0, float(scale) * LOG2E.value, thr, 0, 0, 0,
         SPLIT=False, **meta)
     return out, lse
 
@@ -708,6 +739,7 @@ def sparse_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor,
                               block_indices: Tensor, block_counts: Tensor, is_causal: bool,
                               scale: float, *, block_size: int, query_tile: int,
                               key_mask: Optional[Tensor] = None, causal_offset: int = 0,
+                              window: Optional[int] = None,
                               tuning: Optional[dict] = None) -> tuple[Tensor, Tensor, Tensor]:
     """``dq, dk, dv`` of :func:`sparse_attention` with the selection fixed (FlashAttention-2).
 
@@ -720,7 +752,7 @@ def sparse_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor,
     """
     B, Hq, Hkv, Nq, Nk, D, Dv, bi, bc, mask, mstr, thr, meta = _common(
         q, k, v, attn_mask, is_causal, block_indices, block_counts, block_size, query_tile,
-        tuning, key_mask)
+        tuning, key_mask, window)
     T = bi.shape[2]
     C = block_size
     L = cdiv(Nk, C)
@@ -738,7 +770,7 @@ def sparse_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor,
         q, k, v, *mask, bi, bc, grad_out, lse, delta, dq,
         *q.stride(), *k.stride(), *v.stride(), *mstr, *grad_out.stride(), *lse.stride(),
         *dq.stride(), *bi.stride()[:3], *bc.stride(),
-        Hkv, Nq, Nk, causal_offset, qk_scale, float(scale), thr, **meta)
+        Hkv, Nq, Nk, causal_offset, window or 0, qk_scale, float(scale), thr, **meta)
     offsets, tiles = transposed_index(bi, bc, L)
     nch = cdiv(C, meta["BLOCK_N"])
     seg = SEG_TILES
@@ -756,7 +788,8 @@ def sparse_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor,
         part_k, part_v,
         *q.stride(), *k.stride(), *v.stride(), *mstr, *grad_out.stride(), *lse.stride(),
         *dk.stride(), *dv.stride(),
-        Hkv, Nq, Nk, causal_offset, L, BHL, tiles.shape[-1], seg, qk_scale, float(scale), thr, **meta)
+        Hkv, Nq, Nk, causal_offset, window or 0, L, BHL, tiles.shape[-1], seg, qk_scale,
+        float(scale), thr, **meta)
     if W:
         launcher(_bwd_reduce_kernel, q)[(BHL, nch)](
             offsets, slot_base, part_k, part_v, dk, dv, *dk.stride(), *dv.stride(),

@@ -76,7 +76,7 @@ def num_splits(n_programs: int, n_entries: int, device: torch.device,
 def decode_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal: bool,
                      scale: float, block_indices: Tensor, block_counts: Tensor,
                      *, block_size: int, query_tile: int, key_mask: Optional[Tensor] = None,
-                     causal_offset: int = 0,
+                     causal_offset: int = 0, window: Optional[int] = None,
                      n_splits: Optional[int] = None) -> tuple[Tensor, Tensor]:
     """Block-sparse attention for a few queries (decode); same contract as ``sparse_attention``.
 
@@ -84,7 +84,7 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor
         q: ``[B, Hq, Nq, D]`` (meant for ``Nq <= 16``; any ``Nq`` is correct); k, v: the cache
             ``[B, Hkv, Nk, D]`` / ``[B, Hkv, Nk, Dv]``; attn_mask, is_causal, scale,
             block_indices ``[B, Hkv, T, M]``, block_counts ``[B, Hkv, T]``, block_size,
-            query_tile, key_mask, causal_offset: as
+            query_tile, key_mask, causal_offset, window: as
             :func:`pisa_compile.kernels.reference.sparse_attention`.
         n_splits: override the number of slices per block list (default: fill the GPU).
 
@@ -97,7 +97,7 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor
     """
     B, Hq, Hkv, Nq, Nk, D, Dv, bi, bc, mask, mstr, thr, meta = _common(
         q, k, v, attn_mask, is_causal, block_indices, block_counts, block_size, query_tile,
-        key_mask=key_mask)
+        key_mask=key_mask, window=window)
     T, M = bi.shape[2], bi.shape[3]
     C = block_size
     per_iter = max(1, meta["BLOCK_N"] // C)
@@ -116,7 +116,8 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor
         q, k, v, *mask, bi, bc, out, lse, o_part, l_part,
         *q.stride(), *k.stride(), *v.stride(), *mstr, *out.stride(), *lse.stride(),
         *bi.stride()[:3], *bc.stride(),
-        Hkv, Nq, Nk, causal_offset, float(scale) * LOG2E.value, thr, per_split, n_rows * Dv, n_rows,
+        Hkv, Nq, Nk, causal_offset, window or 0, float(scale) * LOG2E.value, thr, per_split,
+        n_rows * Dv, n_rows,
         SPLIT=True, **meta)
     rows = 16
     launcher(_combine_kernel, q)[(triton.cdiv(n_rows, rows),)](

@@ -1,6 +1,8 @@
-"""Exact sliding-window attention through PyTorch's FlexAttention, for the sites whose mask the
-pass proves to be a causal sliding window (Mistral, Gemma 3, Gemma 2 without logit
-softcapping, Qwen2 with ``use_sliding_window``).
+"""Exact sliding-window attention, for the sites whose mask the pass proves to be a causal
+sliding window (Mistral, Gemma 3, Gemma 2 without logit softcapping, Qwen2 with
+``use_sliding_window``): through PyTorch's FlexAttention, or through PISA's Triton attention
+kernels over the leaf blocks that :func:`window_blocks` lists (a window with a key mask, where
+FlexAttention traced by Inductor gave wrong rows).
 
 A query sees at most ``window`` keys there, so the attention is already ``O(N * window)``; it
 runs exactly (no selection) over the key blocks the window touches. The block lists come from
@@ -17,9 +19,47 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["window_attention", "window_block_mask"]
+__all__ = ["window_attention", "window_block_mask", "window_blocks", "WINDOW_QUERY_TILE"]
 
 BLOCK = 128  # FlexAttention's default query and key block
+# Queries per tile of the Triton window path: a tile reads window + tile - 1 keys, so a wider
+# tile wastes less of its key blocks on keys no row sees, at the price of more rows per block.
+WINDOW_QUERY_TILE = 64
+
+
+def window_blocks(B: int, Hkv: int, Nq, Nk, window: int, causal_offset, block_size: int,
+                  query_tile: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """Block lists of a causal sliding window, for the Triton attention kernels.
+
+    Query ``i`` sits at key position ``p = i + causal_offset`` and sees keys ``j`` with
+    ``p - window < j <= p``; a tile of ``query_tile`` queries lists every leaf block of
+    ``block_size`` keys that some row of it sees (the kernels mask the edges).
+
+    Args:
+        B, Hkv: batch and KV heads; Nq, Nk: queries and keys (ints or SymInts);
+        window: keys per query (int >= 1); causal_offset: int or SymInt >= 0;
+        block_size, query_tile: leaf and tile sizes of the attention call; device: q's.
+
+    Returns:
+        ``block_indices`` int32 ``[B, Hkv, T, M]`` (ascending, ``-1`` padded; ``T =
+        ceil(Nq / query_tile)``, ``M = ceil((window + query_tile - 1) / block_size) + 1``,
+        a static bound) and ``block_counts`` int32 ``[B, Hkv, T]``, expanded views (the lists
+        depend on neither batch nor head). Built on the device from the geometry: no host
+        sync, ``O(T * M)``.
+    """
+    T = -(-Nq // query_tile)
+    M = -(-(window + query_tile - 1) // block_size) + 1
+    t = torch.arange(T, device=device)
+    q_lo = t * query_tile + causal_offset
+    q_hi = torch.clamp((t + 1) * query_tile, max=Nq) - 1 + causal_offset
+    lo = torch.clamp(q_lo - window + 1, min=0)
+    hi = torch.clamp(q_hi, max=Nk - 1)
+    first = lo // block_size
+    count = torch.where(lo > hi, 0, hi // block_size - first + 1)
+    slot = torch.arange(M, device=device)
+    idx = torch.where(slot[None, :] < count[:, None], first[:, None] + slot[None, :], -1)
+    return (idx.to(torch.int32).expand(B, Hkv, T, M),
+            count.to(torch.int32).expand(B, Hkv, T))
 
 
 def window_block_mask(B: int, Nq: int, Nk: int, window: int, causal_offset,

@@ -91,9 +91,9 @@ def test_generate_runs_no_reference_stage(llama):
 def test_sliding_window_model_equals_dense(form):
     """A Mistral-shaped stack with a 512-token window at 2048: every site is rewritten with
     the window as structure, runs no reference stage, and equals dense on every real token.
-    Without ``attention_mask`` the sites run FlexAttention; with one (a key mask) dense SDPA
-    under the window's mask: traced FlexAttention gave wrong rows with left padding (0.31
-    relative error; ``test_window_op_with_padding_inside_the_windows``)."""
+    Without ``attention_mask`` the sites run FlexAttention; with one (a key mask) PISA's
+    Triton attention kernels over the window's blocks: traced FlexAttention gave wrong rows
+    with left padding (0.31 relative error), so no site may plan it, nor dense SDPA."""
     from transformers import MistralConfig, MistralForCausalLM
     cfg = MistralConfig(vocab_size=1000, hidden_size=256, intermediate_size=512,
                         num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
@@ -114,10 +114,10 @@ def test_sliding_window_model_equals_dense(form):
     assert counters["pisa"]["rewritten"] == 2 and counters["pisa"]["left_dense"] == 0, \
         dict(counters["pisa"])
     # Plans are counted per trace (several per site): every one took the same path.
-    took, not_taken = ("flex_window", "window_sdpa") if form == "no_mask" else (
-        "window_sdpa", "flex_window")
-    assert counters["pisa"][took] >= 2 and counters["pisa"][not_taken] == 0, \
-        dict(counters["pisa"])
+    took = "flex_window" if form == "no_mask" else "triton_window"
+    assert counters["pisa"][took] >= 2, dict(counters["pisa"])
+    assert all(counters["pisa"][p] == 0 for p in ("flex_window", "triton_window", "window_sdpa")
+               if p != took), dict(counters["pisa"])
     assert _stages() == {}, _stages()
     real = am.bool()
     assert _close(out[real], dense[real]) < 2e-2
@@ -157,17 +157,15 @@ def test_nanogpt_buffer_runs_no_reference_stage():
     assert _close(out, dense) < 2e-2
 
 
-@pytest.mark.parametrize("grad, compiled, traced_flex", [
-    (False, False, False), (True, False, False), (False, True, False),
-    pytest.param(False, True, True, marks=pytest.mark.xfail(
-        reason="FlexAttention traced with a per-batch key mask: row 700 off by 3.7 (73b6227)",
-        strict=False))])
-def test_window_op_with_padding_inside_the_windows(grad, compiled, traced_flex, monkeypatch):
+@pytest.mark.parametrize("grad, compiled", [(False, False), (True, False), (False, True),
+                                            (True, True)])
+def test_window_op_with_padding_inside_the_windows(grad, compiled):
     """Left padding that reaches into the windows (the Mistral model case): the op on CUDA,
     on transposed q/k/v as a model hands them, equals SDPA under the window's mask on every
-    row that sees a key (bf16, prefill). Eagerly it runs FlexAttention; compiled, dense SDPA
-    under the window's mask, because FlexAttention traced into the graph gave row 700 of
-    the padded sequence (its one visible key: itself) a 3.7 error on the H200 (73b6227)."""
+    row that sees a key (bf16, prefill), eager and compiled, forward and backward. It runs
+    PISA's Triton kernels over the window's blocks (FlexAttention traced into the graph gave
+    row 700 of the padded sequence, its one visible key itself, a 3.7 error on the H200,
+    73b6227)."""
     from pisa_compile import PisaConfig, pisa_attention
     from pisa_compile.kernels.geometry import dense_mask
     g = torch.Generator(device="cuda").manual_seed(5)
@@ -181,11 +179,11 @@ def test_window_op_with_padding_inside_the_windows(grad, compiled, traced_flex, 
         return pisa_attention(q, k, v, is_causal=True, window=512, key_mask=am.bool(),
                               enable_gqa=True, config=PisaConfig(min_seq_len=0))
 
-    from pisa_compile.kernels import dispatch
-    monkeypatch.setattr(dispatch, "TRACED_FLEX_WITH_KEY_MASK", traced_flex)
     torch._dynamo.reset()
+    counters.clear()
     with torch.set_grad_enabled(grad):
         out = (torch.compile(f, fullgraph=True) if compiled else f)(q, k, v, am)
+    assert counters["pisa"]["triton_window"] >= 1, dict(counters["pisa"])
     km = am.bool()
     m = dense_mask(2, N, N, True, 0, km, window=512)
     rows = m[:, 0].any(-1)  # [B, N]

@@ -34,7 +34,7 @@ def _cases(n: int, window: int, pad: int, backward: bool):
         km = torch.ones(1, n, dtype=torch.bool, device="cuda")
         km[0, :pad] = False
     scale = 128 ** -0.5
-    mask = dense_mask(1, n, n, True, 0, km, window=window)
+    mask = dense_mask(1, n, n, True, 0, km, device="cuda", window=window)
     # K/V repeated per query head: SDPA's memory-efficient kernel reads a mask but takes no
     # enable_gqa, and the math kernel would build every score (128 GiB at 32K).
     k_rep, v_rep = (t.detach().repeat_interleave(4, dim=1).requires_grad_(backward)

@@ -29,6 +29,8 @@ def _model():
 
 
 def run(precision: str) -> dict:
+    from torch._dynamo.utils import counters
+
     from pisa_compile import PisaConfig
     from pisa_compile.backend import pisa_backend
     from pisa_compile.hf_cache import PisaCache
@@ -45,12 +47,13 @@ def run(precision: str) -> dict:
     eager_forward = m.forward
     out = {}
     pc = PisaConfig(top_k=64, kernel="triton", min_seq_len=0)
-    opts = dict(min_seq_len=0, kernel="triton")
+    opts = dict(min_seq_len=0, kernel="triton", top_k=64)  # the exact regime
     for name, backend, cache in (
             ("inductor", "inductor", None),
             ("pisa_default_cache", lambda gm, ex: pisa_backend(gm, ex, options=opts), None),
             ("pisa_PisaCache", lambda gm, ex: pisa_backend(gm, ex, options=opts), "pisa")):
         torch._dynamo.reset()
+        counters.clear()
         m.forward = torch.compile(eager_forward, dynamic=True, backend=backend)
         extra = {} if cache is None else dict(
             past_key_values=PisaCache(3000 + new, config=pc, sparse_from=0))
@@ -59,6 +62,7 @@ def run(precision: str) -> dict:
         diffs = [float((a - b).abs().max()) for a, b in zip(got.scores, dense.scores)]
         out[name] = dict(max_abs_per_step=[round(d, 5) for d in diffs],
                          same_tokens=bool(torch.equal(got.sequences, dense.sequences)))
+        out[name]["counters"] = {k: v for k, v in counters["pisa"].items()}
         print(precision, name, out[name], flush=True)
     m.forward = eager_forward
     torch.set_float32_matmul_precision("highest")

@@ -10,6 +10,8 @@ at trace time, and is visible in the graph.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 import numbers
 from typing import Optional
@@ -98,6 +100,31 @@ def _cached_decode_op(q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor
 
 @_cached_decode_op.register_fake
 def _(q, k, v, key_mask, causal_offset, scale, kernel):
+    return q.new_empty((*q.shape[:3], v.shape[3]))
+
+
+@torch.library.custom_op("pisa::structured_from_mask", mutates_args=())
+def _structured_from_mask_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor, scale: float,
+                             config: str) -> Tensor:
+    # At run time: a mask the pass could not prove (built in another graph) that is causal
+    # AND a key mask runs on the structured path; anything else runs dense under the mask.
+    from torch._dynamo.utils import counters
+    cfg = PisaConfig(**json.loads(config))
+    # No host sync inside a CUDA-graph capture: dense there.
+    capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+    found = None if capturing else mask_structure(attn_mask, q.shape[2], k.shape[2])
+    if found is None:
+        counters["pisa"]["runtime_mask_dense"] += 1
+        return _dense_sdpa(q, k, v, attn_mask, False, scale, True, None).contiguous()
+    counters["pisa"]["runtime_mask_structured"] += 1
+    key_mask, offset = found
+    return pisa_attention(q, k, v, is_causal=True, causal_offset=offset,
+                          key_mask=key_mask.expand(q.shape[0], k.shape[2]), scale=scale,
+                          enable_gqa=True, config=cfg).contiguous()
+
+
+@_structured_from_mask_op.register_fake
+def _(q, k, v, attn_mask, scale, config):
     return q.new_empty((*q.shape[:3], v.shape[3]))
 
 
@@ -434,6 +461,10 @@ def pisa_attention(
     # The tail has fewer than dense_tail + query_tile rows: a static bound for the GQA fold
     # when Nq is symbolic.
     tail_bound = config.dense_tail + config.query_tile
+    if dispatch.EXPLICIT_MASK in how.reason and _mask_checked_at_run_time(q, k, v, attn_mask,
+                                                                          config):
+        return _structured_from_mask_op(q, k, v, _mask4(attn_mask), float(scale),
+                                        json.dumps(dataclasses.asdict(config)))
     if how.attention == dispatch.SDPA:
         whole_tail = how.reason == dispatch.IN_DENSE_TAIL
         m4 = _mask4(attn_mask)
@@ -497,6 +528,67 @@ def _cached_decode_applies(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[
             and statically_known_true(shape[1] == 1) and statically_known_true(shape[2] == 1)
             and (statically_known_true(shape[0] == 1)
                  or statically_known_true(shape[0] == q.shape[0])))
+
+
+def _mask_checked_at_run_time(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor,
+                              config: PisaConfig) -> bool:
+    """Whether an unproved explicit mask goes through ``pisa::structured_from_mask`` (its
+    structure read at run time by :func:`mask_structure`): a bool or float mask that does not
+    vary by head, no gradient wanted (the op has no backward), a float ``scale``, and the
+    Triton kernels take the inputs."""
+    m = _mask4(attn_mask)
+    return (not _needs_grad(q, k, v) and (m.dtype == torch.bool or m.is_floating_point())
+            and statically_known_true(m.shape[1] == 1)
+            and dispatch.triton_refusal(q, v, config.kernel) is None)
+
+
+def mask_structure(attn_mask: Tensor, n_queries: int, n_keys: int
+                   ) -> Optional[tuple[Tensor, int]]:
+    """The structure of an explicit mask, read at run time: ``(key_mask, causal_offset)`` when
+    ``attn_mask`` is exactly causal with that offset AND a per-batch key mask, else None.
+
+    This is what transformers hands attention when its mask was built in another graph (a
+    graph break before the decoder layers, as a cache whose update runs eagerly makes):
+    causal (top-left, offset 0; or bottom-right, offset ``Nk - Nq``: a prompt appended to a
+    cache) AND padding. The key mask is the keys some query sees; the mask must then equal
+    ``(j <= i + offset) & key_mask[b, j]`` on every entry, padding rows included (a row
+    that sees no key must be all masked).
+
+    Args:
+        attn_mask: ``[B or 1, 1, Nq, Nk]`` bool (True = attend) or float (0 = attend,
+            ``<= finfo.min / 2`` or ``-inf`` = masked; any other value is a bias: None).
+        n_queries, n_keys: ``Nq``, ``Nk``.
+
+    Returns:
+        ``(key_mask [B or 1, Nk] bool, causal_offset)`` or None. Up to two host syncs (one
+        per candidate offset); the comparison runs in chunks of rows, so its temporaries
+        stay a fraction of the mask's size.
+    """
+    m = attn_mask
+    if m.dim() != 4 or m.shape[1] != 1 or m.shape[2] != n_queries or m.shape[3] != n_keys:
+        return None
+    m = m[:, 0]
+    if m.is_floating_point():
+        thr = max(torch.finfo(m.dtype).min / 2, torch.finfo(torch.float32).min)
+        if bool(((m != 0) & (m > thr)).any()):  # a finite bias: not a mask
+            return None
+        m = m == 0
+    elif m.dtype != torch.bool:
+        return None
+    key_mask = m.any(dim=1)  # [B or 1, Nk]: keys some query sees
+    j = torch.arange(n_keys, device=m.device)
+    rows = max(1, (1 << 24) // max(1, n_keys * m.shape[0]))  # about 16M entries per chunk
+    for offset in dict.fromkeys((0, n_keys - n_queries)):
+        if offset < 0:
+            continue
+        bad = torch.zeros((), dtype=torch.bool, device=m.device)
+        for r0 in range(0, n_queries, rows):
+            i = torch.arange(r0, min(r0 + rows, n_queries), device=m.device)
+            want = (j[None, :] <= i[:, None] + offset)[None] & key_mask[:, None, :]
+            bad |= (m[:, r0:r0 + rows] != want).any()
+        if not bool(bad):
+            return key_mask, offset
+    return None
 
 
 def _dense(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],

@@ -57,6 +57,9 @@ _warned: set[str] = set()
 # (left padding inside the windows); such calls run dense until that is found. A GPU test
 # sets this to follow the bug.
 TRACED_FLEX_WITH_KEY_MASK = False
+# The reason of a call with an explicit mask the pass could not prove (ops reads its
+# structure at run time where it can: ``ops.mask_structure``).
+EXPLICIT_MASK = "explicit attn_mask (the fused selection reads no mask yet)"
 # The reason of a call the dense tail takes whole (too few queries for a query tile of sparse
 # rows before the tail).
 IN_DENSE_TAIL = "every query in the dense tail"
@@ -205,7 +208,7 @@ def plan(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal
     if attn_mask is not None and kernel == "auto" and q.device.type == "cuda" and (
             not selection_only):
         # Before the Triton checks: SDPA takes every dtype and head dim the reference would.
-        why = "explicit attn_mask (the fused selection reads no mask yet)"
+        why = EXPLICIT_MASK
         _warn_once(why, "dense SDPA runs under the mask instead (exact, dense speed)")
         return Plan(None, SDPA, f"{why}: dense SDPA under the mask")
     why = triton_refusal(q, v, kernel)
@@ -215,7 +218,7 @@ def plan(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal
         return _count_reference(q, Plan(REFERENCE, REFERENCE, why))
     attention = DECODE if n_sparse <= DECODE_MAX_QUERIES else TRITON
     if attn_mask is not None:
-        why = "explicit attn_mask (the fused selection reads no mask yet)"
+        why = EXPLICIT_MASK
     elif q.dtype == torch.float64:
         why = "float64 inputs"
     elif is_causal and local_blocks == 0:

@@ -1,0 +1,192 @@
+"""Masks the pass could not prove, read at run time, and windows on the Triton kernels
+(issue #14), on the CPU through Triton's interpreter.
+
+- ``ops.mask_structure`` is sound (whatever it returns stands for exactly the mask it read)
+  and finds causal AND padding masks at offsets 0 and ``Nk - Nq``, bool or float.
+- ``pisa_attention`` with such an explicit mask (what a model hands attention when its mask
+  was built in another graph) runs the structured path (a counter says so) and in the exact
+  regime equals dense SDPA; any other mask runs dense SDPA under it.
+- A sliding window with a key mask runs the Triton attention kernels over the window's
+  blocks (``plan`` says ``triton-window``), forward and backward equal to dense under the
+  window's mask.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("triton was imported without TRITON_INTERPRET=1; run this module on its own",
+                allow_module_level=True)
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+pytest.importorskip("triton")
+
+from pisa_compile import PisaConfig, pisa_attention  # noqa: E402
+from pisa_compile.kernels.geometry import dense_mask  # noqa: E402
+from pisa_compile.kernels.window import window_blocks  # noqa: E402
+from pisa_compile.ops import mask_structure, plan  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+EXACT = PisaConfig(block_size=16, top_k=64, min_seq_len=0, kernel="triton")
+
+
+def _padding(B, Nk, pads, left):
+    pos = torch.arange(Nk)[None, :]
+    pad = torch.tensor(pads)[:, None]
+    return pos >= pad if left else pos < Nk - pad
+
+
+@st.composite
+def masks(draw):
+    """A structured mask (causal at offset 0 or ``Nk - Nq``, with padding) or a look-alike
+    (a window, a strict diagonal, one flipped entry, a per-head mask, a finite bias)."""
+    B = draw(st.integers(1, 3))
+    Nq = draw(st.integers(1, 60))
+    Nk = draw(st.integers(Nq, 80))
+    off = draw(st.sampled_from([0, Nk - Nq]))
+    km = _padding(B, Nk, [draw(st.integers(0, Nk)) for _ in range(B)], draw(st.booleans()))
+    m = dense_mask(B, Nq, Nk, True, off, km).clone()
+    kind = draw(st.sampled_from(["structured", "window", "strict", "flip", "heads", "bias"]))
+    if kind == "window":
+        m &= dense_mask(B, Nq, Nk, True, off, window=draw(st.integers(1, Nk)))
+    elif kind == "strict":
+        m &= ~dense_mask(B, Nq, Nk, True, off - 1) if off > 0 else m
+    elif kind == "flip":
+        i, j = draw(st.integers(0, Nq - 1)), draw(st.integers(0, Nk - 1))
+        m[draw(st.integers(0, B - 1)), 0, i, j] ^= True
+    elif kind == "heads":
+        m = torch.cat([m, m], dim=1)
+    as_float = draw(st.booleans())
+    if as_float:
+        m = torch.zeros(m.shape).masked_fill(~m, torch.finfo(torch.float32).min)
+        if kind == "bias":
+            m[0, 0, 0, 0] -= 1.5 if m[0, 0, 0, 0] == 0 else 0.0
+    return m, Nq, Nk, kind, (km, off)
+
+
+@settings(max_examples=200, deadline=None)
+@given(masks())
+def test_mask_structure_is_sound_and_finds_causal_padding(case):
+    m, Nq, Nk, kind, (km, off) = case
+    found = mask_structure(m, Nq, Nk)
+    if found is not None:  # sound: the structure stands for exactly this mask
+        key_mask, offset = found
+        want = m[:, 0] if m.dtype == torch.bool else m[:, 0] == 0
+        got = dense_mask(m.shape[0], Nq, Nk, True, offset, key_mask)[:, 0]
+        assert torch.equal(got, want), (kind, offset)
+    elif kind == "structured":
+        pytest.fail(f"a causal (offset {off}) padding mask was not found")
+
+
+def test_explicit_structured_mask_runs_the_structured_path_exactly(fresh_dynamo):
+    """Causal AND left padding, given as a bool mask (as from another graph): the exact regime
+    equals SDPA under the mask on every row that sees a key, through the structured path."""
+    from torch._dynamo.utils import counters
+    g = torch.Generator().manual_seed(0)
+    B, Hkv, G, N = 2, 2, 3, 90
+    q = torch.randn(B, Hkv * G, N, 16, generator=g)
+    k, v = (torch.randn(B, Hkv, N, 16, generator=g) for _ in range(2))
+    km = _padding(B, N, [0, 13], True)
+    m = dense_mask(B, N, N, True, 0, km)
+    counters.clear()
+    out = pisa_attention(q, k, v, attn_mask=m, enable_gqa=True, config=EXACT)
+    assert counters["pisa"]["runtime_mask_structured"] == 1, dict(counters["pisa"])
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True)
+    rows = m[:, 0].any(-1)  # [B, N]
+    diff = (out - want).abs().amax(-1).amax(1)
+    assert diff[rows].max() < 1e-5
+    # Rows of padding only (they see no key) come out zero, never NaN.
+    assert torch.equal(out.transpose(1, 2)[~rows], torch.zeros_like(out.transpose(1, 2)[~rows]))
+
+
+def test_explicit_other_mask_runs_dense(fresh_dynamo):
+    """A strict diagonal (``j < i``) is no structure the op has: dense SDPA under it."""
+    from torch._dynamo.utils import counters
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 90, 16, generator=g) for _ in range(3))
+    m = dense_mask(1, 90, 90, True, -1)
+    m[:, :, 0, 0] = True  # row 0 sees key 0 (no empty row for SDPA)
+    counters.clear()
+    out = pisa_attention(q, k, v, attn_mask=m, config=EXACT)
+    assert counters["pisa"]["runtime_mask_dense"] == 1, dict(counters["pisa"])
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=m))
+
+
+def test_structured_mask_under_compile_from_a_graph_input(fresh_dynamo):
+    """The mask as an input of the compiled graph (nothing to prove there): the op reads it at
+    run time, and the compiled call equals the eager dense one."""
+    from torch._dynamo.utils import counters
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 4, 70, 16, generator=g)
+    k, v = (torch.randn(2, 2, 70, 16, generator=g) for _ in range(2))
+    m = dense_mask(2, 70, 70, True, 0, _padding(2, 70, [5, 0], True))
+
+    def f(q, k, v, m):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True)
+
+    counters.clear()
+    got = torch.compile(f, backend="pisa", options=dict(min_seq_len=0, kernel="triton",
+                                                         block_size=16, top_k=64))(q, k, v, m)
+    assert counters["pisa"]["runtime_mask_structured"] == 1, dict(counters["pisa"])
+    rows = m[:, 0].any(-1)
+    diff = (got - f(q, k, v, m)).abs().amax(-1).amax(1)
+    assert diff[rows].max() < 1e-5
+
+
+@st.composite
+def windowed(draw):
+    B = draw(st.integers(1, 2))
+    Hkv = draw(st.integers(1, 2))
+    G = draw(st.sampled_from([1, 2, 3]))
+    Nk = draw(st.integers(1, 200))
+    Nq = draw(st.integers(1, Nk))
+    window = draw(st.integers(1, Nk))
+    km = _padding(B, Nk, [draw(st.integers(0, Nk)) for _ in range(B)], draw(st.booleans()))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    q = torch.randn(B, Hkv * G, Nq, 16, generator=g, requires_grad=True)
+    k = torch.randn(B, Hkv, Nk, 16, generator=g, requires_grad=True)
+    v = torch.randn(B, Hkv, Nk, 8, generator=g, requires_grad=True)
+    return q, k, v, window, Nk - Nq, km, draw(st.sampled_from([4, 16]))
+
+
+@settings(max_examples=20, deadline=None)
+@given(windowed())
+def test_triton_window_equals_dense_under_the_window(case):
+    q, k, v, window, off, km, C = case
+    cfg = PisaConfig(min_seq_len=0, kernel="triton", block_size=C, dense_tail=0)
+    how = plan(q, k, v, None, True, config=cfg, window=window, causal_offset=off, key_mask=km)
+    m = dense_mask(q.shape[0], q.shape[2], k.shape[2], True, off, km, window=window)
+    reaches_key_0 = q.shape[2] - 1 + off < window  # then the window hides nothing
+    assert reaches_key_0 or how.attention == "triton-window", how
+    out = pisa_attention(q, k, v, is_causal=True, window=window, causal_offset=off, key_mask=km,
+                         scale=0.3, enable_gqa=True, config=cfg)
+    rows = m.any(-1, keepdim=True)
+    want = torch.where(rows, F.scaled_dot_product_attention(
+        q, k, v, attn_mask=m | ~rows, scale=0.3, enable_gqa=True), 0.0)
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)
+    go = torch.randn_like(out) * rows
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), go),
+                    torch.autograd.grad(want, (q, k, v), go)):
+        torch.testing.assert_close(a, b, atol=5e-5, rtol=1e-4)
+
+
+def test_window_blocks_cover_exactly_the_window_leaves():
+    """Each tile lists, ascending, every leaf some row of it sees and no other."""
+    for Nq, Nk, window, off, C, Tq in [(100, 100, 30, 0, 16, 64), (1, 257, 100, 256, 16, 64),
+                                        (70, 300, 5, 230, 4, 16), (64, 64, 64, 0, 16, 64)]:
+        bi, bc = window_blocks(2, 3, Nq, Nk, window, off, C, Tq, torch.device("cpu"))
+        m = dense_mask(1, Nq, Nk, True, off, window=window)[0, 0]
+        for t in range(bc.shape[2]):
+            rows = m[t * Tq:(t + 1) * Tq].any(0)
+            want = sorted({j // C for j in torch.nonzero(rows).flatten().tolist()})
+            n = int(bc[1, 2, t])
+            assert bi[1, 2, t, :n].tolist() == want
+            assert (bi[1, 2, t, n:] == -1).all()

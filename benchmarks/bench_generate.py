@@ -15,6 +15,11 @@ Per length ``N`` and batch ``B`` (rows left-padded by ``--pad`` tokens after the
     python -m benchmarks.bench_generate --lengths 8192 32768 --new-tokens 32 \\
         --json profiles/bench_generate.json
 
+``--pisa-cache`` adds a third row: ``backend="pisa"`` with ``past_key_values=PisaCache(N +
+T)`` (a fresh cache per call; its layers' update breaks the graph, so the prefill's mask
+reaches the attention as a graph input and is read at run time). ``counters`` gives the
+plans and run-time paths the row took (``sparse_decode``, ``runtime_mask_structured``).
+
 ``--device cpu --tiny`` runs a 2-layer toy model (the CPU smoke test).
 """
 
@@ -75,14 +80,21 @@ def run(model, backend: str, n: int, batch: int, pad: int, new_tokens: int, reps
     ids[1:, :pad] = 0
     eager_forward = model.forward
     model.forward = (torch.compile(eager_forward, backend=pisa_backend, options=options,
-                                   dynamic=True) if backend == "pisa"
+                                   dynamic=True) if backend.startswith("pisa")
                      else torch.compile(eager_forward, dynamic=True))
     kw = dict(attention_mask=am, do_sample=False, pad_token_id=0)
+    if backend == "pisa+cache":
+        from pisa_compile.hf_cache import PisaCache
+
+        def gen(ids, **k):  # a fresh cache per call: a used one would hold the last prompt
+            return model.generate(ids, past_key_values=PisaCache(n + new_tokens), **k)
+    else:
+        gen = model.generate
     try:
         with torch.no_grad():
-            model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
-            first, _ = _timed(lambda: model.generate(ids, max_new_tokens=1, **kw), reps, device)
-            full, out = _timed(lambda: model.generate(
+            gen(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
+            first, _ = _timed(lambda: gen(ids, max_new_tokens=1, **kw), reps, device)
+            full, out = _timed(lambda: gen(
                 ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw), reps, device)
     finally:
         model.forward = eager_forward
@@ -93,6 +105,8 @@ def run(model, backend: str, n: int, batch: int, pad: int, new_tokens: int, reps
                 reference_stages=ref_stages, graphs=int(counters["stats"]["unique_graphs"]),
                 sites={k: v for k, v in counters["pisa"].items()
                        if k in ("rewritten", "left_dense")},
+                counters={k: v for k, v in counters["pisa"].items()
+                          if k not in ("rewritten", "left_dense")},
                 tokens=out[:, n:].cpu())
 
 
@@ -111,6 +125,8 @@ def main(argv=None):
     ap.add_argument("--tiny", action="store_true", help="a 2-layer toy model (CPU smoke)")
     ap.add_argument("--min-seq-len", type=int, default=None,
                     help="the pisa backend's min_seq_len (None: the defaults)")
+    ap.add_argument("--pisa-cache", action="store_true",
+                    help="also run backend='pisa' with past_key_values=PisaCache(N + T)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     if args.new_tokens < 2:
@@ -125,17 +141,17 @@ def main(argv=None):
     for i, n in enumerate(n for n in args.lengths for _ in range(args.rounds)):
         # Odd rounds run Inductor first: an order effect shows as a swap between rounds.
         order = ("pisa", "inductor") if i % args.rounds % 2 == 0 else ("inductor", "pisa")
+        order += ("pisa+cache",) if args.pisa_cache else ()
         pair = {b: run(model, b, n, args.batch, args.pad, args.new_tokens, args.reps,
-                       args.device, opts if b == "pisa" else None) for b in order}
-        pair[order[0]]["ran_first"] = True
-        pair[order[1]]["ran_first"] = False
-        pair = [pair["pisa"], pair["inductor"]]
-        same = float((pair[0]["tokens"] == pair[1]["tokens"]).float().mean())
-        for r in pair:
-            r.pop("tokens")
-            r["same_tokens"] = round(same, 3)
+                       args.device, None if b == "inductor" else opts) for b in order}
+        for b in order:
+            pair[b]["ran_first"] = b == order[0]
+        dense_tokens = pair["inductor"]["tokens"]
+        for b in order:
+            r = pair[b]
+            r["same_tokens"] = round(float((r.pop("tokens") == dense_tokens).float().mean()), 3)
             print(r, flush=True)
-        rows += pair
+            rows.append(r)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(dict(device=(torch.cuda.get_device_name() if args.device == "cuda"

@@ -359,7 +359,9 @@ def _plan(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causa
                          bound_block=config.effective_bound_block,
                          window=_effective_window(window, q.shape[2], causal_offset),
                          dense_rows=_tail_rows(q.shape[2], is_causal, config),
-                         key_padding=key_mask is not None)
+                         key_padding=key_mask is not None,
+                         mask_at_run_time=attn_mask is not None and _mask_checked_at_run_time(
+                             q, k, v, attn_mask, config))
 
 
 def _tail_rows(n_queries, is_causal: bool, config: PisaConfig):
@@ -461,8 +463,7 @@ def pisa_attention(
     # The tail has fewer than dense_tail + query_tile rows: a static bound for the GQA fold
     # when Nq is symbolic.
     tail_bound = config.dense_tail + config.query_tile
-    if dispatch.EXPLICIT_MASK in how.reason and _mask_checked_at_run_time(q, k, v, attn_mask,
-                                                                          config):
+    if how.attention == dispatch.RUNTIME_MASK:
         return _structured_from_mask_op(q, k, v, _mask4(attn_mask), float(scale),
                                         json.dumps(dataclasses.asdict(config)))
     if how.attention == dispatch.SDPA:

@@ -27,6 +27,7 @@ KERNELS = ("auto", "triton", "reference")
 SDPA, TRITON, DECODE, REFERENCE = "sdpa", "triton", "triton-decode", "reference"
 WINDOW = "flex-window"
 TRITON_WINDOW = "triton-window"
+RUNTIME_MASK = "runtime-mask"
 
 
 class Plan(NamedTuple):
@@ -43,7 +44,9 @@ class Plan(NamedTuple):
             ``"flex-window"`` (a sliding window: exact windowed attention through
             FlexAttention, no selection, :mod:`.window`), ``"triton-window"`` (the same
             through the Triton attention kernels over the window's leaf blocks: a window
-            with a key mask, or ``kernel="triton"``) or ``"reference"``.
+            with a key mask, or ``kernel="triton"``), ``"runtime-mask"`` (an explicit mask
+            whose structure is read at run time: causal AND padding runs the structured
+            path, any other mask dense SDPA; ``ops.mask_structure``) or ``"reference"``.
         reason: why a stage does not run the fused Triton path; empty when everything does.
     """
 
@@ -137,7 +140,8 @@ def plan(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal
          kernel: str = "auto", min_seq_len: int = 0, local_blocks: int = 1,
          bound_block: int = 0, window: Optional[int] = None,
          dense_rows: "int | torch.SymInt" = 0,
-         key_padding: bool = False, selection_only: bool = False) -> Plan:
+         key_padding: bool = False, selection_only: bool = False,
+         mask_at_run_time: bool = False) -> Plan:
     """Decide which implementation runs selection and attention for one call.
 
     Args:
@@ -161,6 +165,8 @@ def plan(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal
             step) the call is plain SDPA, which reads every key once, as a selection over
             the cache would (no pyramid is kept between calls yet); the stages are chosen
             for the other rows.
+        mask_at_run_time: the op can read an explicit mask's structure at run time (see
+            ``ops._mask_checked_at_run_time``): such a call plans ``"runtime-mask"``.
         selection_only: the plan of ``select_blocks`` (a selection is wanted whatever the
             attention would run). Otherwise an explicit ``attn_mask`` on CUDA with
             ``kernel="auto"`` plans dense SDPA under the mask: exact, at dense speed, where
@@ -205,6 +211,9 @@ def plan(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal
     if n_sparse <= 0 and not selection_only:
         # No number in the text: formatting a symbolic Nq would guard on its value.
         return Plan(None, SDPA, IN_DENSE_TAIL)
+    if attn_mask is not None and mask_at_run_time and not selection_only:
+        return Plan(None, RUNTIME_MASK, f"{EXPLICIT_MASK}: its structure is read at run time "
+                                        "(causal AND padding: PISA; else dense SDPA)")
     if attn_mask is not None and kernel == "auto" and q.device.type == "cuda" and (
             not selection_only):
         # Before the Triton checks: SDPA takes every dtype and head dim the reference would.

@@ -1300,12 +1300,15 @@ def _note_and_selects(n_keys, has_mask: bool, config: PisaConfig, device: torch.
     if window is not None and (device.type != "cuda" or config.kernel == "reference"):
         notes.append("window: dense SDPA under the window's mask (FlexAttention runs on CUDA)")
     elif window is not None and padded:
-        notes.append("window with a key mask: dense SDPA under the window's mask (traced "
-                     "FlexAttention was wrong with padding)")
+        notes.append("window with a key mask: the Triton attention kernels over the window's "
+                     "blocks (traced FlexAttention was wrong with padding)")
+    triton = device.type == "cuda" and config.kernel != "reference"
     dense_mask = has_mask and config.kernel == "auto" and device.type == "cuda"
-    if dense_mask:
-        notes.append("explicit mask: dense SDPA under the mask (the fused selection reads "
-                     "no mask yet)")
+    if has_mask and triton:
+        notes.append("explicit mask: read at run time where no gradient is wanted (causal AND "
+                     "padding runs PISA, any other mask dense SDPA under it); with gradients "
+                     + ("dense SDPA under the mask" if dense_mask else
+                        "the selection runs the PyTorch reference"))
     elif has_mask:
         notes.append("explicit mask: the selection runs the PyTorch reference")
     return "; ".join(notes), window is None and not dense_mask

@@ -10,8 +10,6 @@ at trace time, and is visible in the graph.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import math
 import numbers
 from typing import Optional
@@ -103,13 +101,28 @@ def _(q, k, v, key_mask, causal_offset, scale, kernel):
     return q.new_empty((*q.shape[:3], v.shape[3]))
 
 
+# PisaConfig's fields in the order pisa::structured_from_mask takes them (plain values: the
+# op schema has no config type, and Dynamo traces attribute reads, not serialisation).
+_CONFIG_FIELDS = ("block_size", "top_k", "branching", "beam", "sink_blocks", "local_blocks",
+                  "query_tile", "leaf_scoring", "shortlist", "bound_block", "flat_leaves",
+                  "min_seq_len", "dense_tail", "kernel")
+
+
 @torch.library.custom_op("pisa::structured_from_mask", mutates_args=())
-def _structured_from_mask_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor, scale: float,
-                             config: str) -> Tensor:
+def _structured_from_mask_op(
+    q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor, scale: float, block_size: int,
+    top_k: int, branching: int, beam: Optional[int], sink_blocks: int, local_blocks: int,
+    query_tile: int, leaf_scoring: str, shortlist: Optional[int], bound_block: Optional[int],
+    flat_leaves: int, min_seq_len: int, dense_tail: int, kernel: str,
+) -> Tensor:
     # At run time: a mask the pass could not prove (built in another graph) that is causal
     # AND a key mask runs on the structured path; anything else runs dense under the mask.
     from torch._dynamo.utils import counters
-    cfg = PisaConfig(**json.loads(config))
+    values = dict(zip(_CONFIG_FIELDS, (block_size, top_k, branching, beam, sink_blocks,
+                                       local_blocks, query_tile, leaf_scoring, shortlist,
+                                       bound_block, flat_leaves, min_seq_len, dense_tail,
+                                       kernel)))
+    cfg = PisaConfig(**values, _base=values)  # the user's config again: no second warning
     # No host sync inside a CUDA-graph capture: dense there.
     capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
     found = None if capturing else mask_structure(attn_mask, q.shape[2], k.shape[2])
@@ -124,7 +137,7 @@ def _structured_from_mask_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor,
 
 
 @_structured_from_mask_op.register_fake
-def _(q, k, v, attn_mask, scale, config):
+def _(q, k, v, attn_mask, scale, *config):
     return q.new_empty((*q.shape[:3], v.shape[3]))
 
 
@@ -465,7 +478,7 @@ def pisa_attention(
     tail_bound = config.dense_tail + config.query_tile
     if how.attention == dispatch.RUNTIME_MASK:
         return _structured_from_mask_op(q, k, v, _mask4(attn_mask), float(scale),
-                                        json.dumps(dataclasses.asdict(config)))
+                                        *[getattr(config, f) for f in _CONFIG_FIELDS])
     if how.attention == dispatch.SDPA:
         whole_tail = how.reason == dispatch.IN_DENSE_TAIL
         m4 = _mask4(attn_mask)

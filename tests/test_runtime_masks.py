@@ -190,3 +190,23 @@ def test_window_blocks_cover_exactly_the_window_leaves():
             n = int(bc[1, 2, t])
             assert bi[1, 2, t, :n].tolist() == want
             assert (bi[1, 2, t, n:] == -1).all()
+
+
+def test_op_with_an_explicit_mask_traces_in_one_graph(fresh_dynamo):
+    """``pisa_attention`` called with a mask inside a function compiled with ``fullgraph``:
+    the run-time path traces (its config travels as plain values), and reads the mask."""
+    from torch._dynamo.utils import counters
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 4, 80, 16, generator=g)
+    k, v = (torch.randn(1, 2, 80, 16, generator=g) for _ in range(2))
+    m = dense_mask(1, 80, 80, True, 0)
+
+    def f(q, k, v, m):
+        return pisa_attention(q, k, v, attn_mask=m, enable_gqa=True, config=EXACT)
+
+    counters.clear()
+    got = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v, m)
+    assert counters["pisa"]["runtime_mask_structured"] == 1, dict(counters["pisa"])
+    torch.testing.assert_close(got, F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                                   enable_gqa=True),
+                               atol=1e-5, rtol=1e-5)

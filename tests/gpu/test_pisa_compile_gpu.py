@@ -114,36 +114,43 @@ def _compiled_with_mask(cfg):
     return q, k, v, mask, torch.compile(f, fullgraph=True)(q, k, v, mask)
 
 
-def test_explicit_mask_under_compile_runs_dense_sdpa():
-    """An explicit [1, 1, N, N] bool mask on CUDA (the fused selection reads no mask yet):
-    the op runs dense SDPA under it, exact, with no reference stage; ``select_blocks``
-    still selects (through the reference's masked path)."""
+@pytest.mark.parametrize("kernel", ["auto", "triton"])
+def test_explicit_causal_mask_under_compile_reads_its_structure(kernel):
+    """An explicit [1, 1, N, N] causal bool mask handed to the compiled op (a graph input, as
+    from another graph): its structure is read at run time and the call equals the
+    ``is_causal`` call, with no reference stage; ``select_blocks`` still selects (through the
+    reference's masked path)."""
     from torch._dynamo.utils import counters
 
     from pisa_compile import select_blocks
+    cfg = CFG.replace(kernel=kernel)
     counters.clear()
-    q, k, v, mask, out = _compiled_with_mask(CFG)
+    q, k, v, mask, out = _compiled_with_mask(cfg)
+    assert counters["pisa"]["runtime_mask_structured"] == 1, dict(counters["pisa"])
     assert not any(key.startswith("reference_") for key in counters["pisa"]), counters["pisa"]
-    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                                            enable_gqa=True)
+    want = pisa_attention(q, k, v, is_causal=True, enable_gqa=True, config=cfg)
     assert _rel(out, want) < 1e-2
     bi, _ = select_blocks(q, k, attn_mask=mask, enable_gqa=True, config=CFG)
     bi_c, _ = select_blocks(q, k, is_causal=True, enable_gqa=True, config=CFG)
     assert (bi == bi_c).all(-1).float().mean().item() > 0.9
 
 
-def test_explicit_mask_with_kernel_triton_stays_sparse():
-    """``kernel="triton"`` keeps an explicit mask on the sparse path under compile: the
-    attention kernel reads the mask, the selection goes through the reference's masked
-    path."""
-    from pisa_compile import select_blocks
-    from pisa_compile.kernels import reference
-    cfg = CFG.replace(kernel="triton")
-    q, k, v, mask, out = _compiled_with_mask(cfg)
-    bi, bc = select_blocks(q, k, attn_mask=mask, enable_gqa=True, config=cfg)
-    ref, _ = reference.sparse_attention(q.float(), k.float(), v.float(), mask, False,
-                                        q.shape[-1] ** -0.5, bi, bc, **cfg.attention_options())
-    assert _rel(out, ref) < 1e-2
+def test_explicit_other_mask_under_compile_runs_dense_sdpa():
+    """A mask with no structure the op has (a strict diagonal): dense SDPA under it, exact."""
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    q, k, v = _qkv(4096)
+    n = q.shape[2]
+    mask = torch.ones(n, n, dtype=torch.bool, device="cuda").tril(-1)
+    mask[0, 0] = True
+    mask = mask[None, None]
+    out = torch.compile(lambda q, k, v, m: pisa_attention(
+        q, k, v, attn_mask=m, enable_gqa=True, config=CFG), fullgraph=True)(q, k, v, mask)
+    assert counters["pisa"]["runtime_mask_dense"] == 1, dict(counters["pisa"])
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                            enable_gqa=True)
+    assert _rel(out, want) < 1e-2
 
 
 @pytest.mark.parametrize("where", ["q", "k", "k_inf"])

@@ -204,6 +204,7 @@ def main(argv=None):
             f = torch.compile(body, backend=pisa_backend if backend == "pisa" else "inductor")
             for call, kw in (("model(ids)", {}), ("model(ids, attention_mask=ones)",
                                                   dict(attention_mask=ones))):
+                counters.clear()  # this call's plans only
                 with torch.no_grad():
                     torch.cuda.reset_peak_memory_stats()
                     ms = _time(lambda: f(ids, **kw), args.reps)

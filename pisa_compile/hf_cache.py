@@ -16,6 +16,7 @@ Needs transformers >= 5 (``transformers.cache_utils.Cache`` with layer classes).
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Optional
 
 import torch
@@ -34,11 +35,12 @@ class PisaLayer(DynamicLayer):
     is_compileable = False  # its update breaks the graph (eager kernel launches)
 
     def __init__(self, max_cache_len: int, config: Optional[PisaConfig] = None,
-                 sparse_from: Optional[int] = None):
+                 sparse_from: Optional[int] = None, on_init=None):
         super().__init__()
         self.max_cache_len, self.pisa_config, self.sparse_from = (max_cache_len, config,
                                                                   sparse_from)
         self.cache: Optional[PisaKVCache] = None
+        self._on_init = on_init  # called once, at the first update
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         B, H, _, D = key_states.shape
@@ -48,6 +50,8 @@ class PisaLayer(DynamicLayer):
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
         self._views()
+        if self._on_init is not None:
+            self._on_init()
 
     def _views(self) -> None:
         n = self.cache.length
@@ -138,6 +142,13 @@ class PisaCache(Cache):
         ValueError: ``max_cache_len`` < 1 or ``sparse_from`` < 0; at an update, more tokens
             than ``max_cache_len``.
         TypeError: ``config`` is not a PisaConfig.
+
+    Warns:
+        UserWarning: when it raises ``torch._dynamo.config.recompile_limit`` (to at least 64,
+            and 4 per decoder layer): compiled, each layer's code after the cache's graph
+            break is a graph of its own, and past the limit Dynamo would run the layers
+            eagerly without an error. A process-wide setting; set it higher yourself to
+            silence this.
     """
 
     def __init__(self, max_cache_len: int, config: Optional[PisaConfig] = None,
@@ -147,5 +158,30 @@ class PisaCache(Cache):
             raise ValueError(f"PisaCache: max_cache_len must be an int >= 1, got "
                              f"{max_cache_len!r}")
         check_options(config, sparse_from, "PisaCache")  # now, not at the first update
+        self._n_layers = 0
+        _raise_recompile_limit(_MIN_RECOMPILES)
         super().__init__(layer_class_to_replicate=functools.partial(
-            PisaLayer, max_cache_len, config, sparse_from))
+            PisaLayer, max_cache_len, config, sparse_from, self._layer_made))
+
+    def _layer_made(self) -> None:
+        self._n_layers += 1
+        _raise_recompile_limit(_RECOMPILES_PER_LAYER * self._n_layers)
+
+
+# Each decoder layer's code after the cache's graph break is compiled per layer (Dynamo
+# guards on the layer index, and on transformers' shared decorator frames): a tiny 2-layer
+# Llama passed Dynamo's default limit of 8 in one generate() and ran eagerly, without an
+# error (a new user's trial). PisaCache raises the limit so that compiled models stay
+# compiled: at least 64, and 4 per layer.
+_MIN_RECOMPILES = 64
+_RECOMPILES_PER_LAYER = 4
+
+
+def _raise_recompile_limit(want: int) -> None:
+    limit = torch._dynamo.config.recompile_limit
+    if limit < want:
+        torch._dynamo.config.recompile_limit = want
+        warnings.warn(f"PisaCache raised torch._dynamo.config.recompile_limit from {limit} to "
+                      f"{want}: after the cache's graph break each decoder layer compiles "
+                      f"graphs of its own, and past the limit torch.compile would run them "
+                      f"eagerly, silently", stacklevel=3)

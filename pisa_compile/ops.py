@@ -108,6 +108,23 @@ _CONFIG_FIELDS = ("block_size", "top_k", "branching", "beam", "sink_blocks", "lo
                   "min_seq_len", "dense_tail", "kernel")
 
 
+@torch.library.custom_op("pisa::window_blocks", mutates_args=())
+def _window_blocks_op(q: Tensor, n_keys: int, window: int, causal_offset: int,
+                      block_size: int, query_tile: int) -> tuple[Tensor, Tensor]:
+    # An opaque op: Inductor failed to lower this index arithmetic past one query tile
+    # ("vr must not be None", torch 2.13). Small tensors, built eagerly on q's device.
+    bi, bc = window_blocks(1, 1, q.shape[2], n_keys, window, causal_offset, block_size,
+                           query_tile, q.device)
+    return bi[0, 0].contiguous(), bc[0, 0].contiguous()
+
+
+@_window_blocks_op.register_fake
+def _(q, n_keys, window, causal_offset, block_size, query_tile):
+    T = cdiv(q.shape[2], query_tile)
+    M = cdiv(window + query_tile - 1, block_size) + 1
+    return (q.new_empty((T, M), dtype=torch.int32), q.new_empty((T,), dtype=torch.int32))
+
+
 @torch.library.custom_op("pisa::structured_from_mask", mutates_args=())
 def _structured_from_mask_op(
     q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor, scale: float, block_size: int,
@@ -116,19 +133,33 @@ def _structured_from_mask_op(
     flat_leaves: int, min_seq_len: int, dense_tail: int, kernel: str,
 ) -> Tensor:
     # At run time: a mask the pass could not prove (built in another graph) that is causal
-    # AND a key mask runs on the structured path; anything else runs dense under the mask.
+    # AND a key mask runs on the structured path; anything else runs as the plan would have
+    # run it: dense SDPA under the mask (kernel="auto"), or the reference selection and the
+    # Triton kernels under the mask (kernel="triton").
     from torch._dynamo.utils import counters
     values = dict(zip(_CONFIG_FIELDS, (block_size, top_k, branching, beam, sink_blocks,
                                        local_blocks, query_tile, leaf_scoring, shortlist,
                                        bound_block, flat_leaves, min_seq_len, dense_tail,
                                        kernel)))
     cfg = PisaConfig(**values, _base=values)  # the user's config again: no second warning
-    # No host sync inside a CUDA-graph capture: dense there.
+    # No host sync inside a CUDA-graph capture: the unstructured path there.
     capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+    if capturing:
+        dispatch._warn_once("an explicit mask read at run time, inside a CUDA-graph capture",
+                           "the captured graph runs it as an unstructured mask (dense SDPA "
+                           "under it): a structure needs a host sync to read")
     found = None if capturing else mask_structure(attn_mask, q.shape[2], k.shape[2])
     if found is None:
-        counters["pisa"]["runtime_mask_dense"] += 1
-        return _dense_sdpa(q, k, v, attn_mask, False, scale, True, None).contiguous()
+        counters["pisa"]["runtime_mask_unstructured"] += 1
+        if cfg.kernel == "auto":
+            return _dense_sdpa(q, k, v, attn_mask, False, scale, True, None).contiguous()
+        if attn_mask.dtype == torch.float64 and q.dtype != torch.float64:
+            attn_mask = attn_mask.float()  # as on the sparse path
+        block_indices, block_counts = _select_blocks_op(
+            q, k, attn_mask, None, False, 0, scale, *cfg.selection_args(), dispatch.REFERENCE)
+        impl = dispatch.DECODE if q.shape[2] <= DECODE_MAX_QUERIES else dispatch.TRITON
+        return _attention_op(q, k, v, attn_mask, None, block_indices, block_counts, False, 0,
+                             scale, cfg.block_size, cfg.query_tile, impl, 0)[0]
     counters["pisa"]["runtime_mask_structured"] += 1
     key_mask, offset = found
     return pisa_attention(q, k, v, is_causal=True, causal_offset=offset,
@@ -139,6 +170,26 @@ def _structured_from_mask_op(
 @_structured_from_mask_op.register_fake
 def _(q, k, v, attn_mask, scale, *config):
     return q.new_empty((*q.shape[:3], v.shape[3]))
+
+
+if _CONFIG_FIELDS != PisaConfig.field_names():  # the op's schema lists them one by one
+    raise ImportError(f"pisa::structured_from_mask lists {_CONFIG_FIELDS}, PisaConfig has "
+                      f"{PisaConfig.field_names()}")
+
+
+class _StructuredFromMask(torch.autograd.Function):
+    """``pisa::structured_from_mask`` behind an autograd.Function with no backward and no
+    jvp: reached only where no gradient is wanted, and forward-mode AD (``torch.func.jvp``,
+    whose dual tensors do not require grad) raises instead of getting a zero tangent."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, attn_mask, scale, *config):
+        return _structured_from_mask_op(q, k, v, attn_mask, scale, *config)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        raise RuntimeError("pisa_compile: an explicit mask read at run time has no gradient "
+                           "(the op takes this path only where none is wanted)")
 
 
 @torch.library.custom_op("pisa::attention_backward", mutates_args=())
@@ -347,8 +398,8 @@ def plan(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None,
 
     Returns:
         A :class:`~pisa_compile.kernels.dispatch.Plan`: ``select`` and ``attention``
-        (``"sdpa"``, ``"triton"``, ``"triton-decode"``, ``"flex-window"`` or
-        ``"reference"``) and the ``reason``
+        (``"sdpa"``, ``"triton"``, ``"triton-decode"``, ``"flex-window"``,
+        ``"triton-window"``, ``"runtime-mask"`` or ``"reference"``) and the ``reason``
         a stage does not take the fused Triton path. See ``kernels.dispatch.plan``.
     """
     config = _config(config)
@@ -404,9 +455,11 @@ def pisa_attention(
     head) attends to its forced blocks plus the ``top_k`` leaf blocks chosen coarse-to-fine
     over a key pyramid (PISA; DESIGN.md "The algorithm"). In the exact regime (every visible
     leaf selected, or ``Nk < min_seq_len``) the result equals SDPA within dtype tolerance.
-    An explicit ``attn_mask`` on CUDA with ``kernel="auto"`` runs dense SDPA under it (the
-    fused selection reads no mask yet; :func:`plan` gives the reason); ``kernel="triton"``
-    keeps it sparse, with the reference selection. The last ``config.dense_tail`` queries
+    An explicit ``attn_mask``, where no gradient is wanted and the Triton kernels take the
+    inputs, is read at run time (:func:`mask_structure`): causal AND padding runs the
+    structured path; any other mask runs dense SDPA under it (``kernel="auto"``) or the
+    reference selection with the Triton kernels under it (``kernel="triton"``), as it does
+    with gradients (:func:`plan` gives the reason). The last ``config.dense_tail`` queries
     of a causal call, and every call of that few queries (decode), are dense: with a
     ``key_mask``, a call of one query on CUDA through SDPA under the mask with
     ``enable_gqa``, and more rows without gradients on the Triton path through the split-K
@@ -434,11 +487,12 @@ def pisa_attention(
             ``i + causal_offset - window < j <= i + causal_offset``. Needs ``is_causal``.
             From ``min_seq_len`` keys on, on CUDA (fp16/bf16/fp32, head dims 16..256, GQA
             groups a power of two), such a call is exact windowed attention through
-            FlexAttention (``O(N * window)``, no selection, no ``Nq x Nk`` mask); otherwise,
-            and with a ``key_mask`` under ``torch.compile`` (traced FlexAttention gave wrong
-            rows with padding on the H200), dense SDPA under the window's mask (which builds
-            that mask). The selection
-            options of ``config`` do not apply to it.
+            FlexAttention (``O(N * window)``, no selection, no ``Nq x Nk`` mask); with a
+            ``key_mask`` under ``torch.compile`` (traced FlexAttention gave wrong rows with
+            padding on the H200), where FlexAttention refuses the inputs, or with
+            ``kernel="triton"``, through PISA's Triton kernels over the window's leaf blocks;
+            otherwise dense SDPA under the window's mask (which builds that mask). The
+            selection options of ``config`` do not apply to it.
 
     Returns:
         ``[B, Hq, Nq, Dv]`` in ``q.dtype``. Rows with no visible key are zero, as in SDPA.
@@ -465,9 +519,11 @@ def pisa_attention(
                                 key_mask=key_mask, scale=float(scale), enable_gqa=enable_gqa)
     if how.attention == dispatch.TRITON_WINDOW:
         # The window's leaf blocks as the block lists: no selection, exact.
-        block_indices, block_counts = window_blocks(
-            q.shape[0], k.shape[1], q.shape[2], k.shape[2], window, causal_offset,
-            config.block_size, WINDOW_QUERY_TILE, q.device)
+        block_indices, block_counts = _window_blocks_op(
+            q.detach(), k.shape[2], window, causal_offset, config.block_size, WINDOW_QUERY_TILE)
+        B, Hkv, T, M = q.shape[0], k.shape[1], *block_indices.shape
+        block_indices = block_indices.expand(B, Hkv, T, M)
+        block_counts = block_counts.expand(B, Hkv, T)
         impl = dispatch.DECODE if q.shape[2] <= DECODE_MAX_QUERIES else dispatch.TRITON
         out, _lse = _Attention.apply(q, k, v, None, key_mask, block_indices, block_counts,
                                      True, causal_offset, float(scale), config.block_size,
@@ -477,8 +533,8 @@ def pisa_attention(
     # when Nq is symbolic.
     tail_bound = config.dense_tail + config.query_tile
     if how.attention == dispatch.RUNTIME_MASK:
-        return _structured_from_mask_op(q, k, v, _mask4(attn_mask), float(scale),
-                                        *[getattr(config, f) for f in _CONFIG_FIELDS])
+        return _StructuredFromMask.apply(q, k, v, _mask4(attn_mask), float(scale),
+                                         *[getattr(config, f) for f in _CONFIG_FIELDS])
     if how.attention == dispatch.SDPA:
         whole_tail = how.reason == dispatch.IN_DENSE_TAIL
         m4 = _mask4(attn_mask)
@@ -574,33 +630,38 @@ def mask_structure(attn_mask: Tensor, n_queries: int, n_keys: int
         n_queries, n_keys: ``Nq``, ``Nk``.
 
     Returns:
-        ``(key_mask [B or 1, Nk] bool, causal_offset)`` or None. Up to two host syncs (one
-        per candidate offset); the comparison runs in chunks of rows, so its temporaries
-        stay a fraction of the mask's size.
+        ``(key_mask [B or 1, Nk] bool, causal_offset)`` or None. One host sync. The mask is
+        read about three times (a float mask once more): its key mask, then both candidate
+        offsets in one pass of row chunks, whose temporaries stay a fraction of the mask's
+        size.
     """
     m = attn_mask
     if m.dim() != 4 or m.shape[1] != 1 or m.shape[2] != n_queries or m.shape[3] != n_keys:
         return None
     m = m[:, 0]
+    offsets = [o for o in dict.fromkeys((0, n_keys - n_queries)) if o >= 0]
+    # bad[0]: not a mask at all; bad[1 + c]: not causal at offsets[c] AND the key mask.
+    bad = torch.zeros(1 + len(offsets), dtype=torch.bool, device=m.device)
     if m.is_floating_point():
         thr = max(torch.finfo(m.dtype).min / 2, torch.finfo(torch.float32).min)
-        if bool(((m != 0) & (m > thr)).any()):  # a finite bias: not a mask
-            return None
+        bad[0] = (~((m == 0) | (m <= thr))).any()  # a finite bias or NaN
         m = m == 0
     elif m.dtype != torch.bool:
         return None
     key_mask = m.any(dim=1)  # [B or 1, Nk]: keys some query sees
     j = torch.arange(n_keys, device=m.device)
     rows = max(1, (1 << 24) // max(1, n_keys * m.shape[0]))  # about 16M entries per chunk
-    for offset in dict.fromkeys((0, n_keys - n_queries)):
-        if offset < 0:
-            continue
-        bad = torch.zeros((), dtype=torch.bool, device=m.device)
-        for r0 in range(0, n_queries, rows):
-            i = torch.arange(r0, min(r0 + rows, n_queries), device=m.device)
+    for r0 in range(0, n_queries, rows):
+        i = torch.arange(r0, min(r0 + rows, n_queries), device=m.device)
+        chunk = m[:, r0:r0 + rows]
+        for c, offset in enumerate(offsets):
             want = (j[None, :] <= i[:, None] + offset)[None] & key_mask[:, None, :]
-            bad |= (m[:, r0:r0 + rows] != want).any()
-        if not bool(bad):
+            bad[1 + c] |= (chunk != want).any()
+    bad = bad.tolist()  # the one host sync
+    if bad[0]:
+        return None
+    for c, offset in enumerate(offsets):
+        if not bad[1 + c]:
             return key_mask, offset
     return None
 

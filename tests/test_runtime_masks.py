@@ -54,11 +54,12 @@ def masks(draw):
     off = draw(st.sampled_from([0, Nk - Nq]))
     km = _padding(B, Nk, [draw(st.integers(0, Nk)) for _ in range(B)], draw(st.booleans()))
     m = dense_mask(B, Nq, Nk, True, off, km).clone()
-    kind = draw(st.sampled_from(["structured", "window", "strict", "flip", "heads", "bias"]))
+    kind = draw(st.sampled_from(["structured", "window", "strict", "flip", "heads", "bias",
+                                 "nan"]))
     if kind == "window":
         m &= dense_mask(B, Nq, Nk, True, off, window=draw(st.integers(1, Nk)))
-    elif kind == "strict":
-        m &= ~dense_mask(B, Nq, Nk, True, off - 1) if off > 0 else m
+    elif kind == "strict":  # j < i + offset
+        m &= dense_mask(B, Nq, Nk, True, off - 1)
     elif kind == "flip":
         i, j = draw(st.integers(0, Nq - 1)), draw(st.integers(0, Nk - 1))
         m[draw(st.integers(0, B - 1)), 0, i, j] ^= True
@@ -66,9 +67,13 @@ def masks(draw):
         m = torch.cat([m, m], dim=1)
     as_float = draw(st.booleans())
     if as_float:
-        m = torch.zeros(m.shape).masked_fill(~m, torch.finfo(torch.float32).min)
+        dtype = draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16]))
+        fill = draw(st.sampled_from([torch.finfo(dtype).min, float("-inf")]))
+        m = torch.zeros(m.shape, dtype=dtype).masked_fill(~m, fill)
         if kind == "bias":
             m[0, 0, 0, 0] -= 1.5 if m[0, 0, 0, 0] == 0 else 0.0
+        elif kind == "nan":  # a NaN entry turns its row NaN: never a mask
+            m[0, 0, -1, 0] = float("nan")
     return m, Nq, Nk, kind, (km, off)
 
 
@@ -77,6 +82,8 @@ def masks(draw):
 def test_mask_structure_is_sound_and_finds_causal_padding(case):
     m, Nq, Nk, kind, (km, off) = case
     found = mask_structure(m, Nq, Nk)
+    if kind == "nan" and m.is_floating_point():
+        assert found is None
     if found is not None:  # sound: the structure stands for exactly this mask
         key_mask, offset = found
         want = m[:, 0] if m.dtype == torch.bool else m[:, 0] == 0
@@ -107,16 +114,22 @@ def test_explicit_structured_mask_runs_the_structured_path_exactly(fresh_dynamo)
     assert torch.equal(out.transpose(1, 2)[~rows], torch.zeros_like(out.transpose(1, 2)[~rows]))
 
 
-def test_explicit_other_mask_runs_dense(fresh_dynamo):
-    """A strict diagonal (``j < i``) is no structure the op has: dense SDPA under it."""
+@pytest.mark.parametrize("bias", [False, True])
+def test_explicit_other_mask_runs_as_planned_before(fresh_dynamo, bias):
+    """A strict diagonal (``j < i``), or a mask with a finite bias, is no structure the op
+    has: with ``kernel="triton"`` the reference selection and the Triton kernels under the
+    mask (``kernel="auto"`` on CUDA: dense SDPA), here in the exact regime: SDPA's output."""
     from torch._dynamo.utils import counters
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(1, 2, 90, 16, generator=g) for _ in range(3))
     m = dense_mask(1, 90, 90, True, -1)
     m[:, :, 0, 0] = True  # row 0 sees key 0 (no empty row for SDPA)
+    if bias:  # causal, with one finite bias entry
+        m = torch.zeros(1, 1, 90, 90).masked_fill(~dense_mask(1, 90, 90, True, 0), -torch.inf)
+        m[0, 0, 40, 3] = -1.5
     counters.clear()
     out = pisa_attention(q, k, v, attn_mask=m, config=EXACT)
-    assert counters["pisa"]["runtime_mask_dense"] == 1, dict(counters["pisa"])
+    assert counters["pisa"]["runtime_mask_unstructured"] == 1, dict(counters["pisa"])
     torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=m))
 
 
@@ -147,14 +160,14 @@ def windowed(draw):
     Hkv = draw(st.integers(1, 2))
     G = draw(st.sampled_from([1, 2, 3]))
     Nk = draw(st.integers(1, 200))
-    Nq = draw(st.integers(1, Nk))
+    Nq = draw(st.integers(1, Nk + 30))  # more queries than keys too (top-left causal)
     window = draw(st.integers(1, Nk))
     km = _padding(B, Nk, [draw(st.integers(0, Nk)) for _ in range(B)], draw(st.booleans()))
     g = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
     q = torch.randn(B, Hkv * G, Nq, 16, generator=g, requires_grad=True)
     k = torch.randn(B, Hkv, Nk, 16, generator=g, requires_grad=True)
     v = torch.randn(B, Hkv, Nk, 8, generator=g, requires_grad=True)
-    return q, k, v, window, Nk - Nq, km, draw(st.sampled_from([4, 16]))
+    return q, k, v, window, max(Nk - Nq, 0), km, draw(st.sampled_from([4, 16]))
 
 
 @settings(max_examples=20, deadline=None)
@@ -210,3 +223,23 @@ def test_op_with_an_explicit_mask_traces_in_one_graph(fresh_dynamo):
     torch.testing.assert_close(got, F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                                                    enable_gqa=True),
                                atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_triton_window_compiles_past_one_query_tile(fresh_dynamo, dynamic):
+    """Compiled, the window's block lists come from an opaque op: Inductor failed to lower
+    their index arithmetic once a call had more than one 64-query tile (a new user's trial),
+    and they must follow a symbolic length and offset."""
+    cfg = PisaConfig(min_seq_len=0, kernel="triton", block_size=16)
+
+    def f(q, k, v, km, off):
+        return pisa_attention(q, k, v, is_causal=True, window=8, key_mask=km,
+                              causal_offset=off, config=cfg, enable_gqa=True)
+
+    g = torch.compile(f, fullgraph=True, dynamic=dynamic)
+    for n, off in ((65, 0), (130, 0), (97, 3)):
+        q = torch.randn(2, 4, n, 16)
+        k, v = (torch.randn(2, 2, n + off, 16) for _ in range(2))
+        km = _padding(2, n + off, [0, 11], True)
+        torch.testing.assert_close(g(q, k, v, km, off), f(q, k, v, km, off), atol=1e-5,
+                                   rtol=1e-5)

@@ -57,8 +57,9 @@ class Plan(NamedTuple):
 
 _warned: set[str] = set()
 # FlexAttention traced into a graph with a per-batch key mask gave wrong rows on the H200
-# (left padding inside the windows); such calls run dense until that is found. A GPU test
-# sets this to follow the bug.
+# (left padding inside the windows); such calls run PISA's Triton window path (dense SDPA
+# where Triton refuses them) until that is fixed upstream. True hands them to FlexAttention
+# again (experiments/window_probe.py shows the bug).
 TRACED_FLEX_WITH_KEY_MASK = False
 # The reason of a call with an explicit mask the pass could not prove (ops reads its
 # structure at run time where it can: ``ops.mask_structure``).
@@ -68,15 +69,23 @@ EXPLICIT_MASK = "explicit attn_mask (the fused selection reads no mask yet)"
 IN_DENSE_TAIL = "every query in the dense tail"
 
 
+def _count(name: str) -> None:
+    """``torch._dynamo.utils.counters["pisa"][name] += 1``, except while Dynamo traces a
+    direct call of the op (it would guard on the counter and recompile at every call). The
+    backend's rewrite plans under ``compile_fx``, where it counts once per trace."""
+    if not torch.compiler.is_dynamo_compiling():
+        from torch._dynamo.utils import counters
+        counters["pisa"][name] += 1
+
+
 def _count_reference(q: Tensor, how: Plan) -> Plan:
     """Count a plan that runs a reference stage on CUDA in
     ``torch._dynamo.utils.counters["pisa"]["reference_select" | "reference_attention"]`` (at
     trace time under torch.compile): tests assert that the calls users make never do."""
     if q.device.type == "cuda":
-        from torch._dynamo.utils import counters
         for stage in ("select", "attention"):
             if getattr(how, stage) == REFERENCE:
-                counters["pisa"][f"reference_{stage}"] += 1
+                _count(f"reference_{stage}")
     return how
 
 
@@ -156,10 +165,11 @@ def plan(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal
         window: a causal sliding window's width (keys per query), or None. From
             ``min_seq_len`` keys on, such a call is exact windowed attention: ``O(N * window)``
             already, and a query sees fewer keys than the sparse path starts at.
-        key_padding: the call has a ``key_mask``. With a window it plans the Triton window
-            path: FlexAttention traced into the graph with a per-batch key mask gave wrong
-            rows on the H200 (left padding reaching into the windows), where its eager calls
-            were right. Where Triton cannot run, dense SDPA under the window's mask.
+        key_padding: the call has a ``key_mask``. With a window, traced (under
+            ``torch.compile``), it plans the Triton window path: FlexAttention traced into the
+            graph with a per-batch key mask gave wrong rows on the H200 (left padding reaching
+            into the windows), where its eager calls were right (and they run FlexAttention).
+            Where Triton cannot run either, dense SDPA under the window's mask.
         dense_rows: how many of the last query rows attend densely (the ``dense_tail``
             option, as ``ops._tail_rows`` counts it): when that is every row (a decode
             step) the call is plain SDPA, which reads every key once, as a selection over
@@ -188,23 +198,25 @@ def plan(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal
     if q.numel() == 0 or k.numel() == 0 or v.numel() == 0:
         return Plan(None, SDPA, "empty input")
     if window is not None:
-        from torch._dynamo.utils import counters
-        if (key_padding or kernel == "triton") and triton_refusal(q, v, kernel) is None:
-            counters["pisa"]["triton_window"] += 1  # tests: the window path really ran
-            return Plan(None, TRITON_WINDOW, f"sliding window({window}): exact windowed "
-                                             "attention (Triton), no selection")
         why = _flex_refusal(q, k, v, kernel)
         # tracing(): Dynamo's trace, and the backend's (fake tensors under compile_fx,
         # where torch <= 2.11's is_compiling() is False).
         if why is None and key_padding and tracing(q) and not TRACED_FLEX_WITH_KEY_MASK:
             why = "a key mask under torch.compile (traced FlexAttention gave wrong rows with " \
                   "padding; DESIGN.md)"
+        # PISA's kernels where FlexAttention cannot run it (eager FlexAttention is right with
+        # a key mask, and faster: profiles/bench_window.json), or where asked for.
+        if (why is not None or kernel == "triton") and triton_refusal(q, v, kernel) is None:
+            _count("triton_window")  # tests: the window path really ran
+            return Plan(None, TRITON_WINDOW, f"sliding window({window}): exact windowed "
+                        "attention (Triton), no selection" + (f"; not FlexAttention: {why}"
+                                                              if why else ""))
         if why is not None:
             if q.device.type == "cuda":  # per plan (one per trace); GPU tests assert 0
-                counters["pisa"]["window_sdpa"] += 1
+                _count("window_sdpa")
             return Plan(None, SDPA, f"sliding window({window}): dense SDPA with the window's "
                                     f"mask ({why})")
-        counters["pisa"]["flex_window"] += 1  # tests: the window path really ran
+        _count("flex_window")  # tests: the window path really ran
         return Plan(None, WINDOW, f"sliding window({window}): exact windowed attention "
                                   "(FlexAttention), no selection")
     n_sparse = q.shape[2] - dense_rows

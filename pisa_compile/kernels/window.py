@@ -56,8 +56,10 @@ def window_blocks(B: int, Hkv: int, Nq, Nk, window: int, causal_offset, block_si
     hi = torch.clamp(q_hi, max=Nk - 1)
     first = lo // block_size
     count = torch.where(lo > hi, 0, hi // block_size - first + 1)
-    slot = torch.arange(M, device=device)
-    idx = torch.where(slot[None, :] < count[:, None], first[:, None] + slot[None, :], -1)
+    # Expanded to [T, M] before they meet: broadcasting a [T, 1] against a [1, M] would make
+    # Dynamo guard on T == 1 (one more graph for calls of at most query_tile queries).
+    slot = torch.arange(M, device=device)[None, :].expand(T, M)
+    idx = torch.where(slot < count[:, None].expand(T, M), first[:, None].expand(T, M) + slot, -1)
     return (idx.to(torch.int32).expand(B, Hkv, T, M),
             count.to(torch.int32).expand(B, Hkv, T))
 

@@ -1297,7 +1297,9 @@ def _note_and_selects(n_keys, has_mask: bool, config: PisaConfig, device: torch.
     notes = []
     if not statically_known_true(n_keys >= config.min_seq_len):
         notes.append(f"plain SDPA while Nk={n_keys} < min_seq_len={config.min_seq_len}")
-    if window is not None and (device.type != "cuda" or config.kernel == "reference"):
+    if window is not None and config.kernel == "triton":
+        notes.append("window: PISA's Triton kernels over the window's blocks (kernel='triton')")
+    elif window is not None and (device.type != "cuda" or config.kernel == "reference"):
         notes.append("window: dense SDPA under the window's mask (FlexAttention runs on CUDA)")
     elif window is not None and padded:
         notes.append("window with a key mask: the Triton attention kernels over the window's "
@@ -1305,8 +1307,9 @@ def _note_and_selects(n_keys, has_mask: bool, config: PisaConfig, device: torch.
     triton = device.type == "cuda" and config.kernel != "reference"
     dense_mask = has_mask and config.kernel == "auto" and device.type == "cuda"
     if has_mask and triton:
-        notes.append("explicit mask: read at run time where no gradient is wanted (causal AND "
-                     "padding runs PISA, any other mask dense SDPA under it); with gradients "
+        notes.append("explicit mask: read at run time where no gradient is wanted and the "
+                     "kernels take the dtype (float16/bfloat16 with kernel='auto'): causal AND "
+                     "padding runs PISA, any other mask as with gradients; with gradients "
                      + ("dense SDPA under the mask" if dense_mask else
                         "the selection runs the PyTorch reference"))
     elif has_mask:

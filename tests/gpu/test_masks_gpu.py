@@ -162,10 +162,11 @@ def test_nanogpt_buffer_runs_no_reference_stage():
 def test_window_op_with_padding_inside_the_windows(grad, compiled):
     """Left padding that reaches into the windows (the Mistral model case): the op on CUDA,
     on transposed q/k/v as a model hands them, equals SDPA under the window's mask on every
-    row that sees a key (bf16, prefill), eager and compiled, forward and backward. It runs
-    PISA's Triton kernels over the window's blocks (FlexAttention traced into the graph gave
-    row 700 of the padded sequence, its one visible key itself, a 3.7 error on the H200,
-    73b6227)."""
+    row that sees a key (bf16, prefill), eager and compiled, forward and backward. Eagerly it
+    runs FlexAttention; compiled, PISA's Triton kernels over the window's blocks
+    (FlexAttention traced into the graph gave row 700 of the padded sequence, its one visible
+    key itself, a 3.7 error on the H200, 73b6227; plans made while Dynamo traces are not
+    counted, so the error bound is what tells the paths apart)."""
     from pisa_compile import PisaConfig, pisa_attention
     from pisa_compile.kernels.geometry import dense_mask
     g = torch.Generator(device="cuda").manual_seed(5)
@@ -183,7 +184,8 @@ def test_window_op_with_padding_inside_the_windows(grad, compiled):
     counters.clear()
     with torch.set_grad_enabled(grad):
         out = (torch.compile(f, fullgraph=True) if compiled else f)(q, k, v, am)
-    assert counters["pisa"]["triton_window"] >= 1, dict(counters["pisa"])
+    if not compiled:
+        assert counters["pisa"]["flex_window"] >= 1, dict(counters["pisa"])
     km = am.bool()
     m = dense_mask(2, N, N, True, 0, km, window=512)
     rows = m[:, 0].any(-1)  # [B, N]

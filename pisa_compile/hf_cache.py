@@ -158,14 +158,11 @@ class PisaCache(Cache):
             raise ValueError(f"PisaCache: max_cache_len must be an int >= 1, got "
                              f"{max_cache_len!r}")
         check_options(config, sparse_from, "PisaCache")  # now, not at the first update
-        self._n_layers = 0
         _raise_recompile_limit(_MIN_RECOMPILES)
+        # A counter, not a bound method of the cache: the layers must not keep the cache
+        # (and its preallocated buffers) alive in a reference cycle.
         super().__init__(layer_class_to_replicate=functools.partial(
-            PisaLayer, max_cache_len, config, sparse_from, self._layer_made))
-
-    def _layer_made(self) -> None:
-        self._n_layers += 1
-        _raise_recompile_limit(_RECOMPILES_PER_LAYER * self._n_layers)
+            PisaLayer, max_cache_len, config, sparse_from, _LayerCount()))
 
 
 # Each decoder layer's code after the cache's graph break is compiled per layer (Dynamo
@@ -177,11 +174,36 @@ _MIN_RECOMPILES = 64
 _RECOMPILES_PER_LAYER = 4
 
 
+_warned_limit = False
+
+
+class _LayerCount:
+    """Counts one cache's layers as they are made, and raises the limit to match."""
+
+    def __init__(self):
+        self.n = 0
+
+    def __call__(self) -> None:
+        self.n += 1
+        _raise_recompile_limit(_RECOMPILES_PER_LAYER * self.n)
+
+
 def _raise_recompile_limit(want: int) -> None:
-    limit = torch._dynamo.config.recompile_limit
-    if limit < want:
-        torch._dynamo.config.recompile_limit = want
-        warnings.warn(f"PisaCache raised torch._dynamo.config.recompile_limit from {limit} to "
-                      f"{want}: after the cache's graph break each decoder layer compiles "
-                      f"graphs of its own, and past the limit torch.compile would run them "
-                      f"eagerly, silently", stacklevel=3)
+    """Raise Dynamo's per-frame recompile limit (and its accumulated limit, by as much) to
+    at least ``want``; warn once per process."""
+    global _warned_limit
+    cfg = torch._dynamo.config
+    limit = cfg.recompile_limit
+    if limit >= want:
+        return
+    cfg.recompile_limit = want
+    if hasattr(cfg, "accumulated_recompile_limit"):  # a cap over all frames (torch >= 2.6)
+        cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit,
+                                              4 * want)
+    if not _warned_limit:
+        _warned_limit = True
+        warnings.warn(f"PisaCache raised torch._dynamo.config.recompile_limit from {limit} "
+                      f"(and raises it to {_RECOMPILES_PER_LAYER} per decoder layer as layers "
+                      f"are made): after the cache's graph break each layer compiles graphs of "
+                      f"its own, and past the limit torch.compile would run them eagerly, "
+                      f"silently. Set it higher yourself to silence this.", stacklevel=2)

@@ -151,8 +151,9 @@ def _structured_from_mask_op(
     found = None if capturing else mask_structure(attn_mask, q.shape[2], k.shape[2])
     if found is None:
         counters["pisa"]["runtime_mask_unstructured"] += 1
-        if cfg.kernel == "auto":
+        if capturing or cfg.kernel == "auto":  # the reference selection would sync
             return _dense_sdpa(q, k, v, attn_mask, False, scale, True, None).contiguous()
+        dispatch._count_reference(q, Plan(dispatch.REFERENCE, dispatch.TRITON))
         if attn_mask.dtype == torch.float64 and q.dtype != torch.float64:
             attn_mask = attn_mask.float()  # as on the sparse path
         block_indices, block_counts = _select_blocks_op(
@@ -182,9 +183,15 @@ class _StructuredFromMask(torch.autograd.Function):
     jvp: reached only where no gradient is wanted, and forward-mode AD (``torch.func.jvp``,
     whose dual tensors do not require grad) raises instead of getting a zero tangent."""
 
+    generate_vmap_rule = True
+
     @staticmethod
-    def forward(ctx, q, k, v, attn_mask, scale, *config):
+    def forward(q, k, v, attn_mask, scale, config):
         return _structured_from_mask_op(q, k, v, attn_mask, scale, *config)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -534,7 +541,7 @@ def pisa_attention(
     tail_bound = config.dense_tail + config.query_tile
     if how.attention == dispatch.RUNTIME_MASK:
         return _StructuredFromMask.apply(q, k, v, _mask4(attn_mask), float(scale),
-                                         *[getattr(config, f) for f in _CONFIG_FIELDS])
+                                         tuple(getattr(config, f) for f in _CONFIG_FIELDS))
     if how.attention == dispatch.SDPA:
         whole_tail = how.reason == dispatch.IN_DENSE_TAIL
         m4 = _mask4(attn_mask)

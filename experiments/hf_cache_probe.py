@@ -16,33 +16,22 @@ import json
 import torch
 
 
-def _model():
-    import transformers
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512,
-                                   num_hidden_layers=2, num_attention_heads=8,
-                                   num_key_value_heads=2, head_dim=32,
-                                   max_position_embeddings=8192, pad_token_id=0, bos_token_id=1,
-                                   eos_token_id=2)
-    cfg._attn_implementation = "sdpa"
-    return transformers.LlamaForCausalLM(cfg).cuda().eval()
-
-
 def run(precision: str) -> dict:
     from torch._dynamo.utils import counters
 
     from pisa_compile import PisaConfig
     from pisa_compile.backend import pisa_backend
     from pisa_compile.hf_cache import PisaCache
+    from pisa_compile.samples import tiny_llama
     torch.set_float32_matmul_precision(precision)
-    m = _model()
+    m = tiny_llama(8192, num_layers=2).cuda()
     ids = torch.randint(3, 256, (2, 3000), device="cuda",
                         generator=torch.Generator(device="cuda").manual_seed(1))
     am = torch.ones_like(ids)
     am[1, :300] = 0
     new = 8
     kw = dict(input_ids=ids, attention_mask=am, max_new_tokens=new, do_sample=False,
-              output_scores=True, return_dict_in_generate=True)
+              output_scores=True, return_dict_in_generate=True, pad_token_id=0)
     dense = m.generate(**kw)
     eager_forward = m.forward
     out = {}

@@ -113,9 +113,8 @@ def _window_blocks_op(q: Tensor, n_keys: int, window: int, causal_offset: int,
                       block_size: int, query_tile: int) -> tuple[Tensor, Tensor]:
     # An opaque op: Inductor failed to lower this index arithmetic past one query tile
     # ("vr must not be None", torch 2.13). Small tensors, built eagerly on q's device.
-    bi, bc = window_blocks(1, 1, q.shape[2], n_keys, window, causal_offset, block_size,
-                           query_tile, q.device)
-    return bi[0, 0].contiguous(), bc[0, 0].contiguous()
+    return window_blocks(q.shape[2], n_keys, window, causal_offset, block_size, query_tile,
+                         q.device)
 
 
 @_window_blocks_op.register_fake
@@ -151,16 +150,14 @@ def _structured_from_mask_op(
     found = None if capturing else mask_structure(attn_mask, q.shape[2], k.shape[2])
     if found is None:
         counters["pisa"]["runtime_mask_unstructured"] += 1
-        if capturing or cfg.kernel == "auto":  # the reference selection would sync
-            return _dense_sdpa(q, k, v, attn_mask, False, scale, True, None).contiguous()
-        dispatch._count_reference(q, Plan(dispatch.REFERENCE, dispatch.TRITON))
-        if attn_mask.dtype == torch.float64 and q.dtype != torch.float64:
-            attn_mask = attn_mask.float()  # as on the sparse path
-        block_indices, block_counts = _select_blocks_op(
-            q, k, attn_mask, None, False, 0, scale, *cfg.selection_args(), dispatch.REFERENCE)
-        impl = dispatch.DECODE if q.shape[2] <= DECODE_MAX_QUERIES else dispatch.TRITON
-        return _attention_op(q, k, v, attn_mask, None, block_indices, block_counts, False, 0,
-                             scale, cfg.block_size, cfg.query_tile, impl, 0)[0]
+        # As planned without reading the mask; in a capture as kernel="auto" plans it (dense
+        # SDPA under the mask: the reference selection would sync).
+        if capturing:
+            cfg = cfg.replace(kernel="auto")
+        how = _plan(q, k, v, attn_mask, False, config=cfg, window=None, causal_offset=0,
+                    key_mask=None, read_mask=False)
+        return _run(q, k, v, attn_mask, None, False, 0, None, scale, True, cfg,
+                    how).contiguous()
     counters["pisa"]["runtime_mask_structured"] += 1
     key_mask, offset = found
     return pisa_attention(q, k, v, is_causal=True, causal_offset=offset,
@@ -423,16 +420,18 @@ def plan(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None,
 
 
 def _plan(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal: bool, *,
-          config: PisaConfig, window: Optional[int], causal_offset, key_mask) -> Plan:
-    """:func:`plan` as :func:`pisa_attention` branches on it (the dense rows as SDPA)."""
+          config: PisaConfig, window: Optional[int], causal_offset, key_mask,
+          read_mask: bool = True) -> Plan:
+    """:func:`plan` as :func:`pisa_attention` branches on it (the dense rows as SDPA);
+    ``read_mask=False``: as if the op could not read an explicit mask at run time."""
     return dispatch.plan(q, k, v, _mask4(attn_mask), is_causal, kernel=config.kernel,
                          min_seq_len=config.min_seq_len, local_blocks=config.local_blocks,
                          bound_block=config.effective_bound_block,
                          window=_effective_window(window, q.shape[2], causal_offset),
                          dense_rows=_tail_rows(q.shape[2], is_causal, config),
                          key_padding=key_mask is not None,
-                         mask_at_run_time=attn_mask is not None and _mask_checked_at_run_time(
-                             q, k, v, attn_mask, config))
+                         mask_at_run_time=read_mask and attn_mask is not None
+                         and _mask_checked_at_run_time(q, k, v, attn_mask, config))
 
 
 def _tail_rows(n_queries, is_causal: bool, config: PisaConfig):
@@ -520,6 +519,14 @@ def pisa_attention(
         raise ValueError("attn_mask must not require grad: PISA gives no gradient for the mask")
     how = _plan(q, k, v, attn_mask, is_causal, config=config, window=window,
                causal_offset=causal_offset, key_mask=key_mask)
+    return _run(q, k, v, attn_mask, key_mask, is_causal, causal_offset, window, scale,
+                enable_gqa, config, how)
+
+
+def _run(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
+         key_mask: Optional[Tensor], is_causal: bool, causal_offset, window: Optional[int],
+         scale, enable_gqa: bool, config: PisaConfig, how: Plan) -> Tensor:
+    """:func:`pisa_attention` on checked arguments, as the plan ``how`` says."""
     if how.attention == dispatch.WINDOW:
         from .kernels.window import window_attention
         return window_attention(q, k, v, window=window, causal_offset=causal_offset,
@@ -531,10 +538,10 @@ def pisa_attention(
         B, Hkv, T, M = q.shape[0], k.shape[1], *block_indices.shape
         block_indices = block_indices.expand(B, Hkv, T, M)
         block_counts = block_counts.expand(B, Hkv, T)
-        impl = dispatch.DECODE if q.shape[2] <= DECODE_MAX_QUERIES else dispatch.TRITON
         out, _lse = _Attention.apply(q, k, v, None, key_mask, block_indices, block_counts,
                                      True, causal_offset, float(scale), config.block_size,
-                                     WINDOW_QUERY_TILE, impl, window)
+                                     WINDOW_QUERY_TILE, dispatch.attention_impl(q.shape[2]),
+                                     window)
         return out
     # The tail has fewer than dense_tail + query_tile rows: a static bound for the GQA fold
     # when Nq is symbolic.

@@ -48,14 +48,14 @@ def stdlib_bytes(n: int = 8192) -> torch.Tensor:
     return torch.tensor(list(buf[:n]), dtype=torch.long)
 
 
-def tiny_llama(max_positions: int = 8192):
+def tiny_llama(max_positions: int = 8192, num_layers: int = 4):
     """A small random-init ``transformers.LlamaForCausalLM`` over bytes (vocabulary 256):
-    4 layers, hidden 256, GQA with 8 query and 2 KV heads, SDPA attention, eval mode.
-    Seeded (``torch.manual_seed(0)``), so every call builds the same weights."""
+    ``num_layers`` layers, hidden 256, GQA with 8 query and 2 KV heads of 32, SDPA attention,
+    eval mode. Seeded (``torch.manual_seed(0)``), so every call builds the same weights."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512,
-                      num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+                      num_hidden_layers=num_layers, num_attention_heads=8, num_key_value_heads=2,
                       max_position_embeddings=max_positions, attn_implementation="sdpa")
     return LlamaForCausalLM(cfg).eval()

@@ -237,7 +237,7 @@ def plan(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal
         if kernel == "triton" or (kernel == "auto" and q.device.type == "cuda"):
             _warn_once(why)  # not what was asked for: say so
         return _count_reference(q, Plan(REFERENCE, REFERENCE, why))
-    attention = DECODE if n_sparse <= DECODE_MAX_QUERIES else TRITON
+    attention = attention_impl(n_sparse)
     if attn_mask is not None:
         why = EXPLICIT_MASK
     elif q.dtype == torch.float64:
@@ -249,6 +249,12 @@ def plan(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal
     if q.device.type == "cuda":
         _warn_once(f"selection: {why}")
     return _count_reference(q, Plan(REFERENCE, attention, f"selection: {why}"))
+
+
+def attention_impl(n_rows) -> str:
+    """The Triton attention kernel for ``n_rows`` query rows: the split-K decode kernel for
+    at most ``DECODE_MAX_QUERIES``, else the forward kernel."""
+    return DECODE if n_rows <= DECODE_MAX_QUERIES else TRITON
 
 
 def _window_needs_triton(impl: str, window: int) -> None:

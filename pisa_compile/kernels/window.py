@@ -27,8 +27,22 @@ BLOCK = 128  # FlexAttention's default query and key block
 WINDOW_QUERY_TILE = 64
 
 
-def window_blocks(B: int, Hkv: int, Nq, Nk, window: int, causal_offset, block_size: int,
-                  query_tile: int, device: torch.device) -> tuple[Tensor, Tensor]:
+def _tile_extent(Nq, Nk, window: int, causal_offset, block_size: int, query_tile: int,
+                 device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Per tile of ``query_tile`` queries: its first and last rows' key positions, the first
+    key block of ``block_size`` its windows touch, and how many they touch (0 when every
+    row's window starts past the last key). ``[ceil(Nq / query_tile)]`` each."""
+    t = torch.arange(-(-Nq // query_tile), device=device)
+    q_lo = t * query_tile + causal_offset
+    q_hi = torch.clamp((t + 1) * query_tile, max=Nq) - 1 + causal_offset
+    lo = torch.clamp(q_lo - window + 1, min=0)  # keys some row sees: [lo, hi]
+    hi = torch.clamp(q_hi, max=Nk - 1)
+    first = lo // block_size
+    return q_lo, q_hi, first, torch.where(lo > hi, 0, hi // block_size - first + 1)
+
+
+def window_blocks(Nq, Nk, window: int, causal_offset, block_size: int, query_tile: int,
+                  device: torch.device) -> tuple[Tensor, Tensor]:
     """Block lists of a causal sliding window, for the Triton attention kernels.
 
     Query ``i`` sits at key position ``p = i + causal_offset`` and sees keys ``j`` with
@@ -36,32 +50,23 @@ def window_blocks(B: int, Hkv: int, Nq, Nk, window: int, causal_offset, block_si
     ``block_size`` keys that some row of it sees (the kernels mask the edges).
 
     Args:
-        B, Hkv: batch and KV heads; Nq, Nk: queries and keys (ints or SymInts);
+        Nq, Nk: queries and keys (ints or SymInts);
         window: keys per query (int >= 1); causal_offset: int or SymInt >= 0;
         block_size, query_tile: leaf and tile sizes of the attention call; device: q's.
 
     Returns:
-        ``block_indices`` int32 ``[B, Hkv, T, M]`` (ascending, ``-1`` padded; ``T =
+        ``block_indices`` int32 ``[T, M]`` (ascending, ``-1`` padded; ``T =
         ceil(Nq / query_tile)``, ``M = ceil((window + query_tile - 1) / block_size) + 1``,
-        a static bound) and ``block_counts`` int32 ``[B, Hkv, T]``, expanded views (the lists
-        depend on neither batch nor head). Built on the device from the geometry: no host
-        sync, ``O(T * M)``.
+        a static bound) and ``block_counts`` int32 ``[T]``: the same for every batch row and
+        head (callers expand them). Built on the device from the geometry: no host sync,
+        ``O(T * M)``.
     """
-    T = -(-Nq // query_tile)
     M = -(-(window + query_tile - 1) // block_size) + 1
-    t = torch.arange(T, device=device)
-    q_lo = t * query_tile + causal_offset
-    q_hi = torch.clamp((t + 1) * query_tile, max=Nq) - 1 + causal_offset
-    lo = torch.clamp(q_lo - window + 1, min=0)
-    hi = torch.clamp(q_hi, max=Nk - 1)
-    first = lo // block_size
-    count = torch.where(lo > hi, 0, hi // block_size - first + 1)
-    # Expanded to [T, M] before they meet: broadcasting a [T, 1] against a [1, M] would make
-    # Dynamo guard on T == 1 (one more graph for calls of at most query_tile queries).
-    slot = torch.arange(M, device=device)[None, :].expand(T, M)
-    idx = torch.where(slot < count[:, None].expand(T, M), first[:, None].expand(T, M) + slot, -1)
-    return (idx.to(torch.int32).expand(B, Hkv, T, M),
-            count.to(torch.int32).expand(B, Hkv, T))
+    _, _, first, count = _tile_extent(Nq, Nk, window, causal_offset, block_size, query_tile,
+                                      device)
+    slot = torch.arange(M, device=device)
+    idx = torch.where(slot[None, :] < count[:, None], first[:, None] + slot[None, :], -1)
+    return idx.to(torch.int32), count.to(torch.int32)
 
 
 def window_block_mask(B: int, Nq: int, Nk: int, window: int, causal_offset,
@@ -87,16 +92,9 @@ def window_block_mask(B: int, Nq: int, Nk: int, window: int, causal_offset,
     """
     from torch.nn.attention.flex_attention import BlockMask
 
-    nqb, nkb = -(-Nq // BLOCK), -(-Nk // BLOCK)
-    m = torch.arange(nqb, device=device)
-    q_lo = m * BLOCK + causal_offset                                # first row's position
-    q_hi = torch.clamp((m + 1) * BLOCK, max=Nq) - 1 + causal_offset  # last row's position
-    # Keys any row of query block m sees: [lo, hi] (none when lo > hi: every row's window
-    # starts past the last key).
-    lo = torch.clamp(q_lo - window + 1, min=0)
-    hi = torch.clamp(q_hi, max=Nk - 1)
-    first = lo // BLOCK
-    n_touch = torch.where(lo > hi, 0, hi // BLOCK - first + 1)
+    nkb = -(-Nk // BLOCK)
+    q_lo, q_hi, first, n_touch = _tile_extent(Nq, Nk, window, causal_offset, BLOCK, BLOCK,
+                                              device)
     # Index lists as wide as the key blocks (FlexAttention's layout; the transposed lists
     # for the backward assume it), the touched ones first.
     cols = first[:, None] + torch.arange(nkb, device=device)[None, :]

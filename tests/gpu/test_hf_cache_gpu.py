@@ -25,20 +25,15 @@ def test_generate_exact_regime_on_gpu(fresh_dynamo):
     attention from the graph before the cache's break: proved, or read at run time, never
     the reference selection."""
     from torch._dynamo.utils import counters
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512,
-                                   num_hidden_layers=2, num_attention_heads=8,
-                                   num_key_value_heads=2, head_dim=32,
-                                   max_position_embeddings=8192, pad_token_id=0, bos_token_id=1,
-                                   eos_token_id=2)
-    cfg._attn_implementation = "sdpa"
-    m = transformers.LlamaForCausalLM(cfg).cuda().eval()
+
+    from pisa_compile.samples import tiny_llama
+    m = tiny_llama(8192, num_layers=2).cuda()
     ids = torch.randint(3, 256, (2, 3000), device="cuda")
     am = torch.ones_like(ids)
     am[1, :300] = 0
     new = 8
     kw = dict(input_ids=ids, attention_mask=am, max_new_tokens=new, do_sample=False,
-              output_scores=True, return_dict_in_generate=True)
+              output_scores=True, return_dict_in_generate=True, pad_token_id=0)
     dense = m.generate(**kw)
     pc = PisaConfig(top_k=64, kernel="triton", min_seq_len=0)  # 47 leaves: all selected
     # The backend by function: on a machine where the package is not installed, the name

@@ -17,6 +17,10 @@ dense (whose own difference is the bf16 tolerance).
     python -m benchmarks.bench_masks --left-padding --min-seq-len 0 --json profiles/bench_masks_padding_pisa.json
     python -m benchmarks.bench_masks --window 4096 --json profiles/bench_masks_window.json
     python -m benchmarks.bench_masks --nanogpt --json profiles/bench_masks_nanogpt.json
+    python -m benchmarks.bench_masks --options '{"preset": "fast"}' --kernels --json out.json
+
+``--options`` passes the pisa backend's options (JSON); ``--kernels`` adds each call's GPU
+time per kernel (``torch.profiler``, the 20 largest), which places a mask's extra cost.
 
 With ``--nanogpt``: one nanoGPT-style attention layer (the stack's sizes, hand-written
 attention masked by a registered ``tril`` buffer) against the same layer calling SDPA with
@@ -172,9 +176,16 @@ def main(argv=None):
                     help="a Mistral-shaped stack with this sliding window")
     ap.add_argument("--nanogpt", action="store_true",
                     help="a nanoGPT-style layer: registered tril buffer against is_causal")
+    ap.add_argument("--options", type=json.loads, default=None,
+                    help='the pisa backend\'s options as JSON, e.g. \'{"preset": "fast"}\' '
+                         "(default: none, the defaults)")
+    ap.add_argument("--kernels", action="store_true",
+                    help="also record each call's GPU time per kernel (torch.profiler)")
     args = ap.parse_args(argv)
     if args.min_seq_len is not None and not args.left_padding:
         ap.error("--min-seq-len applies to --left-padding only")
+    if args.options is not None and args.nanogpt:
+        ap.error("--options does not apply to --nanogpt")
     from torch._dynamo.utils import counters
     if args.nanogpt:
         rows = [r for n in args.lengths.split(",") for r in nanogpt(int(n), args.reps)]
@@ -186,8 +197,10 @@ def main(argv=None):
     model = _model(args.window)
     body = model.model  # hidden states: the LM head's logits would dominate memory
     if args.left_padding:
-        opts = None if args.min_seq_len is None else dict(min_seq_len=args.min_seq_len)
-        rows = left_padding(body, 16384, [0, 1024, 3072, 7168], args.reps, opts)
+        opts = dict(args.options or {})
+        if args.min_seq_len is not None:
+            opts["min_seq_len"] = args.min_seq_len
+        rows = left_padding(body, 16384, [0, 1024, 3072, 7168], args.reps, opts or None)
         if args.json:
             with open(args.json, "w") as fh:
                 json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
@@ -201,7 +214,8 @@ def main(argv=None):
             torch._dynamo.reset()
             counters.clear()
             from pisa_compile.backend import pisa_backend  # works without the entry point
-            f = torch.compile(body, backend=pisa_backend if backend == "pisa" else "inductor")
+            f = (torch.compile(body, backend=pisa_backend, options=args.options)
+                 if backend == "pisa" else torch.compile(body))
             for call, kw in (("model(ids)", {}), ("model(ids, attention_mask=ones)",
                                                   dict(attention_mask=ones))):
                 counters.clear()  # this call's plans only
@@ -209,8 +223,14 @@ def main(argv=None):
                     torch.cuda.reset_peak_memory_stats()
                     ms = _time(lambda: f(ids, **kw), args.reps)
                     peak = torch.cuda.max_memory_allocated() / 2**30
+                    kernels = None
+                    if args.kernels:
+                        from benchmarks.bench_stages import kernel_ms
+                        kernels = {k: round(v, 3) for k, v in
+                                   list(kernel_ms(lambda: f(ids, **kw), 3).items())[:20]}
                 rows.append(dict(n=n, backend=backend, call=call, window=args.window,
-                                 ms=round(ms, 2),
+                                 options=args.options if backend == "pisa" else None,
+                                 ms=round(ms, 2), kernels=kernels,
                                  peak_gib=round(peak, 2),
                                  reference_stages=_reference_stages(counters),
                                  window_paths={k: v for k, v in counters["pisa"].items()

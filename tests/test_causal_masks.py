@@ -155,6 +155,47 @@ def test_llama_with_explicit_mask_is_causal():
     assert all(s.mask.endswith("->is_causal") for s in report.sites), str(report)
 
 
+def _tiny_llama():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def _sites_and_check(model, **kw):
+    """The report's mask column per site, after checking compiled logits == eager's."""
+    ref = model(**kw).logits
+    out = torch.compile(model, backend="pisa", options=REWRITE)(**kw).logits
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    report = pisa_compile.explain(model, options=REWRITE, **kw)
+    assert [s.decision for s in report.sites] == ["rewritten"] * 2, str(report)
+    return [s.mask for s in report.sites]
+
+
+def test_llama_without_a_cache_proves_its_packed_sequence_mask():
+    """transformers >= 5.2x with ``use_cache=False`` and no ``attention_mask`` builds its mask
+    from ``arange`` position ids, with a packed-sequence test (``diff(pos) != 1``, a running
+    sum, equal sequence ids): causal, the usual call of a training loop. It was read as an
+    explicit mask (dense on CUDA under a gradient)."""
+    model = _tiny_llama()
+    ids = torch.randint(0, 64, (2, 40))
+    masks = _sites_and_check(model, input_ids=ids, use_cache=False)
+    assert all(m.endswith("->is_causal") for m in masks), masks
+
+
+def test_llama_with_packed_position_ids_keeps_its_mask():
+    """Position ids that restart (two packed sequences of 20): the mask is block-diagonal
+    causal, not causal, and the ids are a graph input the pass cannot read: it stays a mask,
+    and the logits equal eager's."""
+    model = _tiny_llama()
+    ids = torch.randint(0, 64, (2, 40))
+    pos = torch.arange(20).repeat(2)[None].expand(2, -1)
+    masks = _sites_and_check(model, input_ids=ids, position_ids=pos, use_cache=False)
+    assert all("->" not in m for m in masks), masks
+
+
 A = torch.arange
 
 
@@ -184,6 +225,36 @@ def _mutated_zeros(nq, nk):
     return torch.where(torch.ones(nq, nk, dtype=torch.bool).tril(), z, float("-inf"))
 
 
+def _position_mask(pos, nq, nk, one=1):
+    """transformers' packed-sequence causal mask over position ids ``pos`` (1-D, laid over a
+    batch of 2): ``pos[kv] <= pos[q]`` and equal sequence ids (``diff(pos) != 1``, summed);
+    ``[2, 1, nq, nk]``."""
+    pos = pos.unsqueeze(0).expand(2, -1)
+    seq = (torch.diff(pos, prepend=pos[:, :1] - one, dim=-1) != 1).cumsum(-1)
+    b = A(2)[:, None, None, None]
+    qi, kv = A(nq)[None, None, :, None], A(nk)[None, None, None, :]
+    return (pos[b, kv] <= pos[b, qi]) & (seq[b, qi] == seq[b, kv])
+
+
+def _packed_written_between(nq, nk):
+    """The ids are written after the prepend was sliced from them: the diff's first entry
+    is 6, so the packed-sequence test is not constant."""
+    pos = A(nk)[None, :].expand(2, -1) + 0
+    prep = pos[:, :1] - 1
+    pos[:] = pos + 5
+    ne = torch.diff(pos, prepend=prep, dim=-1) != 1
+    b = A(2)[:, None, None, None]
+    qi, kv = A(nq)[None, None, :, None], A(nk)[None, None, None, :]
+    return (pos[b, kv] <= pos[b, qi]) & (ne[b, qi] == ne[b, kv])
+
+
+def _packed_restart(nq, nk):
+    """Positions restart half way: ``diff != 1`` there, two sequences."""
+    pos = A(nk) + 0
+    pos = torch.cat([pos[: nk // 2], pos[: nk - nk // 2]])
+    return _position_mask(pos, nq, nk)
+
+
 LOOKALIKES = {  # masks that look causal but are not: each must keep its mask
     "sub_alpha": lambda nq, nk: torch.sub(A(nk), 1, alpha=2)[None, :] <= (A(nq) - 1)[:, None],
     "arange_end_kw": lambda nq, nk: A(nk)[None, :] <= A(3, end=nq + 3)[:, None],
@@ -198,6 +269,15 @@ LOOKALIKES = {  # masks that look causal but are not: each must keep its mask
         torch.ones(nq, nk, dtype=torch.bool).tril(), 0., float("-inf")).to(torch.bool)
     .to(torch.float32),
     "mutated_zeros": _mutated_zeros,
+    "packed_restart": _packed_restart,
+    "positions_times_two": lambda nq, nk: _position_mask(A(nk) * 2, nq, nk),
+    # A float prepend promotes the diff to float32, which rounds positions past 2**24.
+    "packed_float_prepend": lambda nq, nk: _position_mask(A(nk) + 2**25 + 1, nq, nk, 1.0),
+    "packed_written_between": _packed_written_between,
+    "packed_int32_overflow": lambda nq, nk: _position_mask(
+        A(nk, dtype=torch.int32) + (2**31 - 4), nq, nk),
+    "int32_overflow": lambda nq, nk: ((A(nk, dtype=torch.int32) + (2**31 - 4))[None, :]
+                                      <= (A(nq, dtype=torch.int32) + (2**31 - 4))[:, None]),
 }
 
 
@@ -261,3 +341,51 @@ def test_half_mask_on_float_scores_is_cast_not_a_crash():
         s = (q @ k.transpose(-1, -2) + m) * 1e-4  # -65504 * 1e-4 is no longer masking
         return s.softmax(-1) @ v
     assert not _mask_of(f, *_qkv()).endswith("->is_causal")
+
+
+def test_packed_sequence_test_over_arange_positions_is_causal():
+    """The packed-sequence mask over ``arange`` positions (one sequence) is causal."""
+    mask = _mask_of(_sdpa_with(lambda nq, nk: _position_mask(A(nk) + 0, nq, nk)), *_qkv())
+    assert mask.endswith("->is_causal"), mask
+
+
+def test_position_gathers_out_of_range_are_not_proved():
+    """Gathers of position ids past their end (or rows past their batch) raise in eager; a
+    negative (symbolic) index would wrap around: none of them is proved, so compiled raises
+    or equals eager."""
+    def past_end(q, k, v):
+        n = q.shape[2]
+        pos = (A(n) + 0).unsqueeze(0).expand(2, -1)
+        b = A(2)[:, None, None, None]
+        kv, qi = A(n)[None, None, None, :], (A(n) + 1)[None, None, :, None]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=pos[b, kv] <= pos[b, qi])
+
+    with pytest.raises(IndexError):
+        past_end(*_qkv())
+    # The pass's own reading of the graph (running the compiled graph would abort the process
+    # in Inductor's bounds check); the graph then runs eagerly and raises as eager does.
+    from pisa_compile.config import split_options
+    from pisa_compile.lowering.rewrite import rewrite_graph
+    masks = []
+
+    def read(gm, example_inputs):
+        config, _ = split_options(REWRITE)
+        masks.extend(s.mask for s in rewrite_graph(gm, config, apply=False))
+        return gm.forward
+
+    with pytest.raises(IndexError):
+        torch.compile(past_end, backend=read)(*_qkv())
+    assert masks == ["bool"], masks
+
+    def shifted(q, k, v, off):
+        n = q.shape[2]
+        pos = (A(n) + 0).unsqueeze(0).expand(2, -1)
+        b = A(2)[:, None, None, None]
+        kv, qi = (A(n) + off)[None, None, None, :], (A(n) + off)[None, None, :, None]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=pos[b, kv] <= pos[b, qi])
+
+    q, k, v = _qkv()
+    for off in (-4, 0):  # -4 wraps: rows 0..3 read positions 20..23
+        torch._dynamo.reset()
+        out = torch.compile(shifted, backend="pisa", dynamic=True, options=REWRITE)(q, k, v, off)
+        torch.testing.assert_close(out, shifted(q, k, v, off), rtol=1e-4, atol=1e-5)

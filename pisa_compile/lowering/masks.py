@@ -16,6 +16,8 @@ The proof is an abstract evaluation of the mask's producers. Each node gets one 
 * :class:`Index`: ``arange(n) + offset`` (int32/int64), 1-D or laid along one dim (``-1``
   keys, ``-2`` queries, ``-4`` batch) of a broadcast tensor;
 * :data:`ONES`: a tensor of ones / ``True``;
+* :class:`Const`: a tensor every entry of which is one value (transformers' packed-sequence
+  ids over ``arange`` position ids: one sequence);
 * :class:`Struct`: 0/1 values with ``attend(b, i, j) = lower <= j - i <= upper and
   key[b, j]`` (query ``i``, key ``j``; each part optional), or the negation;
 * :class:`FMask`: a float mask, 0 on a :class:`Struct` and a finite ``fill`` elsewhere
@@ -153,6 +155,14 @@ class PadTest:
     region: Struct
     fill: float
     key: Node
+
+
+@dataclass(frozen=True)
+class Const:
+    """A tensor every entry of which is ``value`` (transformers' packed-sequence ids of
+    positions that run ``arange``: one sequence, every id 0)."""
+
+    value: Any
 
 
 ONES = "ones"
@@ -414,7 +424,18 @@ def _arange(node: Node) -> Optional[Index]:
     if (end is None or isinstance(step, (bool, Node)) or step != 1 or off is None
             or not isinstance(v, torch.Tensor) or v.dim() != 1 or v.dtype not in _INDEX_DTYPES):
         return None
-    return Index(None, *off, v.shape[0])
+    return _fits(Index(None, *off, v.shape[0]), v.dtype)
+
+
+def _fits(ix: Optional[Index], dtype: Optional[torch.dtype]) -> Optional[Index]:
+    """``ix`` where its values provably fit ``dtype`` (int32 wraps past ``2**31 - 1``, and
+    the Index arithmetic does not), else None. int64 is taken to fit (positions)."""
+    if ix is None or dtype != torch.int32:
+        return ix
+    if ix.terms or not isinstance(ix.length, int):
+        return None
+    lo, hi = ix.const, ix.const + max(ix.length - 1, 0)
+    return ix if -2**31 <= lo and hi < 2**31 else None
 
 
 def _is_ones_call(node: Node) -> bool:
@@ -464,6 +485,73 @@ def _key_gather(node: Node, ev) -> Optional[Struct]:
     return Struct(True, None, ki.length, key=src,
                   key_cut=not P.known_equal(sv.shape[1], ki.length),
                   key_rows=None if P.known_equal(sv.shape[0], bi.length) else bi.length)
+
+
+def _position_gather(node: Node, ev) -> Optional[Index]:
+    """``pos[batch_idx, idx]`` of position ids ``pos`` ``[B, N]`` whose every row is
+    ``arange(N) + c`` (an :class:`Index` along the last dim, e.g. ``arange`` expanded over the
+    batch), with ``batch_idx = arange(B)`` laid along dim -4 and ``idx = arange(n) + d`` along
+    the query or key dim: ``idx + c`` along that dim. Only where every index is provably in
+    range (constant ``d >= 0``, ``d + n <= N``, ``B`` rows): a negative index would wrap
+    around, and one past the end raises in eager, where the proved mask is never gathered."""
+    idx = node.args[1] if len(node.args) > 1 else None
+    if not (isinstance(idx, tuple) and len(idx) == 2 and all(isinstance(i, Node) for i in idx)):
+        return None
+    src, bi, ki = ev(node.args[0]), ev(idx[0]), ev(idx[1])
+    sv = P.val(node.args[0])
+    if not (isinstance(src, Index) and src.axis == -1 and isinstance(sv, torch.Tensor)
+            and sv.dim() == 2 and isinstance(bi, Index) and bi.axis == -4
+            and (bi.const, bi.terms) == (0, ()) and P.known_equal(sv.shape[0], bi.length)
+            and isinstance(ki, Index) and ki.axis in (-2, -1) and not ki.terms
+            and ki.const >= 0):
+        return None
+    end = ki.const + ki.length
+    if not (P.known_equal(end, sv.shape[1])
+            or (isinstance(end, int) and isinstance(sv.shape[1], int) and end <= sv.shape[1])):
+        return None
+    return _shifted(ki, (src.const, src.terms))
+
+
+def _arange_diff(node: Node, ev) -> Any:
+    """``torch.diff(pos, prepend=pos[:, :1] - 1, dim=-1)`` of position ids whose rows run
+    ``arange``: every entry is 1 (transformers' packed-sequence test)."""
+    x = P.arg(node, 0, "input")
+    n = P.arg(node, 1, "n", 1)
+    dim = P.arg(node, 2, "dim", -1)
+    prepend = node.kwargs.get("prepend", node.args[3] if len(node.args) > 3 else None)
+    append = node.kwargs.get("append", node.args[4] if len(node.args) > 4 else None)
+    v = P.val(node)
+    if (n != 1 or append is not None or not isinstance(v, torch.Tensor)
+            or dim not in (-1, v.dim() - 1) or not isinstance(x, Node) or not isinstance(ev(x), Index) or ev(x).axis != -1
+            or not isinstance(prepend, Node)):
+        return None
+    # prepend = sub(getitem(pos', (:, :1)), 1), with pos' the same ids; one integer dtype
+    # throughout (a float prepend promotes the diff, which then rounds large positions).
+    if not ((P._fn(prepend, operator.sub, torch.sub) or P._meth(prepend, "sub", "__sub__"))
+            and prepend.kwargs.get("alpha", 1) == 1 and len(prepend.args) == 2
+            and type(prepend.args[1]) is int and prepend.args[1] == 1
+            and isinstance(prepend.args[0], Node)
+            and _dtype(node) in _INDEX_DTYPES
+            and _dtype(node) == _dtype(x) == _dtype(prepend) == _dtype(prepend.args[0])):
+        return None
+    first = prepend.args[0]
+    full = slice(None, None, None)
+    if not ((P._fn(first, operator.getitem) or P._meth(first, "__getitem__"))
+            and len(first.args) == 2 and first.args[1] == (full, slice(None, 1, None))
+            and isinstance(first.args[0], Node) and ev(first.args[0]) == ev(x)
+            and _same_last(first.args[0], x)):
+        return None
+    # The prepend was read when it was sliced, the ids when diff runs: neither may be
+    # written in between (or at all: the simple sound rule).
+    if _mutated(_root(x)) or _mutated(_root(first.args[0])):
+        return None
+    return Const(1)
+
+
+def _same_last(a: Node, b: Node) -> bool:
+    va, vb = P.val(a), P.val(b)
+    return (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor)
+            and va.dim() == vb.dim() == 2 and P.known_equal(va.shape[0], vb.shape[0]))
 
 
 class _Top:
@@ -660,12 +748,14 @@ def _evaluate(node: Node, ev) -> Any:
             return None
         a, b = (x0, x1) if isinstance(ev(x0), Index) else (x1, x0)
         ix, off = ev(a), _offset(b)
-        return _shifted(ix, off) if isinstance(ix, Index) and off is not None else None
+        return (_fits(_shifted(ix, off), _dtype(node))
+                if isinstance(ix, Index) and off is not None else None)
     if P._fn(node, operator.sub, torch.sub) or P._meth(node, "sub", "__sub__"):
         if node.kwargs.get("alpha", 1) != 1 or _dtype(node) not in _INDEX_DTYPES:
             return None
         ix, off = ev(x0), _offset(x1)
-        return _shifted(ix, off, -1) if isinstance(ix, Index) and off is not None else None
+        return (_fits(_shifted(ix, off, -1), _dtype(node))
+                if isinstance(ix, Index) and off is not None else None)
     if P._fn(node, operator.getitem) or P._meth(node, "__getitem__"):
         x = ev(node.args[0])
         if isinstance(x, Index) and x.axis is None:
@@ -673,6 +763,10 @@ def _evaluate(node: Node, ev) -> Any:
             return None if axis is None else Index(axis, x.const, x.terms, x.length)
         if x == ONES:
             return ONES
+        if isinstance(x, Const):
+            return x
+        if isinstance(x, Index) and x.axis == -1:
+            return _position_gather(node, ev)
         if isinstance(x, Struct) and x.key is None and _keeps_last_two(node.args[1]):
             v = P.val(node)  # a top-left cut keeps j - i: same bounds, the cut's shape
             # ... of values proved over the source's own last two dims (not a broadcast row)
@@ -710,6 +804,15 @@ def _evaluate(node: Node, ev) -> Any:
     if P._fn(node, operator.eq, operator.ne, torch.eq, torch.ne) or \
             P._meth(node, "eq", "ne", "__eq__", "__ne__"):
         x, c = ev(x0), x1
+        is_eq = _name(node) in ("eq", "__eq__")
+        if isinstance(x, Const):  # against a constant, or another Const
+            other = ev(c) if isinstance(c, Node) else c
+            if isinstance(other, Const):
+                other = other.value
+            if isinstance(other, (bool, int)) and not isinstance(other, Node):
+                out = (x.value == other) == is_eq
+                return ONES if out else Const(False)
+            return None
         if isinstance(x, Struct) and not isinstance(c, Node) and c in (0, 1, True, False):
             keep = (c in (1, True)) == (_name(node) in ("eq", "__eq__"))
             return x if keep else x.negated()
@@ -727,6 +830,11 @@ def _evaluate(node: Node, ev) -> Any:
             return None
         bound = "upper" if _name(node) == "tril" else "lower"  # tril: j - i <= diag
         return Struct(True, v.shape[-2], v.shape[-1], **{bound: (diag, ())})
+    if P._fn(node, torch.diff):
+        return _arange_diff(node, ev)
+    if P._fn(node, torch.cumsum) or P._meth(node, "cumsum"):
+        x = ev(x0)  # a running sum of zeros (False) is zeros
+        return Const(0) if isinstance(x, Const) and x.value in (0, False) else None
     if _is_ones_call(node):
         return ONES
     if node.op == "placeholder":
@@ -734,6 +842,11 @@ def _evaluate(node: Node, ev) -> Any:
     if node.op == "call_method" and node.target in _PASS_METHODS:
         x = ev(node.args[0])
         if isinstance(x, Index):
+            if node.target in ("expand", "expand_as") and x.axis in (None, -1):
+                # arange laid along the last dim, broadcast over rows: position ids [B, N]
+                v = P.val(node)
+                ok = isinstance(v, torch.Tensor) and P.known_equal(v.shape[-1], x.length)
+                return Index(-1, x.const, x.terms, x.length) if ok else None
             return x if _dtype(node) in _INDEX_DTYPES and node.target in (
                 "to", "int", "long", "contiguous", "clone", "detach") else None
         return x

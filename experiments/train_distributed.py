@@ -178,10 +178,24 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--attn", choices=["sdpa", "eager"], default="sdpa")
     p.add_argument("--bucket-cap-mb", type=float, default=None,
-                   help="DDP bucket size; small values split the compiled graph more")
+                   help="DDP bucket size, >= 1 (DDP's first bucket is 1 MiB and Dynamo's "
+                        "DDPOptimizer asserts on smaller ones); small values split the "
+                        "compiled graph more")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--out", default=None, help="rank 0 saves the results here (torch.save)")
     a = p.parse_args(argv)
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if a.steps < 1:
+        p.error(f"--steps must be >= 1, got {a.steps}")
+    if a.seq_len < 2:  # a causal LM's shifted labels need two tokens (else the loss is NaN)
+        p.error(f"--seq-len must be >= 2, got {a.seq_len}")
+    if a.batch < 1 or a.batch % world:
+        p.error(f"--batch must be a positive multiple of the world size ({world}), "
+                f"got {a.batch}")
+    if a.bucket_cap_mb is not None and a.bucket_cap_mb < 1:
+        p.error(f"--bucket-cap-mb must be >= 1 (DDP's first bucket), got {a.bucket_cap_mb}")
+    if a.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: CUDA is not available in this torch build or machine")
 
     dist = torch.distributed
     if a.device == "cuda":

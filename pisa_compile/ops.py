@@ -258,9 +258,12 @@ class _Attention(torch.autograd.Function):
 # -- public API ----------------------------------------------------------------------------
 
 def _check_inputs(q: Tensor, k: Tensor, v: Optional[Tensor], attn_mask: Optional[Tensor],
-                  is_causal: bool, enable_gqa: bool, config: PisaConfig) -> None:
+                  is_causal: bool, enable_gqa: bool, config: PisaConfig, *,
+                  v_optional: bool = False) -> None:
+    """Raise a clear error for bad arguments; ``v`` may be None only with ``v_optional``
+    (``select_blocks``)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if t is None:
+        if t is None and name == "v" and v_optional:
             continue
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -1008,7 +1011,7 @@ def select_blocks(
         TypeError, ValueError: a bad argument; the message names it and what was expected.
     """
     config = _config(config).replace(min_seq_len=0)
-    _check_inputs(q, k, None, attn_mask, is_causal, enable_gqa, config)
+    _check_inputs(q, k, None, attn_mask, is_causal, enable_gqa, config, v_optional=True)
     key_mask = _check_structure(q, k, attn_mask, key_mask, is_causal, causal_offset)
     scale = _check_scale(scale, q)
     how = dispatch.plan(q, k, k, _mask4(attn_mask), is_causal, kernel=config.kernel,

@@ -244,6 +244,8 @@ def test_gradients_match_masked_dense(p: Problem, cfg: PisaConfig):
     ("config", "config must be a PisaConfig"),
     ("scale", "scale must be a float or None"),
     ("causal_int", "is_causal must be a bool"),
+    ("k_none", "k must be a torch.Tensor, got NoneType"),
+    ("v_none", "v must be a torch.Tensor, got NoneType"),
 ])
 def test_bad_inputs_name_the_argument(case, match):
     q, k, v = torch.randn(1, 4, 8, 16), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16)
@@ -252,6 +254,10 @@ def test_bad_inputs_name_the_argument(case, match):
         k, v = torch.randn(1, 3, 8, 16), torch.randn(1, 3, 8, 16)
     elif case == "gqa_flag":
         kwargs = {}
+    elif case == "k_none":
+        k = None
+    elif case == "v_none":
+        v = None
     elif case == "rank":
         q = torch.randn(4, 8, 16)
     elif case == "dtype":

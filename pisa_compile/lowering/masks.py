@@ -521,8 +521,9 @@ def _arange_diff(node: Node, ev) -> Any:
     prepend = node.kwargs.get("prepend", node.args[3] if len(node.args) > 3 else None)
     append = node.kwargs.get("append", node.args[4] if len(node.args) > 4 else None)
     v = P.val(node)
+    ix = ev(x) if isinstance(x, Node) else None
     if (n != 1 or append is not None or not isinstance(v, torch.Tensor)
-            or dim not in (-1, v.dim() - 1) or not isinstance(x, Node) or not isinstance(ev(x), Index) or ev(x).axis != -1
+            or dim not in (-1, v.dim() - 1) or not isinstance(ix, Index) or ix.axis != -1
             or not isinstance(prepend, Node)):
         return None
     # prepend = sub(getitem(pos', (:, :1)), 1), with pos' the same ids; one integer dtype
@@ -538,8 +539,8 @@ def _arange_diff(node: Node, ev) -> Any:
     full = slice(None, None, None)
     if not ((P._fn(first, operator.getitem) or P._meth(first, "__getitem__"))
             and len(first.args) == 2 and first.args[1] == (full, slice(None, 1, None))
-            and isinstance(first.args[0], Node) and ev(first.args[0]) == ev(x)
-            and _same_last(first.args[0], x)):
+            and isinstance(first.args[0], Node) and ev(first.args[0]) == ix
+            and _same_rows(first.args[0], x)):
         return None
     # The prepend was read when it was sliced, the ids when diff runs: neither may be
     # written in between (or at all: the simple sound rule).
@@ -548,7 +549,8 @@ def _arange_diff(node: Node, ev) -> Any:
     return Const(1)
 
 
-def _same_last(a: Node, b: Node) -> bool:
+def _same_rows(a: Node, b: Node) -> bool:
+    """Both ``[rows, n]`` with provably the same rows."""
     va, vb = P.val(a), P.val(b)
     return (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor)
             and va.dim() == vb.dim() == 2 and P.known_equal(va.shape[0], vb.shape[0]))
@@ -809,12 +811,12 @@ def _evaluate(node: Node, ev) -> Any:
             other = ev(c) if isinstance(c, Node) else c
             if isinstance(other, Const):
                 other = other.value
-            if isinstance(other, (bool, int)) and not isinstance(other, Node):
+            if isinstance(other, (bool, int)):
                 out = (x.value == other) == is_eq
                 return ONES if out else Const(False)
             return None
         if isinstance(x, Struct) and not isinstance(c, Node) and c in (0, 1, True, False):
-            keep = (c in (1, True)) == (_name(node) in ("eq", "__eq__"))
+            keep = (c in (1, True)) == is_eq
             return x if keep else x.negated()
         if (isinstance(x, KeyVal) and not isinstance(c, (Node, bool)) and c == 0
                 and isinstance(c, (int, float))):

@@ -600,13 +600,15 @@ def _leaf_lse2(qv, qpos, kbase, skn, skd, km_row, skmn, leaf, Nk, q_first, offse
     Rows that do not exist score as zero queries (the caller's ``_pool_share2`` drops their
     votes).
 
-    Few operations per score (the kernel is bound by them, not by the dot): without a key mask
-    a key's validity (in range) is an additive ``0 / -inf`` per key, applied with the scale in
-    one FMA (a masked key may hold NaN, so under a key mask it is a select); the causal
-    comparison runs only for a key chunk with keys past the position ``q_first + offset`` of
-    the tile's first query. A safety net: a shortlisted leaf is clean (a tile's partial leaves
-    are its forced local leaves, which the selection kernels keep out of the shortlist), so
-    it runs for none at ``block_size >= 16``."""
+    Few operations per score (the kernel is bound by them, not by the dot): a key's validity
+    (in range, and live under a key mask) is an additive ``0 / -inf`` per key, applied with
+    the scale in one FMA; an invalid key loads as 0, so a masked key's NaN never reaches its
+    score (a select under a key mask cost the rescoring 8.1 of its 38.6 ms over 4 layers at
+    32K, ``profiles/bench_masks_kernels.json``); the causal comparison runs only for a key
+    chunk with keys past the position ``q_first + offset`` of the tile's first query. A
+    safety net: a shortlisted leaf is clean (a tile's partial leaves are its forced local
+    leaves, which the selection kernels keep out of the shortlist), so it runs for none at
+    ``block_size >= 16``."""
     kc = tl.arange(0, KC)
     dm = d < D
     row_max = tl.full(qpos.shape, float("-inf"), tl.float32)
@@ -614,19 +616,17 @@ def _leaf_lse2(qv, qpos, kbase, skn, skd, km_row, skmn, leaf, Nk, q_first, offse
     for c0 in tl.static_range(0, C, KC):
         kp = leaf * C + c0 + kc
         kin = (kp < Nk) & (c0 + kc < C)
-        # K before the key mask, so the two loads overlap; a padding key's score is masked.
-        kk = tl.load(kbase + kp.to(tl.int64)[:, None] * skn + d[None, :] * skd,
-                     mask=kin[:, None] & dm[None, :], other=0.0)
         if HAS_KEY_MASK:
             kin = kin & (tl.load(km_row + kp.to(tl.int64) * skmn, mask=kin, other=0) != 0)
+        # Out-of-range and masked keys load as 0 (a masked key may hold NaN or inf), so their
+        # scores are finite and take a -inf term, in one FMA with the scale.
+        kk = tl.load(kbase + kp.to(tl.int64)[:, None] * skn + d[None, :] * skd,
+                     mask=kin[:, None] & dm[None, :], other=0.0)
         if LOWP:
             sk = tl.dot(qv, tl.trans(kk.to(qv.dtype)))
         else:
             sk = tl.dot(qv.to(tl.float32), tl.trans(kk.to(tl.float32)), input_precision="ieee")
-        if HAS_KEY_MASK:  # a masked key may hold NaN or inf: a select, not a -inf term
-            sk = tl.where(kin[None, :], sk * qk_scale, float("-inf"))
-        else:  # out-of-range keys load as 0: a -inf term, in one FMA with the scale
-            sk = sk * qk_scale + tl.where(kin, 0.0, float("-inf"))[None, :]
+        sk = sk * qk_scale + tl.where(kin, 0.0, float("-inf"))[None, :]
         if CAUSAL:
             if leaf * C + c0 + KC - 1 > q_first + offset:  # some row cannot see all of it
                 sk = tl.where(kp[None, :] <= qpos[:, None] + offset, sk, float("-inf"))

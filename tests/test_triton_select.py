@@ -220,10 +220,13 @@ def test_bound_block_keeps_non_finite_boxes_first(kw, monkeypatch):
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
-def test_exact_scores_ignore_non_finite_masked_keys(value):
+@pytest.mark.parametrize("rescore", [False, True], ids=["every_candidate", "shortlist"])
+def test_exact_scores_ignore_non_finite_masked_keys(value, rescore, monkeypatch):
     """A NaN or inf in a masked key (a hole in the key mask) inside a leaf with live keys:
     the leaf's exact score comes from its live keys only, so the tile that wants them picks
-    it, as the reference does (the key mask may not reach a score, NaN included)."""
+    it, as the reference does (the key mask may not reach a score, NaN included). The
+    rescoring kernel scores every candidate or a box-ranked shortlist; either way the holed
+    leaf 1 under the key mask and the whole leaf 2 without it."""
     torch.manual_seed(0)
     q, k = torch.randn(1, 1, 64, 16), torch.randn(1, 1, 64, 16) * 0.3
     k[0, 0, 24:32] += 2 * q[0, 0, 48:].mean(0)  # leaf 1's live keys: what tile 3 wants
@@ -231,8 +234,13 @@ def test_exact_scores_ignore_non_finite_masked_keys(value):
     km[0, 20:24] = False  # a hole in leaf 1
     k[0, 0, 21] = value
     opts = dict(block_size=16, top_k=1, branching=2, beam=8, sink_blocks=1, local_blocks=1,
-                query_tile=16, leaf_scoring="exact", shortlist=0, bound_block=0, flat_leaves=0)
+                query_tile=16, leaf_scoring="exact", shortlist=2 if rescore else 0,
+                bound_block=4 if rescore else 0, flat_leaves=0)
+    launched = []
+    real = ts.launcher
+    monkeypatch.setattr(ts, "launcher", lambda fn, x: launched.append(fn) or real(fn, x))
     idx, cnt = ts.select_blocks(q, k, True, 0.25, key_mask=km, **opts)
+    assert ts._rescore_kernel in launched
     ridx, rcnt = ref.select_blocks(q, k, None, True, 0.25, key_mask=km, **opts)
     assert idx[0, 0, 3, :cnt[0, 0, 3]].tolist() == [0, 1, 3]
     assert torch.equal(idx, ridx) and torch.equal(cnt, rcnt)

@@ -642,7 +642,7 @@ def _leaf_lse2(qv, qpos, kbase, skn, skd, km_row, skmn, leaf, Nk, q_first, offse
 @triton.jit
 def _rescore_kernel(
     q_ptr, k_ptr, km_ptr, lcnt_ptr, short_ptr, fidx_ptr, fcnt_ptr, idx_ptr, bcnt_ptr, trace_ptr,
-    scr_ptr, lse_ptr, sqb, sqh, sqn, sqd, skb, skh, skn, skd, skmb, skmn,
+    scr_ptr, perm_ptr, lse_ptr, sqb, sqh, sqn, sqd, skb, skh, skn, skd, skmb, skmn,
     Hkv, Nq, Nk, total, T, n_tiles, M, offset, scale, trace_stride,
     D: tl.constexpr, G: tl.constexpr, TQ: tl.constexpr, C: tl.constexpr, KC: tl.constexpr,
     BD: tl.constexpr, TOPK: tl.constexpr, W: tl.constexpr, RB: tl.constexpr, MP: tl.constexpr,
@@ -663,15 +663,22 @@ def _rescore_kernel(
     leaf, which cost 17.1 against 15.2 ms of selection at 32K
     (``profiles/select_rescore_tune.json``).
 
+    Under a key mask the leaves whose keys are all live (the pyramid's count is ``C``) are
+    scored first, without the mask: its load would sit between each leaf's index and its keys
+    (7.2 of 37.6 ms of rescoring over 4 layers at 32K, ``profiles/bench_masks_kernels.json``).
+    The program's ``[2, W]`` row of ``perm_ptr`` lists the slots in that order (leaf, slot).
+
     With ``SPLIT`` (few tiles of at most ``RB`` rows: decode) the scores were computed by
     :func:`_rescore_split_kernel`, many programs per tile, into ``lse_ptr`` ``[tiles, W, RB]``;
     this kernel only reads them and picks.
     """
     scale = tl.cast(scale, tl.float32)
     scr = scr_ptr + tl.program_id(0).to(tl.int64) * (W * RB)
+    perm = perm_ptr + tl.program_id(0).to(tl.int64) * (2 * W)
     for tid in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
         _rescore_tile(tid % T, tid // T, q_ptr, k_ptr, km_ptr, lcnt_ptr, short_ptr, fidx_ptr,
-                      fcnt_ptr, idx_ptr, bcnt_ptr, trace_ptr, scr, lse_ptr, sqb, sqh, sqn, sqd,
+                      fcnt_ptr, idx_ptr, bcnt_ptr, trace_ptr, scr, perm, lse_ptr, sqb, sqh, sqn,
+                      sqd,
                       skb, skh, skn, skd, skmb, skmn, Hkv, Nq, Nk, total, T, M, offset, scale,
                       trace_stride, D, G, TQ, C, KC, BD, TOPK, W, RB, MP, TW, CAUSAL,
                       HAS_KEY_MASK, LOWP, TRACE, SPLIT)
@@ -719,7 +726,7 @@ def _rescore_split_kernel(
 @triton.jit
 def _rescore_tile(
     t, bh, q_ptr, k_ptr, km_ptr, lcnt_ptr, short_ptr, fidx_ptr, fcnt_ptr, idx_ptr, bcnt_ptr,
-    trace_ptr, scr, lse_ptr, sqb, sqh, sqn, sqd, skb, skh, skn, skd, skmb, skmn,
+    trace_ptr, scr, perm, lse_ptr, sqb, sqh, sqn, sqd, skb, skh, skn, skd, skmb, skmn,
     Hkv, Nq, Nk, total, T, M, offset, scale, trace_stride,
     D: tl.constexpr, G: tl.constexpr, TQ: tl.constexpr, C: tl.constexpr, KC: tl.constexpr,
     BD: tl.constexpr, TOPK: tl.constexpr, W: tl.constexpr, RB: tl.constexpr, MP: tl.constexpr,
@@ -737,8 +744,8 @@ def _rescore_tile(
     ids = tl.load(short_row + ws)
     ok = ids >= 0
     # The pyramid's leaf log count is +inf for a leaf holding a non-finite key.
-    bad = ok & (tl.load(lcnt_ptr + bh.to(tl.int64) * total + ids, mask=ok, other=0.0)
-                == float("inf"))
+    lc = tl.load(lcnt_ptr + bh.to(tl.int64) * total + ids, mask=ok, other=0.0)
+    bad = ok & (lc == float("inf"))
     n_ok = tl.sum(ok.to(tl.int32), axis=0)
     S = tl.zeros([W], dtype=tl.float32)
     if n_ok > TOPK:  # otherwise every shortlisted leaf is picked
@@ -749,6 +756,20 @@ def _rescore_tile(
         kbase = k_ptr + b.to(tl.int64) * skb + h.to(tl.int64) * skh
         km_row = km_ptr + b.to(tl.int64) * skmb
         qk_scale = scale * LOG2E
+        n_first = n_ok  # slots [0, n_first) of the visit order need no key mask
+        leaves = short_row
+        slots = ws  # unused without a key mask: the visit order is the slot order
+        if HAS_KEY_MASK:
+            # All C keys live: a count above C - 1/2 (the log count is an approximate log2).
+            full = ok & ~bad & (tl.exp2(lc) > C - 0.5)
+            f_pos, n_first = _compact_pos(full)
+            p_pos, _ = _compact_pos(ok & ~full)
+            order = tl.where(full, f_pos, n_first + p_pos)
+            tl.store(perm + order, ids, mask=ok)
+            tl.store(perm + W + order, ws, mask=ok)
+            tl.debug_barrier()  # every thread reads the whole order back
+            leaves = perm
+            slots = perm + W
         if SPLIT:  # one row chunk, its scores already in lse_ptr
             _, row_ok = _q_rows(qbase, qoff0, 0, rr, n_rows, q_first, sqh, sqn, sqd, d, D, BD,
                                 G, RB)
@@ -759,11 +780,21 @@ def _rescore_tile(
             qv, row_ok = _q_rows(qbase, qoff0, c, rr, n_rows, q_first, sqh, sqn, sqd, d, D, BD,
                                  G, RB)
             qpos = q_first + (c * RB + rr) // G
-            for j in range(n_ok):  # the shortlist is compact: slots [0, n_ok)
-                leaf = tl.load(short_row + j)
+            for j in range(n_first):  # the shortlist is compact: slots [0, n_ok)
+                leaf = tl.load(leaves + j)
                 lse = _leaf_lse2(qv, qpos, kbase, skn, skd, km_row, skmn, leaf, Nk, q_first,
-                                 offset, qk_scale, d, D, C, KC, CAUSAL, HAS_KEY_MASK, LOWP)
-                tl.store(scr + j * RB + rr, lse)
+                                 offset, qk_scale, d, D, C, KC, CAUSAL, False, LOWP)
+                if HAS_KEY_MASK:
+                    tl.store(scr + tl.load(slots + j) * RB + rr, lse)
+                else:
+                    tl.store(scr + j * RB + rr, lse)
+            if HAS_KEY_MASK:
+                for j in range(n_first, n_ok):  # leaves with a masked or missing key
+                    leaf = tl.load(leaves + j)
+                    lse = _leaf_lse2(qv, qpos, kbase, skn, skd, km_row, skmn, leaf, Nk,
+                                     q_first, offset, qk_scale, d, D, C, KC, CAUSAL, True,
+                                     LOWP)
+                    tl.store(scr + tl.load(slots + j) * RB + rr, lse)
             tl.debug_barrier()  # the chunk's stores, visible to all of the program's threads
             s = tl.load(scr + ws[None, :] * RB + rr[:, None], mask=(ws < n_ok)[None, :],
                         other=float("-inf"))
@@ -1265,9 +1296,11 @@ def _rescore(q, k, km, lcnt, short_idx, sel_idx, sel_counts, idx, counts, trace,
         lse = counts  # unused
     scr = torch.empty(n_prog * W * RBx if not split else 1, dtype=torch.float32,
                       device=q.device)
+    perm = torch.empty(n_prog * 2 * W if key_mask is not None else 1,
+                       dtype=torch.int32, device=q.device)
     launcher(_rescore_kernel, q)[(n_prog,)](
         q, k, km, lcnt, short_idx, sel_idx, sel_counts, idx, counts,
-        counts if trace is None else trace, scr, lse,
+        counts if trace is None else trace, scr, perm, lse,
         *q.stride(), *k.stride(), *((0, 0) if key_mask is None else km.stride()),
         Hkv, Nq, Nk, total, T, n_tiles, M, 0 if offset is None else offset, float(scale),
         0 if trace is None else trace.shape[3] * TW,

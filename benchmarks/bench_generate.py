@@ -125,6 +125,9 @@ def main(argv=None):
     ap.add_argument("--tiny", action="store_true", help="a 2-layer toy model (CPU smoke)")
     ap.add_argument("--min-seq-len", type=int, default=None,
                     help="the pisa backend's min_seq_len (None: the defaults)")
+    ap.add_argument("--options", type=json.loads, default=None,
+                    help='the pisa backend\'s options as JSON, e.g. \'{"preset": "fast"}\' '
+                         "(--min-seq-len, if given, is added to them)")
     ap.add_argument("--pisa-cache", action="store_true",
                     help="also run backend='pisa' with past_key_values=PisaCache(N + T)")
     ap.add_argument("--json")
@@ -136,7 +139,12 @@ def main(argv=None):
     if args.pad and args.batch < 2:
         ap.error("--pad pads the rows after the first: give --batch 2 or more")
     model = _model(args.tiny, args.device)
-    opts = None if args.min_seq_len is None else dict(min_seq_len=args.min_seq_len)
+    if args.options is not None and not isinstance(args.options, dict):
+        ap.error(f"--options must be a JSON object, got {args.options!r}")
+    opts = dict(args.options or {})
+    if args.min_seq_len is not None:
+        opts["min_seq_len"] = args.min_seq_len
+    opts = opts or None
     rows = []
     for i, n in enumerate(n for n in args.lengths for _ in range(args.rounds)):
         # Odd rounds run Inductor first: an order effect shows as a swap between rounds.

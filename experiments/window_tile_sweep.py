@@ -58,8 +58,8 @@ def main(argv=None) -> int:
         rows.append(dict(D=D, path="flex (no key mask)", ms=round(flex_ms, 4)))
         print(rows[-1], flush=True)
         base = triton_call(None)
-        rows.append(dict(D=D, path="triton, ATTENTION_TILES['half_window']",
-                         tiles=ATTENTION_TILES["half_window"],
+        rows.append(dict(D=D, path="triton, ATTENTION_TILES['half']",
+                         tiles=ATTENTION_TILES["half"],
                          ms=round(do_bench(lambda: triton_call(None)), 4),
                          max_abs_vs_flex=(base.float() - flex.float()).abs().max().item()))
         print(rows[-1], flush=True)

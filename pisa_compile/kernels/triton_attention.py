@@ -573,29 +573,27 @@ def transposed_index(block_indices: Tensor, block_counts: Tensor,
 # are G * Tq padded to a power of two >= 16; key tiles are the leaf size, at least 16);
 # ``num_warps`` None means 8 when BLOCK_M * HEAD_DIM reaches 128 * 128, else 4. H200 sweep, bf16
 # D=128 C=64 (profiles/attention_gpu.json): 32-key tiles, 4 warps and 3 stages beat 64-key
-# tiles with 8 warps by about 15% forward and 10% forward + backward. A sliding window's tile
-# walks one long run of blocks (66 at window 4096): 2 stages beat 3 there by 10% at head dim 64
-# and 5% at 128 (32K, forward; profiles/window_tiles.json).
+# tiles with 8 warps by about 15% forward and 10% forward + backward. On the sliding-window
+# path 2 stages beat 3 by 10% on contiguous q/k/v at head dim 64, but the Mistral-shaped
+# model's window forward took 19.5 ms with them against 18.2 with 3 (two runs; profiles/
+# window_tiles.json): 3 stages there too.
 ATTENTION_TILES = {
     "half": dict(block_m=128, block_n=32, num_warps=4, num_stages=3),   # fp16/bf16, dims <= 128
-    "half_window": dict(block_m=128, block_n=32, num_warps=4, num_stages=2),  # the same, windowed
     "fp32": dict(block_m=64, block_n=64, num_warps=None, num_stages=2),  # fp32, dims <= 128
     "wide": dict(block_m=64, block_n=32, num_warps=None, num_stages=2),  # head dims > 128
 }
 
 
 def tile_params(G: int, tq_eff: int, D: int, Dv: int, C: int, dtype: torch.dtype,
-                tuning: Optional[dict] = None, window: bool = False) -> dict:
+                tuning: Optional[dict] = None) -> dict:
     """Compile-time tiles of the attention kernels for one problem shape.
 
     ``BLOCK_M`` rows, ``BLOCK_N`` keys, padded head dims ``HEAD_DIM``/``HEAD_DIM_V``, row
     sub-blocks per tile ``N_SUB``, warps and stages, from :data:`ATTENTION_TILES` (and
-    ``tuning``, overrides of its entries, for benchmark sweeps); ``window``: a sliding-window
-    call (its own half-precision entry).
+    ``tuning``, overrides of its entries, for benchmark sweeps).
     """
     hd, hdv = pow2(D), pow2(Dv)
-    case = ("wide" if max(hd, hdv) > 128 else "fp32" if dtype == torch.float32
-            else "half_window" if window else "half")
+    case = "wide" if max(hd, hdv) > 128 else "fp32" if dtype == torch.float32 else "half"
     t = {**ATTENTION_TILES[case], **(tuning or {})}
     rows = G * tq_eff
     block_m = min(t["block_m"], pow2(rows))
@@ -685,7 +683,7 @@ def _common(q, k, v, attn_mask, is_causal, block_indices, block_counts, block_si
     # A constexpr: a power of two bounds the compiles a short call's length makes (the dense
     # tail and decode through decode_attention see every length up to their bound).
     tqe = min(Tq, triton.next_power_of_2(Nq))
-    tp = tile_params(G, tqe, D, Dv, block_size, q.dtype, tuning, window is not None)
+    tp = tile_params(G, tqe, D, Dv, block_size, q.dtype, tuning)
     mask, mstr, has_mask, mask_bool, thr = _mask_args(attn_mask, q, Nk)
     km, kmstr, has_km = _key_mask_args(key_mask, q, Nk)
     bi = block_indices.contiguous()

@@ -10,6 +10,8 @@ at trace time, and is visible in the graph.
 
 from __future__ import annotations
 
+import contextlib
+
 import math
 import numbers
 from typing import Optional
@@ -131,15 +133,20 @@ def _structured_from_mask_op(
     query_tile: int, leaf_scoring: str, shortlist: Optional[int], bound_block: Optional[int],
     flat_leaves: int, min_seq_len: int, dense_tail: int, kernel: str,
 ) -> Tensor:
-    # At run time: a mask the pass could not prove (built in another graph) that is causal
-    # AND a key mask runs on the structured path; anything else runs as the plan would have
-    # run it: dense SDPA under the mask (kernel="auto"), or the reference selection and the
-    # Triton kernels under the mask (kernel="triton").
+    return _structured_from_mask(q, k, v, attn_mask, scale, (
+        block_size, top_k, branching, beam, sink_blocks, local_blocks, query_tile, leaf_scoring,
+        shortlist, bound_block, flat_leaves, min_seq_len, dense_tail, kernel))
+
+
+def _structured_from_mask(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor, scale: float,
+                          config: tuple) -> Tensor:
+    """The body of ``pisa::structured_from_mask`` (and of its backward's recomputation, with
+    autograd on): a mask the pass could not prove (built in another graph) that is causal AND
+    a key mask runs on the structured path; anything else runs as the plan would have run
+    it: dense SDPA under the mask (kernel="auto"), or the reference selection and the Triton
+    kernels under the mask (kernel="triton")."""
     from torch._dynamo.utils import counters
-    values = dict(zip(_CONFIG_FIELDS, (block_size, top_k, branching, beam, sink_blocks,
-                                       local_blocks, query_tile, leaf_scoring, shortlist,
-                                       bound_block, flat_leaves, min_seq_len, dense_tail,
-                                       kernel)))
+    values = dict(zip(_CONFIG_FIELDS, config))
     cfg = PisaConfig(**values, _base=values)  # the user's config again: no second warning
     # No host sync inside a CUDA-graph capture: the unstructured path there.
     capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
@@ -175,10 +182,59 @@ if _CONFIG_FIELDS != PisaConfig.field_names():  # the op's schema lists them one
                       f"{PisaConfig.field_names()}")
 
 
+@torch.library.custom_op("pisa::structured_from_mask_backward", mutates_args=())
+def _structured_from_mask_backward_op(
+    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor, scale: float,
+    block_size: int, top_k: int, branching: int, beam: Optional[int], sink_blocks: int,
+    local_blocks: int, query_tile: int, leaf_scoring: str, shortlist: Optional[int],
+    bound_block: Optional[int], flat_leaves: int, min_seq_len: int, dense_tail: int,
+    kernel: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    # The forward again, with autograd (activation checkpointing's trade: one more forward
+    # instead of saving its selection and lse): the mask is read again and the same
+    # deterministic path runs, so these are the gradients of the output the forward returned.
+    from torch._dynamo.utils import counters
+    counters["pisa"]["runtime_mask_backward"] += 1
+    with _autograd_inside_op():
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        out = _structured_from_mask(*leaves, attn_mask, scale, (
+            block_size, top_k, branching, beam, sink_blocks, local_blocks, query_tile,
+            leaf_scoring, shortlist, bound_block, flat_leaves, min_seq_len, dense_tail, kernel))
+        grads = torch.autograd.grad(out, leaves, grad_out, allow_unused=True)
+    return tuple(torch.zeros_like(t) if g is None else g.contiguous()
+                 for t, g in zip((q, k, v), grads))
+
+
+@contextlib.contextmanager
+def _autograd_inside_op():
+    """Autograd on inside a custom op's implementation: ``torch.library`` runs it below the
+    autograd dispatch keys (excluded in thread-local state), where no graph is recorded.
+    Only the autograd keys leave the excluded set; autocast stays as the op found it."""
+    excluded = torch._C._dispatch_tls_local_exclude_set()
+    for name in ("AutogradOther", "AutogradFunctionality", "AutogradNestedTensor"):
+        key = getattr(torch._C.DispatchKey, name, None)
+        if key is not None:
+            excluded = excluded.remove(key)
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(),
+                                         excluded), torch.enable_grad():
+        probe = torch.ones((), requires_grad=True) * 2
+        if probe.grad_fn is None:  # private dispatcher state changed under us: say so
+            raise RuntimeError("pisa_compile: the backward of an explicit mask read at run "
+                               "time could not turn autograd on inside its op (torch "
+                               f"{torch.__version__}); pass the mask as is_causal/key_mask")
+        yield
+
+
+@_structured_from_mask_backward_op.register_fake
+def _(grad_out, q, k, v, *args):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
 class _StructuredFromMask(torch.autograd.Function):
-    """``pisa::structured_from_mask`` behind an autograd.Function with no backward and no
-    jvp: reached only where no gradient is wanted, and forward-mode AD (``torch.func.jvp``,
-    whose dual tensors do not require grad) raises instead of getting a zero tangent."""
+    """``pisa::structured_from_mask`` with its backward ``pisa::structured_from_mask_backward``
+    (the forward recomputed with autograd, DESIGN.md "Masks read at run time"). No gradient
+    for the mask (the plan sends a mask that requires one elsewhere), no double backward, and
+    no jvp: forward-mode AD (``torch.func.jvp``) raises instead of getting a zero tangent."""
 
     generate_vmap_rule = True
 
@@ -188,12 +244,17 @@ class _StructuredFromMask(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        pass
+        q, k, v, attn_mask, scale, config = inputs
+        ctx.save_for_backward(q, k, v, attn_mask)
+        ctx.scale, ctx.config = scale, config
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        raise RuntimeError("pisa_compile: an explicit mask read at run time has no gradient "
-                           "(the op takes this path only where none is wanted)")
+        q, k, v, attn_mask = ctx.saved_tensors
+        dq, dk, dv = _structured_from_mask_backward_op(grad_out.contiguous(), q, k, v,
+                                                       attn_mask, ctx.scale, *ctx.config)
+        return dq, dk, dv, None, None, None
 
 
 @torch.library.custom_op("pisa::attention_backward", mutates_args=())
@@ -464,11 +525,12 @@ def pisa_attention(
     head) attends to its forced blocks plus the ``top_k`` leaf blocks chosen coarse-to-fine
     over a key pyramid (PISA; DESIGN.md "The algorithm"). In the exact regime (every visible
     leaf selected, or ``Nk < min_seq_len``) the result equals SDPA within dtype tolerance.
-    An explicit ``attn_mask``, where no gradient is wanted and the Triton kernels take the
-    inputs, is read at run time (:func:`mask_structure`): causal AND padding runs the
-    structured path; any other mask runs dense SDPA under it (``kernel="auto"``) or the
-    reference selection with the Triton kernels under it (``kernel="triton"``), as it does
-    with gradients (:func:`plan` gives the reason). The last ``config.dense_tail`` queries
+    An explicit ``attn_mask`` that wants no gradient itself, where the Triton kernels take
+    the inputs, is read at run time (:func:`mask_structure`, one host sync): causal AND
+    padding runs the structured path; any other mask runs dense SDPA under it
+    (``kernel="auto"``) or the reference selection with the Triton kernels under it
+    (``kernel="triton"``) (:func:`plan` gives the reason). With gradients its backward runs
+    that forward again with autograd (no selection or ``lse`` is kept for it). The last ``config.dense_tail`` queries
     of a causal call, and every call of that few queries (decode), are dense: with a
     ``key_mask``, a call of one query on CUDA through SDPA under the mask with
     ``enable_gqa``, and more rows without gradients on the Triton path through the split-K
@@ -621,10 +683,10 @@ def _mask_checked_at_run_time(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor
                               config: PisaConfig) -> bool:
     """Whether an unproved explicit mask goes through ``pisa::structured_from_mask`` (its
     structure read at run time by :func:`mask_structure`): a bool or float mask that does not
-    vary by head, no gradient wanted (the op has no backward), a float ``scale``, and the
-    Triton kernels take the inputs."""
+    vary by head and wants no gradient itself (q, k and v may: the op's backward recomputes
+    its forward), a float ``scale``, and the Triton kernels take the inputs."""
     m = _mask4(attn_mask)
-    return (not _needs_grad(q, k, v) and (m.dtype == torch.bool or m.is_floating_point())
+    return (not m.requires_grad and (m.dtype == torch.bool or m.is_floating_point())
             and statically_known_true(m.shape[1] == 1)
             and dispatch.triton_refusal(q, v, config.kernel) is None)
 

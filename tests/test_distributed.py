@@ -114,8 +114,8 @@ def test_losses_and_gradients_equal_one_process(run, single):
 @pytest.mark.xfail(strict=True, reason=(
     "the causal+padding mask is built in the model's first graph (before the DDP bucket "
     "split, or outside the fully_shard layer's graph), so the pass sees it as an input it "
-    "cannot prove: the site runs with an explicit mask (on CUDA in training: dense SDPA "
-    "under the mask, no sparsity)"))
+    "cannot prove: the site reads the explicit mask at run time (one host sync per call, "
+    "and in training a second forward in the backward)"))
 def test_the_mask_is_proved_in_every_graph(run):
     """The structure the pass proves from transformers' masks in one graph
     (``bool->is_causal+padding``) survives the graph split."""

@@ -154,6 +154,60 @@ def test_structured_mask_under_compile_from_a_graph_input(fresh_dynamo):
     assert diff[rows].max() < 1e-5
 
 
+def _grads(f, q, k, v, w):
+    for t in (q, k, v):
+        t.grad = None
+    out = f(q, k, v)
+    (out * w).sum().backward()
+    return out.detach(), [t.grad.clone() for t in (q, k, v)]
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("form", ["structured", "bias"])
+def test_mask_read_at_run_time_has_gradients(fresh_dynamo, compiled, form):
+    """With gradients wanted, a mask read at run time keeps its path (causal AND padding:
+    PISA's kernels; a finite bias: as planned under the mask), and its backward, which
+    recomputes that forward with autograd, gives dense SDPA's gradients in the exact regime,
+    eager and compiled (the mask a graph input, as from another graph). Right padding: every
+    row sees a key, so SDPA's gradients are defined everywhere."""
+    from torch._dynamo.utils import counters
+    g = torch.Generator().manual_seed(4)
+    B, Hkv, G, N = 2, 2, 2, 70
+    q = torch.randn(B, Hkv * G, N, 16, generator=g, requires_grad=True)
+    k, v = (torch.randn(B, Hkv, N, 16, generator=g, requires_grad=True) for _ in range(2))
+    w = torch.randn(B, Hkv * G, N, 16, generator=g)
+    m = dense_mask(B, N, N, True, 0, _padding(B, N, [0, 13], False))
+    if form == "bias":  # the same mask as 0 / -inf with one finite bias: no structure
+        m = torch.zeros(B, 1, N, N).masked_fill(~m, -torch.inf)
+        m[1, 0, 50, 7] = -0.75
+
+    def f(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True)
+
+    counters.clear()
+    run = (torch.compile(f, backend="pisa", options=dict(
+        min_seq_len=0, kernel="triton", block_size=16, top_k=64)) if compiled
+        else lambda q, k, v: pisa_attention(q, k, v, attn_mask=m, enable_gqa=True,
+                                            config=EXACT))
+    out, grads = _grads(run, q, k, v, w)
+    path = "runtime_mask_structured" if form == "structured" else "runtime_mask_unstructured"
+    assert counters["pisa"][path] == 2, dict(counters["pisa"])  # forward, and its recompute
+    assert counters["pisa"]["runtime_mask_backward"] == 1, dict(counters["pisa"])
+    want, want_grads = _grads(f, q, k, v, w)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    for name, got, ref in zip("qkv", grads, want_grads):
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4, msg=lambda e: f"d{name}: {e}")
+
+
+def test_mask_read_at_run_time_refuses_a_mask_that_wants_a_gradient():
+    """A float mask that requires grad (a learned bias) is not read at run time: the op gives
+    no gradient for the mask, so the plan keeps it on the path that does."""
+    q, k, v = (torch.randn(1, 2, 90, 16) for _ in range(3))  # past the dense tail's 64 rows
+    m = torch.zeros(1, 1, 90, 90).masked_fill(~dense_mask(1, 90, 90, True, 0), -torch.inf)
+    assert plan(q, k, v, attn_mask=m, config=EXACT).attention == "runtime-mask"
+    assert plan(q, k, v, attn_mask=m.requires_grad_(), config=EXACT).attention != "runtime-mask"
+
+
 @st.composite
 def windowed(draw):
     B = draw(st.integers(1, 2))

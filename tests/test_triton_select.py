@@ -323,17 +323,20 @@ def test_exact_ties_go_to_lower_index():
 
 
 def test_explicit_mask_plans_the_reference_selection():
-    """With gradients an explicit mask plans the reference selection; without, the op reads
-    the mask at run time (``tests/test_runtime_masks.py``)."""
+    """An explicit mask that wants a gradient itself (a learned float bias) plans the
+    reference selection; any other, with or without gradients for q, k and v, is read at run
+    time (``tests/test_runtime_masks.py``)."""
     cfg = _fast(block_size=4, top_k=2, query_tile=4, min_seq_len=0, kernel="triton",
                 dense_tail=0)
     q, k = _qk(1, 1, 2, 40, 40, 16, torch.float32)
     mask = torch.rand(1, 1, 40, 40) > 0.3
-    how = plan(q.requires_grad_(), k, k, mask, False, config=cfg)
+    bias = torch.zeros(1, 1, 40, 40).masked_fill(~mask, -torch.inf).requires_grad_()
+    how = plan(q.requires_grad_(), k, k, bias, False, config=cfg)
     assert (how.select, how.attention) == ("reference", "triton")
     assert "attn_mask" in how.reason
-    how = plan(q.detach(), k, k, mask, False, config=cfg)
-    assert (how.select, how.attention) == (None, "runtime-mask") and "attn_mask" in how.reason
+    for qq in (q, q.detach()):
+        how = plan(qq, k, k, mask, False, config=cfg)
+        assert (how.select, how.attention) == (None, "runtime-mask") and "attn_mask" in how.reason
     assert plan(q, k, k, None, False, config=cfg) == ("triton", "triton", "")
 
 

@@ -1307,11 +1307,12 @@ def _note_and_selects(n_keys, has_mask: bool, config: PisaConfig, device: torch.
     triton = device.type == "cuda" and config.kernel != "reference"
     dense_mask = has_mask and config.kernel == "auto" and device.type == "cuda"
     if has_mask and triton:
-        notes.append("explicit mask: read at run time where no gradient is wanted and the "
-                     "kernels take the dtype (float16/bfloat16 with kernel='auto'): causal AND "
-                     "padding runs PISA, any other mask as with gradients; with gradients "
+        notes.append("explicit mask: read at run time where the kernels take the dtype "
+                     "(float16/bfloat16 with kernel='auto'; one host sync per call; with "
+                     "gradients the backward runs the forward again): causal AND padding runs "
+                     "PISA, any other mask "
                      + ("dense SDPA under the mask" if dense_mask else
-                        "the selection runs the PyTorch reference"))
+                        "the PyTorch reference selection"))
     elif has_mask:
         notes.append("explicit mask: the selection runs the PyTorch reference")
     return "; ".join(notes), window is None and not dense_mask

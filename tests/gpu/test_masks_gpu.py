@@ -204,3 +204,39 @@ def test_window_op_with_padding_inside_the_windows(grad, compiled):
         got = torch.autograd.grad(out, (q, k, v), go)
         for a, b in zip(got, torch.autograd.grad(want, (q32, k32, v32), go.float())):
             assert _close(a, b) < 3e-2
+
+
+def test_mask_read_at_run_time_trains_on_the_gpu():
+    """A causal AND padding mask that reaches the compiled graph as an input (built in another
+    graph: DDP's bucket split, FSDP2's per-layer graphs) with gradients wanted: the op reads
+    it at run time and runs PISA's kernels, and its backward (the forward again, with
+    autograd, inside ``pisa::structured_from_mask_backward``) gives fp32 SDPA's gradients in
+    the exact regime (bf16). Right padding: every row sees a key."""
+    import torch.nn.functional as F
+
+    from pisa_compile.kernels.geometry import dense_mask
+    g = torch.Generator(device="cuda").manual_seed(6)
+    q, k, v = (torch.randn(2, N, h, 64, device="cuda", dtype=torch.bfloat16,
+                           generator=g).transpose(1, 2).requires_grad_()
+               for h in (8, 2, 2))
+    km = torch.arange(N, device="cuda")[None, :] < torch.tensor([[N], [N - 300]], device="cuda")
+    m = dense_mask(2, N, N, True, 0, km)
+
+    def f(q, k, v, m):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True)
+
+    torch._dynamo.reset()
+    counters.clear()
+    out = torch.compile(f, backend=lambda gm, ex: pisa_backend(gm, ex, options=EXACT))(
+        q, k, v, m)
+    go = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), go)
+    assert counters["pisa"]["runtime_mask_structured"] == 2, dict(counters["pisa"])
+    assert counters["pisa"]["runtime_mask_backward"] == 1, dict(counters["pisa"])
+    assert not _stages(), _stages()
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        want = F.scaled_dot_product_attention(q32, k32, v32, attn_mask=m, enable_gqa=True)
+    assert _close(out, want) < 1e-2
+    for a, b in zip(got, torch.autograd.grad(want, (q32, k32, v32), go.float())):
+        assert _close(a, b) < 3e-2

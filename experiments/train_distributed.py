@@ -74,12 +74,15 @@ class CountingBackend:
             log.removeHandler(handler)
             log.setLevel(old_level)
         delta = {k: counters["pisa"][k] - before.get(k, 0) for k in ("rewritten", "left_dense")}
+        self.counters = counters["pisa"]  # the run-time paths, read in summary()
         sites = [s for s in lines if s.startswith("pisa site")]
         self.calls.append(dict(delta, nodes=nodes, sites=sites))
         return compiled
 
     def summary(self) -> dict:
-        return dict(backend_calls=len(self.calls),
+        runtime = {k: int(v) for k, v in getattr(self, "counters", {}).items()
+                   if k.startswith("runtime_mask")}
+        return dict(backend_calls=len(self.calls), runtime=runtime,
                     rewritten=sum(c["rewritten"] for c in self.calls),
                     left_dense=sum(c["left_dense"] for c in self.calls),
                     attention_nodes=sum(c["nodes"] for c in self.calls),
@@ -182,6 +185,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                         "DDPOptimizer asserts on smaller ones); small values split the "
                         "compiled graph more")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--kernel", choices=["auto", "triton"], default="auto",
+                   help="PISA's kernel option; 'triton' on the CPU needs TRITON_INTERPRET=1 "
+                        "(a mask read at run time then runs PISA's kernels, not the reference)")
     p.add_argument("--out", default=None, help="rank 0 saves the results here (torch.save)")
     a = p.parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -194,6 +200,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                 f"got {a.batch}")
     if a.bucket_cap_mb is not None and a.bucket_cap_mb < 1:
         p.error(f"--bucket-cap-mb must be >= 1 (DDP's first bucket), got {a.bucket_cap_mb}")
+    if a.kernel == "triton" and a.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        p.error("--kernel triton on the CPU needs TRITON_INTERPRET=1 in the environment")
     if a.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: CUDA is not available in this torch build or machine")
 
@@ -206,7 +214,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                             timeout=datetime.timedelta(minutes=5))
     try:
         res = train(a.mode, a.steps, a.seq_len, a.batch, a.layers, a.attn, a.bucket_cap_mb,
-                    device=a.device)
+                    options=dict(EXACT, kernel=a.kernel), device=a.device)
         reports: list = [None] * dist.get_world_size()
         dist.all_gather_object(reports, res["report"])
         if dist.get_rank() == 0:
@@ -216,7 +224,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                       f"{rep['left_dense']} left dense, "
                       f"{rep['attention_nodes']} attention node(s); "
                       f"per call (attention nodes, rewritten, left dense): "
-                      f"{rep['per_call']}")
+                      f"{rep['per_call']}; run-time mask reads: {rep['runtime']}")
                 for s in rep["sites"]:
                     print("   ", s)
             if a.out:

@@ -2,7 +2,9 @@
 run ``experiments.train_distributed`` under DDP and under FSDP2 (``torch.distributed.run``
 in a subprocess), and their sites, losses and gradients are checked against one process
 training the same global batch. The exact-regime options make PISA equal dense attention,
-so the distributed run must match one process up to the reduction order of fp32 sums."""
+so the distributed run must match one process up to the reduction order of fp32 sums. With
+``--kernel triton`` (the interpreter) the layer graphs' unproved mask is read at run time and
+trained through PISA's kernels."""
 
 from __future__ import annotations
 
@@ -32,15 +34,16 @@ LOSS_TOL = dict(atol=1e-5, rtol=1e-5)
 GRAD_TOL = dict(atol=1e-6, rtol=1e-4)
 
 
-def _torchrun(mode: str, tmp: Path) -> dict:
-    out = tmp / f"{mode}.pt"
+def _torchrun(mode: str, tmp: Path, kernel: str = "auto") -> dict:
+    out = tmp / f"{mode}_{kernel}.pt"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            "--nproc_per_node", "2", "-m", "experiments.train_distributed", "--mode", mode,
            "--steps", str(STEPS),
            "--seq-len", str(SEQ_LEN), "--batch", str(BATCH), "--layers", str(LAYERS),
-           "--bucket-cap-mb", str(BUCKET_CAP_MB), "--out", str(out)]
+           "--bucket-cap-mb", str(BUCKET_CAP_MB), "--kernel", kernel, "--out", str(out)]
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
-               TRANSFORMERS_OFFLINE="1")
+               TRANSFORMERS_OFFLINE="1", **({"TRITON_INTERPRET": "1"} if kernel == "triton"
+                                              else {}))
     # Its own session, so a timeout kills the workers too, not only the launcher.
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -122,3 +125,23 @@ def test_the_mask_is_proved_in_every_graph(run):
     _, res = run
     for rep in res["reports"]:
         assert all("mask=bool->is_causal" in s for s in rep["sites"]), rep["sites"]
+
+
+def test_ddp_trains_through_masks_read_at_run_time(single, tmp_path):
+    """The layer graphs' unproved mask, with PISA's kernels (``kernel="triton"``, the Triton
+    interpreter here, as CUDA's ``"auto"`` would run them): each attention call reads the
+    mask at run time and finds causal AND padding (PISA, not dense), its backward runs the
+    forward again, and losses and gradients equal one process (the mask proved there)."""
+    res = _torchrun("ddp", tmp_path, kernel="triton")
+    assert res["returncode"] == 0, res["stdout"][-3000:]
+    calls = STEPS * LAYERS  # per rank: one attention call per layer and step
+    for rank, rep in enumerate(res["reports"]):
+        assert rep["runtime"].get("runtime_mask_unstructured", 0) == 0, (rank, rep["runtime"])
+        # forward, and the backward's recomputation
+        assert rep["runtime"]["runtime_mask_structured"] == 2 * calls, (rank, rep["runtime"])
+        assert rep["runtime"]["runtime_mask_backward"] == calls, (rank, rep["runtime"])
+    torch.testing.assert_close(torch.tensor(res["losses"]), torch.tensor(single["losses"]),
+                               **LOSS_TOL)
+    for name, g in single["grads"].items():  # the interpreter's fp32 sums, not the reference's
+        torch.testing.assert_close(res["grads"][name], g, atol=1e-5, rtol=1e-3,
+                                   msg=lambda m: f"{name}: {m}")

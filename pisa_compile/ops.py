@@ -192,7 +192,10 @@ def _structured_from_mask_backward_op(
 ) -> tuple[Tensor, Tensor, Tensor]:
     # The forward again, with autograd (activation checkpointing's trade: one more forward
     # instead of saving its selection and lse): the mask is read again and the same
-    # deterministic path runs, so these are the gradients of the output the forward returned.
+    # selection comes out, so these are the gradients of the output the forward returned
+    # (a dense tail under a key mask may run SDPA where the forward ran the split-K kernel:
+    # the same exact attention, 3e-7 apart in fp32). Not so if one of the two runs inside a
+    # CUDA-graph capture and the other not (a capture reads no mask).
     from torch._dynamo.utils import counters
     counters["pisa"]["runtime_mask_backward"] += 1
     with _autograd_inside_op():
@@ -247,13 +250,19 @@ class _StructuredFromMask(torch.autograd.Function):
         q, k, v, attn_mask, scale, config = inputs
         ctx.save_for_backward(q, k, v, attn_mask)
         ctx.scale, ctx.config = scale, config
+        # The recomputation runs under the forward's autocast, as torch.utils.checkpoint's.
+        dev = q.device.type
+        ctx.autocast = ((dev, torch.get_autocast_dtype(dev))
+                        if torch.is_autocast_enabled(dev) else None)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
         q, k, v, attn_mask = ctx.saved_tensors
-        dq, dk, dv = _structured_from_mask_backward_op(grad_out.contiguous(), q, k, v,
-                                                       attn_mask, ctx.scale, *ctx.config)
+        with (torch.autocast(ctx.autocast[0], dtype=ctx.autocast[1]) if ctx.autocast
+              else contextlib.nullcontext()):
+            dq, dk, dv = _structured_from_mask_backward_op(grad_out.contiguous(), q, k, v,
+                                                           attn_mask, ctx.scale, *ctx.config)
         return dq, dk, dv, None, None, None
 
 
@@ -525,9 +534,9 @@ def pisa_attention(
     head) attends to its forced blocks plus the ``top_k`` leaf blocks chosen coarse-to-fine
     over a key pyramid (PISA; DESIGN.md "The algorithm"). In the exact regime (every visible
     leaf selected, or ``Nk < min_seq_len``) the result equals SDPA within dtype tolerance.
-    An explicit ``attn_mask`` that wants no gradient itself, where the Triton kernels take
-    the inputs, is read at run time (:func:`mask_structure`, one host sync): causal AND
-    padding runs the structured path; any other mask runs dense SDPA under it
+    An explicit ``attn_mask`` (bool; or float where no gradient is wanted), where the Triton
+    kernels take the inputs, is read at run time (:func:`mask_structure`, one host sync):
+    causal AND padding runs the structured path; any other mask runs dense SDPA under it
     (``kernel="auto"``) or the reference selection with the Triton kernels under it
     (``kernel="triton"``) (:func:`plan` gives the reason). With gradients its backward runs
     that forward again with autograd (no selection or ``lse`` is kept for it). The last ``config.dense_tail`` queries
@@ -682,11 +691,15 @@ def _cached_decode_applies(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[
 def _mask_checked_at_run_time(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor,
                               config: PisaConfig) -> bool:
     """Whether an unproved explicit mask goes through ``pisa::structured_from_mask`` (its
-    structure read at run time by :func:`mask_structure`): a bool or float mask that does not
-    vary by head and wants no gradient itself (q, k and v may: the op's backward recomputes
-    its forward), a float ``scale``, and the Triton kernels take the inputs."""
+    structure read at run time by :func:`mask_structure`): a mask that does not vary by
+    head, a float ``scale``, and the Triton kernels take the inputs; a bool mask, or a float
+    one where no gradient is wanted. With gradients the op's backward runs its forward
+    again: worth it for transformers' bool masks (causal AND padding, then sparse), not for
+    a float mask, most often a finite bias (ALiBi), where it would add a mask read, a host
+    sync and a dense forward to dense SDPA's training step."""
     m = _mask4(attn_mask)
-    return (not m.requires_grad and (m.dtype == torch.bool or m.is_floating_point())
+    return (not m.requires_grad
+            and (m.dtype == torch.bool or (m.is_floating_point() and not _needs_grad(q, k, v)))
             and statically_known_true(m.shape[1] == 1)
             and dispatch.triton_refusal(q, v, config.kernel) is None)
 

@@ -317,3 +317,27 @@ def test_decode_honours_the_calls_padding():
     want, _ = ref.sparse_attention(q, k, v, None, True, 0.25, bi, bc, block_size=8,
                                    query_tile=1, key_mask=km, causal_offset=n - 1)
     torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
+
+
+def test_select_under_a_calls_key_mask_scores_holed_leaves_under_it():
+    """A cache told of no padding, selected under a call's key mask that holes one leaf: the
+    exact scores read the call's mask, so the masked half of leaf 5 (made to look relevant)
+    does not win it the pick, as under the reference. The pyramid's counts are the cache's
+    (leaf 5 counted full), so the rescoring may not take them as the call's."""
+    gen = torch.Generator().manual_seed(7)
+    cfg = PisaConfig(block_size=8, top_k=1, branching=2, beam=16, sink_blocks=1,
+                     local_blocks=1, shortlist=None, kernel="triton", min_seq_len=0)
+    n = 96
+    k = torch.randn(1, 2, n, 16, generator=gen)
+    v = torch.randn(1, 2, n, 16, generator=gen)
+    q = torch.randn(1, 4, 1, 16, generator=gen)
+    k[:, :, 40:44] = q[:, ::2, 0:1] * 3  # half of leaf 5 looks relevant ...
+    km = torch.ones(1, n, dtype=torch.bool)
+    km[:, 40:44] = False  # ... and the call masks it
+    cache = PisaKVCache(1, 2, n, 16, dtype=torch.float32, device="cpu", config=cfg,
+                        sparse_from=0)
+    cache.append(k, v)
+    bi, bc = cache.select(q, scale=0.25, key_mask=km)
+    want_bi, want_bc = ref.select_blocks(q, k, None, True, 0.25, causal_offset=n - 1,
+                                         key_mask=km, **cache.decode_config.selection_options())
+    assert torch.equal(bi, want_bi) and torch.equal(bc, want_bc), (bi[0, :, 0], want_bi[0, :, 0])

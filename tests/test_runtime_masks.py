@@ -162,14 +162,20 @@ def _grads(f, q, k, v, w):
     return out.detach(), [t.grad.clone() for t in (q, k, v)]
 
 
+# Every block selected and no dense tail: the structured path's own kernels run every row.
+EXACT_NO_TAIL = EXACT.replace(dense_tail=0)
+
+
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-@pytest.mark.parametrize("form", ["structured", "bias"])
+@pytest.mark.parametrize("form", ["bool", "float"])
 def test_mask_read_at_run_time_has_gradients(fresh_dynamo, compiled, form):
-    """With gradients wanted, a mask read at run time keeps its path (causal AND padding:
-    PISA's kernels; a finite bias: as planned under the mask), and its backward, which
-    recomputes that forward with autograd, gives dense SDPA's gradients in the exact regime,
-    eager and compiled (the mask a graph input, as from another graph). Right padding: every
-    row sees a key, so SDPA's gradients are defined everywhere."""
+    """With gradients wanted, a bool mask is still read at run time (causal AND padding:
+    PISA's selection and kernels, no dense tail here) and its backward, which runs that
+    forward again with autograd, gives dense SDPA's gradients in the exact regime, eager and
+    compiled (the mask a graph input, as from another graph). A float mask with gradients
+    is not read (most are finite biases: a read and a second forward for dense SDPA's
+    result) and runs as planned under it. Right padding: every row sees a key, so SDPA's
+    gradients are defined everywhere."""
     from torch._dynamo.utils import counters
     g = torch.Generator().manual_seed(4)
     B, Hkv, G, N = 2, 2, 2, 70
@@ -177,35 +183,67 @@ def test_mask_read_at_run_time_has_gradients(fresh_dynamo, compiled, form):
     k, v = (torch.randn(B, Hkv, N, 16, generator=g, requires_grad=True) for _ in range(2))
     w = torch.randn(B, Hkv * G, N, 16, generator=g)
     m = dense_mask(B, N, N, True, 0, _padding(B, N, [0, 13], False))
-    if form == "bias":  # the same mask as 0 / -inf with one finite bias: no structure
+    if form == "float":
         m = torch.zeros(B, 1, N, N).masked_fill(~m, -torch.inf)
-        m[1, 0, 50, 7] = -0.75
 
     def f(q, k, v):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True)
 
     counters.clear()
     run = (torch.compile(f, backend="pisa", options=dict(
-        min_seq_len=0, kernel="triton", block_size=16, top_k=64)) if compiled
+        min_seq_len=0, kernel="triton", block_size=16, top_k=64, dense_tail=0)) if compiled
         else lambda q, k, v: pisa_attention(q, k, v, attn_mask=m, enable_gqa=True,
-                                            config=EXACT))
+                                            config=EXACT_NO_TAIL))
     out, grads = _grads(run, q, k, v, w)
-    path = "runtime_mask_structured" if form == "structured" else "runtime_mask_unstructured"
-    assert counters["pisa"][path] == 2, dict(counters["pisa"])  # forward, and its recompute
-    assert counters["pisa"]["runtime_mask_backward"] == 1, dict(counters["pisa"])
+    if form == "bool":
+        assert counters["pisa"]["runtime_mask_structured"] == 2, dict(counters["pisa"])
+        assert counters["pisa"]["runtime_mask_backward"] == 1, dict(counters["pisa"])
+    else:
+        assert not any(k.startswith("runtime_mask") for k in counters["pisa"]), \
+            dict(counters["pisa"])
     want, want_grads = _grads(f, q, k, v, w)
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
     for name, got, ref in zip("qkv", grads, want_grads):
         torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4, msg=lambda e: f"d{name}: {e}")
 
 
-def test_mask_read_at_run_time_refuses_a_mask_that_wants_a_gradient():
-    """A float mask that requires grad (a learned bias) is not read at run time: the op gives
-    no gradient for the mask, so the plan keeps it on the path that does."""
+@pytest.mark.parametrize("dense_tail", [0, 64])
+def test_mask_read_at_run_time_trains_as_the_structured_call(dense_tail):
+    """Sparse regime (``top_k=2``): the gradients through a causal AND left-padding mask read
+    at run time equal those of the same call given ``is_causal`` and the ``key_mask``
+    (the same selection, recomputed in the backward), with and without a dense tail."""
+    from torch._dynamo.utils import counters
+    cfg = PisaConfig(block_size=16, top_k=2, min_seq_len=0, kernel="triton",
+                     dense_tail=dense_tail)
+    g = torch.Generator().manual_seed(8)
+    B, Hkv, G, N = 2, 2, 3, 160
+    q = torch.randn(B, Hkv * G, N, 16, generator=g, requires_grad=True)
+    k, v = (torch.randn(B, Hkv, N, 16, generator=g, requires_grad=True) for _ in range(2))
+    w = torch.randn(B, Hkv * G, N, 16, generator=g)
+    km = _padding(B, N, [0, 37], True)
+    m = dense_mask(B, N, N, True, 0, km)
+    counters.clear()
+    out, grads = _grads(lambda q, k, v: pisa_attention(q, k, v, attn_mask=m, enable_gqa=True,
+                                                       config=cfg), q, k, v, w)
+    assert counters["pisa"]["runtime_mask_backward"] == 1, dict(counters["pisa"])
+    want, want_grads = _grads(lambda q, k, v: pisa_attention(
+        q, k, v, is_causal=True, key_mask=km, enable_gqa=True, config=cfg), q, k, v, w)
+    torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-6)
+    for name, got, ref in zip("qkv", grads, want_grads):
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5, msg=lambda e: f"d{name}: {e}")
+
+
+def test_mask_read_at_run_time_refuses_a_float_mask_with_gradients():
+    """What the plan reads at run time: a bool mask with or without gradients; a float mask
+    only without (with gradients it is most often a finite bias)."""
     q, k, v = (torch.randn(1, 2, 90, 16) for _ in range(3))  # past the dense tail's 64 rows
-    m = torch.zeros(1, 1, 90, 90).masked_fill(~dense_mask(1, 90, 90, True, 0), -torch.inf)
-    assert plan(q, k, v, attn_mask=m, config=EXACT).attention == "runtime-mask"
-    assert plan(q, k, v, attn_mask=m.requires_grad_(), config=EXACT).attention != "runtime-mask"
+    m = dense_mask(1, 90, 90, True, 0)
+    bias = torch.zeros(1, 1, 90, 90).masked_fill(~m, -torch.inf)
+    for qq in (q, q.clone().requires_grad_()):
+        assert plan(qq, k, v, attn_mask=m, config=EXACT).attention == "runtime-mask"
+    assert plan(q, k, v, attn_mask=bias, config=EXACT).attention == "runtime-mask"
+    assert plan(q.clone().requires_grad_(), k, v, attn_mask=bias,
+                config=EXACT).attention != "runtime-mask"
 
 
 @st.composite

@@ -575,8 +575,8 @@ def transposed_index(block_indices: Tensor, block_counts: Tensor,
 # D=128 C=64 (profiles/attention_gpu.json): 32-key tiles, 4 warps and 3 stages beat 64-key
 # tiles with 8 warps by about 15% forward and 10% forward + backward. On the sliding-window
 # path 2 stages beat 3 by 10% on contiguous q/k/v at head dim 64, but the Mistral-shaped
-# model's window forward took 19.5 ms with them against 18.2 with 3 (two runs; profiles/
-# window_tiles.json): 3 stages there too.
+# model's window forward took 19.5 ms with them against 17.9 with 3 (profiles/
+# bench_masks_window_stages.json): 3 stages there too.
 ATTENTION_TILES = {
     "half": dict(block_m=128, block_n=32, num_warps=4, num_stages=3),   # fp16/bf16, dims <= 128
     "fp32": dict(block_m=64, block_n=64, num_warps=None, num_stages=2),  # fp32, dims <= 128

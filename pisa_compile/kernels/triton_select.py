@@ -603,8 +603,8 @@ def _leaf_lse2(qv, qpos, kbase, skn, skd, km_row, skmn, leaf, Nk, q_first, offse
     Few operations per score (the kernel is bound by them, not by the dot): a key's validity
     (in range, and live under a key mask) is an additive ``0 / -inf`` per key, applied with
     the scale in one FMA; an invalid key loads as 0, so a masked key's NaN never reaches its
-    score (a select under a key mask cost the rescoring 8.1 of its 38.6 ms over 4 layers at
-    32K, ``profiles/bench_masks_kernels.json``); the causal comparison runs only for a key
+    score (it replaced a select under a key mask, about 1 ms of 38.6 over 4 layers at 32K,
+    ``profiles/bench_masks_keymask_split.json``); the causal comparison runs only for a key
     chunk with keys past the position ``q_first + offset`` of the tile's first query. A
     safety net: a shortlisted leaf is clean (a tile's partial leaves are its forced local
     leaves, which the selection kernels keep out of the shortlist), so it runs for none at
@@ -647,7 +647,7 @@ def _rescore_kernel(
     D: tl.constexpr, G: tl.constexpr, TQ: tl.constexpr, C: tl.constexpr, KC: tl.constexpr,
     BD: tl.constexpr, TOPK: tl.constexpr, W: tl.constexpr, RB: tl.constexpr, MP: tl.constexpr,
     TW: tl.constexpr, CAUSAL: tl.constexpr, HAS_KEY_MASK: tl.constexpr, LOWP: tl.constexpr,
-    TRACE: tl.constexpr, SPLIT: tl.constexpr,
+    TRACE: tl.constexpr, SPLIT: tl.constexpr, FULL_BY_COUNT: tl.constexpr,
 ):
     """Persistent programs over the ``n_tiles = B * Hkv * T`` (query tile, batch * KV head)
     pairs, tile-major within a head so that concurrent programs share the head's keys in L2:
@@ -665,8 +665,12 @@ def _rescore_kernel(
 
     Under a key mask the leaves whose keys are all live (the pyramid's count is ``C``) are
     scored first, without the mask: its load would sit between each leaf's index and its keys
-    (7.2 of 37.6 ms of rescoring over 4 layers at 32K, ``profiles/bench_masks_kernels.json``).
+    (37.6 against 30.4 ms of rescoring over 4 layers at 32K with ``attention_mask=ones``;
+    31.1 with this order, ``profiles/bench_masks_keymask_split.json``).
     The program's ``[2, W]`` row of ``perm_ptr`` lists the slots in that order (leaf, slot).
+    ``FULL_BY_COUNT``: ``lcnt_ptr`` counts the keys live under this call's key mask (not a
+    persistent pyramid's, counted under the cache's own mask); otherwise every leaf is
+    scored under the mask.
 
     With ``SPLIT`` (few tiles of at most ``RB`` rows: decode) the scores were computed by
     :func:`_rescore_split_kernel`, many programs per tile, into ``lse_ptr`` ``[tiles, W, RB]``;
@@ -681,7 +685,7 @@ def _rescore_kernel(
                       sqd,
                       skb, skh, skn, skd, skmb, skmn, Hkv, Nq, Nk, total, T, M, offset, scale,
                       trace_stride, D, G, TQ, C, KC, BD, TOPK, W, RB, MP, TW, CAUSAL,
-                      HAS_KEY_MASK, LOWP, TRACE, SPLIT)
+                      HAS_KEY_MASK, LOWP, TRACE, SPLIT, FULL_BY_COUNT)
 
 
 @triton.jit
@@ -731,7 +735,7 @@ def _rescore_tile(
     D: tl.constexpr, G: tl.constexpr, TQ: tl.constexpr, C: tl.constexpr, KC: tl.constexpr,
     BD: tl.constexpr, TOPK: tl.constexpr, W: tl.constexpr, RB: tl.constexpr, MP: tl.constexpr,
     TW: tl.constexpr, CAUSAL: tl.constexpr, HAS_KEY_MASK: tl.constexpr, LOWP: tl.constexpr,
-    TRACE: tl.constexpr, SPLIT: tl.constexpr,
+    TRACE: tl.constexpr, SPLIT: tl.constexpr, FULL_BY_COUNT: tl.constexpr,
 ):
     """One tile of :func:`_rescore_kernel`: query tile ``t`` of batch * KV head ``bh``."""
     b = bh // Hkv
@@ -760,8 +764,11 @@ def _rescore_tile(
         leaves = short_row
         slots = ws  # unused without a key mask: the visit order is the slot order
         if HAS_KEY_MASK:
-            # All C keys live: a count above C - 1/2 (the log count is an approximate log2).
-            full = ok & ~bad & (tl.exp2(lc) > C - 0.5)
+            if FULL_BY_COUNT:
+                # All C keys live: a count above C - 1/2 (an approximate log2 count).
+                full = ok & ~bad & (tl.exp2(lc) > C - 0.5)
+            else:  # counts of another key mask (a persistent pyramid's): trust none
+                full = ok & (ids < 0)
             f_pos, n_first = _compact_pos(full)
             p_pos, _ = _compact_pos(ok & ~full)
             order = tl.where(full, f_pos, n_first + p_pos)
@@ -1242,7 +1249,8 @@ def select_blocks(q: Tensor, k: Tensor, is_causal: bool, scale: float, *, block_
             HAS_KEY_MASK=key_mask is not None, LOWP=q.dtype != torch.float32,
             num_warps=ft["num_warps"])
         return _rescore(q, k, km, lcnt, short_idx, sel_idx, sel_counts, idx, counts, trace,
-                        key_mask, is_causal, offset, scale, total, T, M, meta, tuning)
+                        key_mask, is_causal, offset, scale, total, T, M, meta, tuning,
+                        pyramid is None)
     # Per program, two rows of P slots for the pool compaction (see _children).
     scratch = torch.empty(B * Hkv * T * 2 * P, dtype=torch.int32, device=q.device)
     launcher(_select_kernel, q)[(T, B * Hkv)](
@@ -1256,14 +1264,16 @@ def select_blocks(q: Tensor, k: Tensor, is_causal: bool, scale: float, *, block_
         TRACE=trace is not None, **meta, **launch)
     if exact:
         return _rescore(q, k, km, lcnt, short_idx, sel_idx, sel_counts, idx, counts, trace,
-                        key_mask, is_causal, offset, scale, total, T, M, meta, tuning)
+                        key_mask, is_causal, offset, scale, total, T, M, meta, tuning,
+                        pyramid is None)
     return idx, counts
 
 
 def _rescore(q, k, km, lcnt, short_idx, sel_idx, sel_counts, idx, counts, trace, key_mask,
-             is_causal, offset, scale, total, T, M, meta, tuning):
+             is_causal, offset, scale, total, T, M, meta, tuning, full_by_count):
     """Launch :func:`_rescore_kernel` on the shortlist ``short_idx`` and the forced leaves
-    ``sel_idx``/``sel_counts``, writing ``idx``/``counts``; returns them."""
+    ``sel_idx``/``sel_counts``, writing ``idx``/``counts``; returns them. ``full_by_count``:
+    ``lcnt`` was counted under this call's key mask (see the kernel's ``FULL_BY_COUNT``)."""
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     G, Tq, W, TW = Hq // Hkv, meta["TQ"], meta["W"], meta["TW"]
@@ -1308,6 +1318,7 @@ def _rescore(q, k, km, lcnt, short_idx, sel_idx, sel_counts, idx, counts, trace,
         BD=meta["BD"], TOPK=meta["TOPK"], W=W, RB=RBx, MP=meta["MP"], TW=TW,
         CAUSAL=bool(is_causal), HAS_KEY_MASK=key_mask is not None,
         LOWP=q.dtype != torch.float32, TRACE=trace is not None, SPLIT=bool(split),
+        FULL_BY_COUNT=bool(full_by_count),
         num_warps=rt["num_warps"],
         **({"num_stages": rt["num_stages"]} if rt["num_stages"] is not None else {}))
     return idx, counts

@@ -1270,10 +1270,11 @@ def select_blocks(q: Tensor, k: Tensor, is_causal: bool, scale: float, *, block_
 
 
 def _rescore(q, k, km, lcnt, short_idx, sel_idx, sel_counts, idx, counts, trace, key_mask,
-             is_causal, offset, scale, total, T, M, meta, tuning, full_by_count):
+             is_causal, offset, scale, total, T, M, meta, tuning, full_by_count=False):
     """Launch :func:`_rescore_kernel` on the shortlist ``short_idx`` and the forced leaves
     ``sel_idx``/``sel_counts``, writing ``idx``/``counts``; returns them. ``full_by_count``:
-    ``lcnt`` was counted under this call's key mask (see the kernel's ``FULL_BY_COUNT``)."""
+    ``lcnt`` was counted under this call's key mask (see the kernel's ``FULL_BY_COUNT``;
+    by default no count is trusted)."""
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     G, Tq, W, TW = Hq // Hkv, meta["TQ"], meta["W"], meta["TW"]

@@ -256,11 +256,12 @@ class _StructuredFromMask(torch.autograd.Function):
                         if torch.is_autocast_enabled(dev) else None)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
         q, k, v, attn_mask = ctx.saved_tensors
-        with (torch.autocast(ctx.autocast[0], dtype=ctx.autocast[1]) if ctx.autocast
-              else contextlib.nullcontext()):
+        _refuse_double_backward(grad_out, (q, k, v))
+        autocast = (torch.autocast(ctx.autocast[0], dtype=ctx.autocast[1]) if ctx.autocast
+                    else contextlib.nullcontext())
+        with torch.no_grad(), autocast:
             dq, dk, dv = _structured_from_mask_backward_op(grad_out.contiguous(), q, k, v,
                                                            attn_mask, ctx.scale, *ctx.config)
         return dq, dk, dv, None, None, None
@@ -293,8 +294,32 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(output[1])  # lse
 
 
-@torch.autograd.function.once_differentiable  # double backward raises, never returns zeros
+def _refuse_double_backward(grad_out: Tensor, saved: tuple) -> None:
+    """Raise where a backward would be differentiated again (``create_graph=True``, nested
+    ``torch.func.grad``): ``once_differentiable`` looks only at the incoming gradients, so
+    through the saved q, k and v the second derivative came back as zeros, silently."""
+    if not torch.is_grad_enabled():
+        return
+    # torch.func differentiates with grad mode on at every level: a second derivative is
+    # asked for only under two grad (or jvp) transforms.
+    stack = torch._C._functorch.get_interpreter_stack()
+    if stack:
+        again = sum(str(i.key()).endswith(("Grad", "Jvp")) for i in stack) > 1
+    else:
+        again = any(isinstance(t, Tensor) and t.requires_grad for t in (grad_out, *saved))
+    if again:
+        raise RuntimeError("pisa_compile: the attention's backward cannot be differentiated "
+                           "again (double backward: create_graph=True or nested "
+                           "torch.func.grad); use dense SDPA for such terms")
+
+
 def _backward(ctx, grad_out, _grad_lse):
+    _refuse_double_backward(grad_out, ctx.saved_tensors[:3])
+    return _backward_once(ctx, grad_out, _grad_lse)
+
+
+@torch.autograd.function.once_differentiable
+def _backward_once(ctx, grad_out, _grad_lse):
     q, k, v, attn_mask, key_mask, out, lse, block_indices, block_counts = ctx.saved_tensors
     dq, dk, dv = _attention_backward_op(grad_out.contiguous(), q, k, v, attn_mask, key_mask,
                                         out, lse, block_indices, block_counts, ctx.is_causal,

@@ -423,7 +423,7 @@ def stage_table(summary: dict) -> str:
         rows.append([str(length), "peak extra MiB"]
                     + sum(([("n/a" if r is None or r["peak_mib"] is None
                              else f"{r['peak_mib']:.1f}"), ""] for r in pair), []))
-        why = _no_pisa_stage(summary, length, pair[1])
+        why = _no_pisa_stage(summary, length, pair[BACKENDS.index("pisa")])
         if why:
             rows.append([str(length), f"(no PISA stage ran: {why})", "", "", "", ""])
     unit = "GPU ms in range" if summary["device"].startswith("cuda") else "ms"

@@ -322,11 +322,21 @@ def test_func_grad_over_a_compiled_model_and_compiled_grad():
 
 
 def test_double_backward_raises():
-    cfg = PisaConfig(min_seq_len=0, block_size=8, top_k=2, query_tile=8)
+    """A second derivative raises instead of coming back as zeros (a new user's gradient
+    penalty lost its term silently: ``once_differentiable`` looked only at the incoming
+    gradients, not at the saved q, k and v); one level of ``torch.func.grad`` still works.
+    No dense tail: 40 queries would all be in it (plain SDPA, which raises on its own)."""
+    cfg = PisaConfig(min_seq_len=0, block_size=8, top_k=2, query_tile=8, dense_tail=0)
     q, k, v = (t.requires_grad_() for t in _qkv(40, 16))
-    g, = torch.autograd.grad(pisa_attention(q, k, v, config=cfg).sum(), q, create_graph=True)
-    with pytest.raises(RuntimeError):
-        g.sum().backward()
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(pisa_attention(q, k, v, config=cfg).sum(), q, create_graph=True)
+
+    def loss(q):
+        return pisa_attention(q, k.detach(), v.detach(), config=cfg).sum()
+
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.func.grad(lambda q: torch.func.grad(loss)(q).pow(2).sum())(q.detach())
+    assert torch.func.grad(loss)(q.detach()).abs().sum() > 0
 
 
 # -- nn.TransformerEncoderLayer -----------------------------------------------------------------------

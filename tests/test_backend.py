@@ -512,3 +512,21 @@ def test_failing_pattern_never_breaks_the_model(monkeypatch):
     assert len(ours) == 1 and "as_mask_add exploded" in str(ours[0].message), ours
     assert "KeyError" in str(ours[0].message)
     assert counters["pisa"]["rewritten"] == 0
+
+
+def test_mask_with_is_causal_stays_dense(fresh_dynamo):
+    """``attn_mask`` together with ``is_causal=True`` (an error in PyTorch's docs, run as
+    causal AND mask by the CPU kernel): the site stays SDPA's, with the reason, and the
+    program compiles as it does under Inductor (a new user's crash)."""
+    from torch._dynamo.utils import counters
+    q, k, v = _qkv(n=40)
+    pad = torch.ones(1, 1, 1, 40, dtype=torch.bool)
+    pad[..., -5:] = False
+
+    def f(q, k, v, m):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=True)
+
+    counters.clear()
+    out = torch.compile(f, backend="pisa", options=dict(min_seq_len=0))(q, k, v, pad)
+    assert counters["pisa"]["left_dense"] == 1 and not counters["pisa"]["rewritten"]
+    torch.testing.assert_close(out, f(q, k, v, pad))

@@ -479,6 +479,10 @@ def _analyze_sdpa(node: Node, site: Site) -> _Plan:
                     else f"unsupported scale {P.describe(scale)}")
     if not isinstance(b["is_causal"], bool) or not isinstance(b["enable_gqa"], bool):
         raise LeaveDense("is_causal / enable_gqa are not constants")
+    if mask is not None and b["is_causal"]:
+        # PyTorch documents the pair as an error, but some of its kernels (the CPU's) run it
+        # as causal AND mask: what runs there stays SDPA's to decide.
+        raise LeaveDense("attn_mask together with is_causal=True")
     if mask is not None:
         _check_mask_tensor(mask)
         _check_mask_grad(mask)

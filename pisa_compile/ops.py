@@ -11,7 +11,6 @@ at trace time, and is visible in the graph.
 from __future__ import annotations
 
 import contextlib
-
 import math
 import numbers
 from typing import Optional
@@ -235,9 +234,9 @@ def _(grad_out, q, k, v, *args):
 
 class _StructuredFromMask(torch.autograd.Function):
     """``pisa::structured_from_mask`` with its backward ``pisa::structured_from_mask_backward``
-    (the forward recomputed with autograd, DESIGN.md "Masks read at run time"). No gradient
-    for the mask (the plan sends a mask that requires one elsewhere), no double backward, and
-    no jvp: forward-mode AD (``torch.func.jvp``) raises instead of getting a zero tangent."""
+    (the forward recomputed with autograd, DESIGN.md "Rewrite rules"). No gradient for the
+    mask (``pisa_attention`` refuses a mask that wants one), no double backward, and no jvp:
+    forward-mode AD (``torch.func.jvp``) raises instead of getting a zero tangent."""
 
     generate_vmap_rule = True
 
@@ -304,7 +303,8 @@ def _refuse_double_backward(grad_out: Tensor, saved: tuple) -> None:
     # asked for only under two grad (or jvp) transforms.
     stack = torch._C._functorch.get_interpreter_stack()
     if stack:
-        again = sum(str(i.key()).endswith(("Grad", "Jvp")) for i in stack) > 1
+        ad = (torch._C._functorch.TransformType.Grad, torch._C._functorch.TransformType.Jvp)
+        again = sum(i.key() in ad for i in stack) > 1
     else:
         again = any(isinstance(t, Tensor) and t.requires_grad for t in (grad_out, *saved))
     if again:
@@ -564,11 +564,11 @@ def pisa_attention(
     causal AND padding runs the structured path; any other mask runs dense SDPA under it
     (``kernel="auto"``) or the reference selection with the Triton kernels under it
     (``kernel="triton"``) (:func:`plan` gives the reason). With gradients its backward runs
-    that forward again with autograd (no selection or ``lse`` is kept for it). The last ``config.dense_tail`` queries
-    of a causal call, and every call of that few queries (decode), are dense: with a
-    ``key_mask``, a call of one query on CUDA through SDPA under the mask with
-    ``enable_gqa``, and more rows without gradients on the Triton path through the split-K
-    decode kernel over every key block; otherwise dense SDPA.
+    that forward again with autograd (no selection or ``lse`` is kept for it). The last
+    ``config.dense_tail`` queries of a causal call, and every call of that few queries
+    (decode), are dense: with a ``key_mask``, a call of one query on CUDA through SDPA under
+    the mask with ``enable_gqa``, and more rows without gradients on the Triton path through
+    the split-K decode kernel over every key block; otherwise dense SDPA.
 
     Args:
         q: ``[B, Hq, Nq, D]`` float16, bfloat16, float32 or float64.

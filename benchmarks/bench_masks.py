@@ -123,9 +123,11 @@ def _reference_stages(counters) -> int:
     return int(sum(v for k, v in counters["pisa"].items() if k.startswith("reference_")))
 
 
-def left_padding(body, n: int, pads: list[int], reps: int, options=None) -> list[dict]:
+def left_padding(body, n: int, pads: list[int], reps: int, options=None,
+                 kernels: bool = False) -> list[dict]:
     """Rows of the left-padding bench (see the module docstring); ``options``: the pisa
-    backend's ``torch.compile(options=...)`` (None: the defaults)."""
+    backend's ``torch.compile(options=...)`` (None: the defaults); ``kernels``: also each
+    call's GPU ms per kernel (torch.profiler), the 20 largest."""
     from torch._dynamo.utils import counters
 
     from pisa_compile.backend import pisa_backend
@@ -144,6 +146,11 @@ def left_padding(body, n: int, pads: list[int], reps: int, options=None) -> list
             torch.cuda.reset_peak_memory_stats()
             ms = _time(lambda: f(ids, attention_mask=mask, position_ids=pos), reps)
             peak = torch.cuda.max_memory_allocated() / 2**30
+            per_kernel = None
+            if kernels:
+                from benchmarks.bench_stages import kernel_ms
+                per_kernel = {k: round(v, 3) for k, v in list(kernel_ms(
+                    lambda: f(ids, attention_mask=mask, position_ids=pos), 3).items())[:20]}
             batch = f(ids, attention_mask=mask, position_ids=pos).last_hidden_state
             diffs = {}
             for b, pad in enumerate(pads):
@@ -155,7 +162,7 @@ def left_padding(body, n: int, pads: list[int], reps: int, options=None) -> list
         rows.append(dict(n=n, batch=B, pads=pads, backend=backend,
                          options=options if backend == "pisa" else None,
                          call="model(ids, attention_mask=left padding, position_ids)",
-                         ms=round(ms, 2), peak_gib=round(peak, 2),
+                         ms=round(ms, 2), kernels=per_kernel, peak_gib=round(peak, 2),
                          reference_stages=_reference_stages(counters),
                          padded_vs_alone=diffs))
         print(rows[-1], flush=True)
@@ -200,7 +207,8 @@ def main(argv=None):
         opts = dict(args.options or {})
         if args.min_seq_len is not None:
             opts["min_seq_len"] = args.min_seq_len
-        rows = left_padding(body, 16384, [0, 1024, 3072, 7168], args.reps, opts or None)
+        rows = left_padding(body, 16384, [0, 1024, 3072, 7168], args.reps, opts or None,
+                            args.kernels)
         if args.json:
             with open(args.json, "w") as fh:
                 json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,

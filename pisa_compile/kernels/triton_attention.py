@@ -20,8 +20,10 @@ by more than ``SEG_TILES`` tiles (the sink leaf is chosen by all) is split over 
 programs whose fp32 partials are added in a fixed order, so the sums stay deterministic.
 
 Masks are applied only where a key tile needs them: a causal tile whose keys all lie at or
-before the sub-block's first query, and that has no key past ``Nk``, skips the mask. An explicit
-``attn_mask`` is read (through its strides; stride 0 for broadcast dims) on every tile.
+before the sub-block's first query, and that has no key past ``Nk`` or key-masked, skips the
+mask; a key mask's bytes are read only for leaves flagged as holding a masked key
+(:func:`_key_mask_args`). An explicit ``attn_mask`` is read (through its strides; stride 0 for
+broadcast dims) on every tile.
 
 Dtypes: float16 and bfloat16 (``tl.dot`` in the input dtype, fp32 accumulation) and float32
 (``tl.dot`` in full fp32 under ``torch.get_float32_matmul_precision() == "highest"``, PyTorch's
@@ -70,21 +72,26 @@ def _rows(t, sub, hkv, Nq, G: tl.constexpr, TQ: tl.constexpr, TQE: tl.constexpr,
 
 @triton.jit
 def _keys(bi_row, e0, e1, it, Nk, C: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Key positions of iteration ``it`` over block-list entries ``[e0, e1)``."""
+    """Key positions of iteration ``it`` over block-list entries ``[e0, e1)``, their
+    validity, and (one leaf per key tile, ``C >= BLOCK_N``) the leaf and the tile's first key
+    position as scalars (0 otherwise)."""
     offs = tl.arange(0, BLOCK_N)
     if C >= BLOCK_N:
         # A leaf is C // BLOCK_N key tiles: entry it // NCH, chunk it % NCH.
         blk = tl.load(bi_row + e0 + it // (C // BLOCK_N))
-        kpos = blk * C + (it % (C // BLOCK_N)) * BLOCK_N + offs
+        k0 = blk * C + (it % (C // BLOCK_N)) * BLOCK_N
+        kpos = k0 + offs
         kvalid = kpos < Nk
     else:
         # Leaves shorter than a key tile: BLOCK_N // C leaves per tile.
         e = e0 + it * (BLOCK_N // C) + offs // C
         ok = e < e1
-        blk = tl.load(bi_row + e, mask=ok, other=-1)
-        kpos = blk * C + offs % C
-        kvalid = ok & (blk >= 0) & (kpos < Nk)
-    return tl.where(kvalid, kpos, 0), kvalid
+        leaves = tl.load(bi_row + e, mask=ok, other=-1)
+        kpos = leaves * C + offs % C
+        kvalid = ok & (leaves >= 0) & (kpos < Nk)
+        blk = 0
+        k0 = 0
+    return tl.where(kvalid, kpos, 0), kvalid, blk, k0
 
 
 @triton.jit
@@ -117,6 +124,42 @@ def _tile_program(BC, BI, scb, sch, sct, sib, sih, sit, Hkv, Nq, G: tl.constexpr
 def _key_extent(kpos, kvalid):
     """``(any padding key, last valid key)`` of a key tile."""
     return tl.min(kvalid.to(tl.int32), 0) == 0, tl.max(tl.where(kvalid, kpos, 0), 0)
+
+
+@triton.jit
+def _tile_keys_live(kpos, kvalid, blk, k0, Nk, km_row, skmn, C: tl.constexpr,
+                    BLOCK_N: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
+                    HAS_WINDOW: tl.constexpr):
+    """A key tile of :func:`_keys`: ``kvalid`` with key-masked keys out, whether any key is
+    missing (past ``Nk`` or masked), and bounds ``k_lo <= ``every valid key ``<= k_hi``.
+
+    One leaf per key tile: from scalars, no reduction over the tile (two or three per key
+    tile otherwise, each across warps); under a key mask the leaf's flag (every key live,
+    :func:`_key_mask_args`) is read first and the keys' bytes only for a leaf with a masked
+    key (the load is predicated off for the others). The bounds may be loose (then the mask
+    is applied where it changes nothing).
+
+    A window under a key mask keeps the per-key load and the reductions: there the flag's
+    dependent load cost 4.4% (window 4096 at 32K, head dim 64), where without a window it
+    saved 21% (the "fast" preset's blocks, 16K, left padding; ``profiles/attention_ab.json``)."""
+    if C >= BLOCK_N and not (HAS_KEY_MASK and HAS_WINDOW):
+        any_pad = k0 + BLOCK_N > Nk
+        if HAS_KEY_MASK:
+            part = tl.load(km_row + (((Nk + C - 1) // C) * C + blk).to(tl.int64) * skmn) == 0
+            # A predicated load, not a branch: an `if` here cost 17% at head dim 128
+            # (profiles/attention_ab.json, run a).
+            # (The flag as a vector: the interpreter makes bool-vector & bool-scalar int32.)
+            part_n = (kpos * 0 + part.to(tl.int32)) != 0
+            km = tl.load(km_row + kpos.to(tl.int64) * skmn, mask=kvalid & part_n, other=1)
+            kvalid = kvalid & (km != 0)
+            any_pad = any_pad | part
+        k_lo = k0
+        k_hi = tl.minimum(k0 + BLOCK_N, Nk) - 1
+    else:
+        kvalid = _key_live(kpos, kvalid, km_row, skmn, HAS_KEY_MASK)
+        any_pad, k_hi = _key_extent(kpos, kvalid)
+        k_lo = tl.min(tl.where(kvalid, kpos, 2147483647), 0)
+    return kvalid, any_pad, k_lo, k_hi
 
 
 @triton.jit
@@ -157,13 +200,13 @@ def _apply_mask(s, b, head, qi, row_ok, kpos, kvalid, Mask, smb, smh, smq, smk, 
 
 
 @triton.jit
-def _masked_scores(s, b, head, qi, row_ok, kpos, kvalid, any_pad, k_hi, q_lo, q_hi, Mask,
+def _masked_scores(s, b, head, qi, row_ok, kpos, kvalid, any_pad, k_lo, k_hi, q_lo, q_hi, Mask,
                    smb, smh, smq, smk, mask_thr, q_offset, window, IS_CAUSAL: tl.constexpr,
                    HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, HAS_WINDOW: tl.constexpr):
     """:func:`_apply_mask` where the tile needs it: always with a mask; else only for a key
     tile with missing keys (``any_pad``: past ``Nk`` or key-masked) or, causal, a key
     (``k_hi``) after the first row's position (``q_lo + q_offset``), or, with a window, a key
-    at or before the last row's window start (``q_hi + q_offset - window``)."""
+    (``k_lo``) at or before the last row's window start (``q_hi + q_offset - window``)."""
     if HAS_MASK:
         s = _apply_mask(s, b, head, qi, row_ok, kpos, kvalid, Mask, smb, smh, smq, smk,
                         mask_thr, q_offset, window, IS_CAUSAL, HAS_MASK, MASK_BOOL, HAS_WINDOW)
@@ -172,7 +215,6 @@ def _masked_scores(s, b, head, qi, row_ok, kpos, kvalid, any_pad, k_hi, q_lo, q_
         if IS_CAUSAL:
             need = need | (k_hi > q_lo + q_offset)
         if HAS_WINDOW:
-            k_lo = tl.min(tl.where(kvalid, kpos, 2147483647), 0)
             need = need | (k_lo <= q_hi + q_offset - window)
         if need:
             s = _apply_mask(s, b, head, qi, row_ok, kpos, kvalid, Mask, smb, smh, smq, smk,
@@ -233,15 +275,15 @@ def _fwd_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM_V], tl.float32)
     n_it = _n_iters(e0, e1, C, BLOCK_N)
     for it in range(0, n_it):
-        kpos, kvalid = _keys(bi_row, e0, e1, it, Nk, C, BLOCK_N)
+        kpos, kvalid, blk, k0 = _keys(bi_row, e0, e1, it, Nk, C, BLOCK_N)
         # K is loaded before the key mask is applied, so the two loads overlap (a padding
         # key's score is masked below and its V is never loaded).
         kt = tl.load(k_base + kpos[None, :].to(tl.int64) * skn + offs_d[:, None] * skd,
                      mask=kvalid[None, :] & (offs_d[:, None] < D), other=0.0)
-        kvalid = _key_live(kpos, kvalid, km_row, skmn, HAS_KEY_MASK)
+        kvalid, any_pad, k_lo, k_hi = _tile_keys_live(kpos, kvalid, blk, k0, Nk, km_row, skmn,
+                                                      C, BLOCK_N, HAS_KEY_MASK, HAS_WINDOW)
         s = tl.dot(q, kt, input_precision=DOT_PREC) * qk_scale
-        any_pad, k_hi = _key_extent(kpos, kvalid)
-        s = _masked_scores(s, b, head, qi, row_ok, kpos, kvalid, any_pad, k_hi, q_lo, q_hi,
+        s = _masked_scores(s, b, head, qi, row_ok, kpos, kvalid, any_pad, k_lo, k_hi, q_lo, q_hi,
                            Mask, smb, smh, smq, smk, mask_thr, q_offset, window, IS_CAUSAL,
                            HAS_MASK, MASK_BOOL, HAS_WINDOW)
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -341,15 +383,15 @@ def _bwd_dq_kernel(
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     n_it = _n_iters(0, count, C, BLOCK_N)
     for it in range(0, n_it):
-        kpos, kvalid = _keys(bi_row, 0, count, it, Nk, C, BLOCK_N)
-        kvalid = _key_live(kpos, kvalid, km_row, skmn, HAS_KEY_MASK)
+        kpos, kvalid, blk, k0 = _keys(bi_row, 0, count, it, Nk, C, BLOCK_N)
+        kvalid, any_pad, k_lo, k_hi = _tile_keys_live(kpos, kvalid, blk, k0, Nk, km_row, skmn,
+                                                      C, BLOCK_N, HAS_KEY_MASK, HAS_WINDOW)
         k = tl.load(k_base + kpos[:, None].to(tl.int64) * skn + offs_d[None, :] * skd,
                     mask=kvalid[:, None] & (offs_d[None, :] < D), other=0.0)
         v = tl.load(v_base + kpos[:, None].to(tl.int64) * svn + offs_dv[None, :] * svd,
                     mask=kvalid[:, None] & (offs_dv[None, :] < DV), other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
-        any_pad, k_hi = _key_extent(kpos, kvalid)
-        s = _masked_scores(s, b, head, qi, row_ok, kpos, kvalid, any_pad, k_hi, q_lo, q_hi,
+        s = _masked_scores(s, b, head, qi, row_ok, kpos, kvalid, any_pad, k_lo, k_hi, q_lo, q_hi,
                            Mask, smb, smh, smq, smk, mask_thr, q_offset, window, IS_CAUSAL,
                            HAS_MASK, MASK_BOOL, HAS_WINDOW)
         p = tl.math.exp2(s - lse2[:, None])
@@ -435,6 +477,7 @@ def _bwd_dkdv_kernel(
                 + offs_dv[None, :] * svd,
                 mask=kload[:, None] & (offs_dv[None, :] < DV), other=0.0)
     any_pad, k_hi = _key_extent(kpos, kvalid)  # one key tile per program: once
+    k_lo = tl.min(tl.where(kvalid, kpos, 2147483647), 0)
 
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM_V], tl.float32)
@@ -457,8 +500,8 @@ def _bwd_dkdv_kernel(
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
             q_lo = tl.min(tl.where(row_ok, qi, Nq), 0)
             q_hi = tl.max(tl.where(row_ok, qi, 0), 0)
-            s = _masked_scores(s, b, head, qi, row_ok, kpos, kvalid, any_pad, k_hi, q_lo, q_hi,
-                               Mask, smb, smh, smq, smk, mask_thr, q_offset, window,
+            s = _masked_scores(s, b, head, qi, row_ok, kpos, kvalid, any_pad, k_lo, k_hi,
+                               q_lo, q_hi, Mask, smb, smh, smq, smk, mask_thr, q_offset, window,
                                IS_CAUSAL, HAS_MASK, MASK_BOOL, HAS_WINDOW)
             p = tl.math.exp2(s - lse2[:, None])
             dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=DOT_PREC)
@@ -658,16 +701,25 @@ def _mask_args(attn_mask: Optional[Tensor], q: Tensor, Nk: int):
     return m, m.stride(), True, False, float(thr)
 
 
-def _key_mask_args(key_mask: Optional[Tensor], q: Tensor, Nk: int):
+def _key_mask_args(key_mask: Optional[Tensor], q: Tensor, Nk: int, block_size: int):
     """``(tensor, (stride_b, stride_n), has_key_mask)`` of a ``[B, Nk]`` key mask, read as
-    bytes (``q`` stands in for an absent one: never read)."""
+    bytes (``q`` stands in for an absent one: never read).
+
+    The tensor is ``[B, L * C + L]`` uint8 (``L = ceil(Nk / C)`` leaves of ``C`` keys): the
+    mask, 1 for the keys past ``Nk``, then per leaf 1 if every key of it is live. The
+    forward and ``dq`` kernels read a leaf's flag and its keys' bytes only where it is 0
+    (the ``"fast"`` preset's forward with left padding: 1.21x faster than reading every key
+    tile's bytes, ``profiles/attention_ab.json``)."""
     if key_mask is None:
         return q, (0, 0), False
     if key_mask.dim() != 2 or key_mask.shape[1] != Nk or key_mask.shape[0] not in (1, q.shape[0]):
         raise ValueError(f"key_mask must be [B={q.shape[0]}, Nk={Nk}], got shape "
                          f"{tuple(key_mask.shape)}")
-    km = key_mask.to(torch.uint8)  # a value cast (Inductor cannot lower bool->uint8 views)
-    return km, (km.stride(0) if km.shape[0] > 1 else 0, km.stride(1)), True
+    Bk, n = key_mask.shape[0], cdiv(Nk, block_size) * block_size
+    km = torch.ones(Bk, n + n // block_size, dtype=torch.uint8, device=key_mask.device)
+    km[:, :Nk] = key_mask  # a value cast (Inductor cannot lower bool->uint8 views)
+    km[:, n:] = km[:, :n].view(Bk, n // block_size, block_size).amin(-1)
+    return km, (km.stride(0) if Bk > 1 else 0, km.stride(1)), True
 
 
 def _common(q, k, v, attn_mask, is_causal, block_indices, block_counts, block_size, query_tile,
@@ -685,7 +737,7 @@ def _common(q, k, v, attn_mask, is_causal, block_indices, block_counts, block_si
     tqe = min(Tq, triton.next_power_of_2(Nq))
     tp = tile_params(G, tqe, D, Dv, block_size, q.dtype, tuning)
     mask, mstr, has_mask, mask_bool, thr = _mask_args(attn_mask, q, Nk)
-    km, kmstr, has_km = _key_mask_args(key_mask, q, Nk)
+    km, kmstr, has_km = _key_mask_args(key_mask, q, Nk, block_size)
     bi = block_indices.contiguous()
     bc = block_counts.contiguous()
     meta = dict(G=G, TQ=Tq, TQE=tqe, C=block_size, D=D, DV=Dv, IS_CAUSAL=bool(is_causal),

@@ -141,7 +141,8 @@ def _tile_keys_live(kpos, kvalid, blk, k0, Nk, km_row, skmn, C: tl.constexpr,
 
     A window under a key mask keeps the per-key load and the reductions: there the flag's
     dependent load cost 4.4% (window 4096 at 32K, head dim 64), where without a window it
-    saved 21% (the "fast" preset's blocks, 16K, left padding; ``profiles/attention_ab.json``)."""
+    saved 20% (the "fast" preset's blocks, 16K, left padding; ``profiles/attention_ab.json``);
+    the window's programs skip the key mask by a range check instead (:func:`_fwd_kernel`)."""
     if C >= BLOCK_N and not (HAS_KEY_MASK and HAS_WINDOW):
         any_pad = k0 + BLOCK_N > Nk
         if HAS_KEY_MASK:
@@ -223,13 +224,52 @@ def _masked_scores(s, b, head, qi, row_ok, kpos, kvalid, any_pad, k_lo, k_hi, q_
     return s
 
 
+@triton.jit
+def _fwd_blocks(q, bi_row, e0, e1, Nk, k_base, v_base, skn, skd, svn, svd, offs_d, offs_dv,
+                km_row, skmn, b, head, qi, row_ok, q_lo, q_hi, Mask, smb, smh, smq, smk,
+                mask_thr, q_offset, window, qk_scale, C: tl.constexpr, D: tl.constexpr,
+                DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                HEAD_DIM_V: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
+                MASK_BOOL: tl.constexpr, HAS_KEY_MASK: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                DOT_PREC: tl.constexpr):
+    """The forward's loop over block-list entries ``[e0, e1)``: online softmax in base 2;
+    returns the row max ``m``, the row sum ``l`` and the unnormalised ``acc``."""
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_V], tl.float32)
+    n_it = _n_iters(e0, e1, C, BLOCK_N)
+    for it in range(0, n_it):
+        kpos, kvalid, blk, k0 = _keys(bi_row, e0, e1, it, Nk, C, BLOCK_N)
+        # K is loaded before the key mask is applied, so the two loads overlap (a padding
+        # key's score is masked below and its V is never loaded).
+        kt = tl.load(k_base + kpos[None, :].to(tl.int64) * skn + offs_d[:, None] * skd,
+                     mask=kvalid[None, :] & (offs_d[:, None] < D), other=0.0)
+        kvalid, any_pad, k_lo, k_hi = _tile_keys_live(kpos, kvalid, blk, k0, Nk, km_row, skmn,
+                                                      C, BLOCK_N, HAS_KEY_MASK, HAS_WINDOW)
+        s = tl.dot(q, kt, input_precision=DOT_PREC) * qk_scale
+        s = _masked_scores(s, b, head, qi, row_ok, kpos, kvalid, any_pad, k_lo, k_hi, q_lo, q_hi,
+                           Mask, smb, smh, smq, smk, mask_thr, q_offset, window, IS_CAUSAL,
+                           HAS_MASK, MASK_BOOL, HAS_WINDOW)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row that has seen no visible key yet keeps m = -inf; subtract 0 instead (no NaN).
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        vt = tl.load(v_base + kpos[:, None].to(tl.int64) * svn + offs_dv[None, :] * svd,
+                     mask=kvalid[:, None] & (offs_dv[None, :] < DV), other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=DOT_PREC)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
 # -- forward ----------------------------------------------------------------------------------
 
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, Mask, KeyMask, BI, BC, Out, Lse, OPart, LPart,
+    Q, K, V, Mask, KeyMask, KeyPart, BI, BC, Out, Lse, OPart, LPart,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
-    smb, smh, smq, smk, skmb, skmn, sob, soh, son, sod, slb, slh, sln,
+    smb, smh, smq, smk, skmb, skmn, skpb, sob, soh, son, sod, slb, slh, sln,
     sib, sih, sit, scb, sch, sct,
     Hkv, Nq, Nk, q_offset, window, qk_scale, mask_thr, ENTRIES_PER_SPLIT, part_stride_o,
     part_stride_l,
@@ -270,32 +310,39 @@ def _fwd_kernel(
     v_base = V + b64 * svb + hkv.to(tl.int64) * svh
     km_row = KeyMask + b64 * skmb
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_V], tl.float32)
-    n_it = _n_iters(e0, e1, C, BLOCK_N)
-    for it in range(0, n_it):
-        kpos, kvalid, blk, k0 = _keys(bi_row, e0, e1, it, Nk, C, BLOCK_N)
-        # K is loaded before the key mask is applied, so the two loads overlap (a padding
-        # key's score is masked below and its V is never loaded).
-        kt = tl.load(k_base + kpos[None, :].to(tl.int64) * skn + offs_d[:, None] * skd,
-                     mask=kvalid[None, :] & (offs_d[:, None] < D), other=0.0)
-        kvalid, any_pad, k_lo, k_hi = _tile_keys_live(kpos, kvalid, blk, k0, Nk, km_row, skmn,
-                                                      C, BLOCK_N, HAS_KEY_MASK, HAS_WINDOW)
-        s = tl.dot(q, kt, input_precision=DOT_PREC) * qk_scale
-        s = _masked_scores(s, b, head, qi, row_ok, kpos, kvalid, any_pad, k_lo, k_hi, q_lo, q_hi,
-                           Mask, smb, smh, smq, smk, mask_thr, q_offset, window, IS_CAUSAL,
-                           HAS_MASK, MASK_BOOL, HAS_WINDOW)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # A row that has seen no visible key yet keeps m = -inf; subtract 0 instead (no NaN).
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_use[:, None])
-        alpha = tl.math.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        vt = tl.load(v_base + kpos[:, None].to(tl.int64) * svn + offs_dv[None, :] * svd,
-                     mask=kvalid[:, None] & (offs_dv[None, :] < DV), other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=DOT_PREC)
-        m_i = m_new
+    if HAS_KEY_MASK and HAS_WINDOW:
+        # A window program whose leaves [first, last] hold no key-masked key runs the loop
+        # without the key mask (attention_mask=ones; left padding's windows past the pad):
+        # 1.035x there, where the per-key read stays (see _tile_keys_live). Two copies of the
+        # loop cost elsewhere: 1.02x instead of 1.21x with left padding, 0.89x instead of
+        # 1.025x at head dim 128 (profiles/attention_ab.json, run d against c).
+        some = e1 > e0
+        first = tl.load(bi_row + e0, mask=some, other=0)
+        last = tl.load(bi_row + tl.maximum(e1 - 1, e0), mask=some, other=0)
+        kp_row = KeyPart + b64 * skpb
+        n_part = tl.load(kp_row + last + 1, mask=some, other=0) - tl.load(
+            kp_row + first, mask=some, other=0)
+        if n_part == 0:
+            m_i, l_i, acc = _fwd_blocks(
+                q, bi_row, e0, e1, Nk, k_base, v_base, skn, skd, svn, svd, offs_d, offs_dv,
+                km_row, skmn, b, head, qi, row_ok, q_lo, q_hi, Mask, smb, smh, smq, smk,
+                mask_thr, q_offset, window, qk_scale, C, D, DV, BLOCK_M, BLOCK_N, HEAD_DIM_V,
+                IS_CAUSAL, HAS_MASK,
+                MASK_BOOL, False, HAS_WINDOW, DOT_PREC)
+        else:
+            m_i, l_i, acc = _fwd_blocks(
+                q, bi_row, e0, e1, Nk, k_base, v_base, skn, skd, svn, svd, offs_d, offs_dv,
+                km_row, skmn, b, head, qi, row_ok, q_lo, q_hi, Mask, smb, smh, smq, smk,
+                mask_thr, q_offset, window, qk_scale, C, D, DV, BLOCK_M, BLOCK_N, HEAD_DIM_V,
+                IS_CAUSAL, HAS_MASK,
+                MASK_BOOL, True, HAS_WINDOW, DOT_PREC)
+    else:
+        m_i, l_i, acc = _fwd_blocks(
+            q, bi_row, e0, e1, Nk, k_base, v_base, skn, skd, svn, svd, offs_d, offs_dv,
+            km_row, skmn, b, head, qi, row_ok, q_lo, q_hi, Mask, smb, smh, smq, smk,
+            mask_thr, q_offset, window, qk_scale, C, D, DV, BLOCK_M, BLOCK_N, HEAD_DIM_V,
+            IS_CAUSAL, HAS_MASK,
+            MASK_BOOL, HAS_KEY_MASK, HAS_WINDOW, DOT_PREC)
 
     # No visible key: zeros and lse = -inf, as SDPA. l_i is NaN (not 0) for a row that met a
     # NaN or +inf score, and that row stays NaN, as in SDPA.
@@ -340,9 +387,9 @@ def _bwd_delta_kernel(O, DO, Delta, Hq, Nq,
 
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, Mask, KeyMask, BI, BC, DO, Lse, Delta, DQ,
+    Q, K, V, Mask, KeyMask, KeyPart, BI, BC, DO, Lse, Delta, DQ,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
-    smb, smh, smq, smk, skmb, skmn, sdob, sdoh, sdon, sdod, slb, slh, sln,
+    smb, smh, smq, smk, skmb, skmn, skpb, sdob, sdoh, sdon, sdod, slb, slh, sln,
     sdqb, sdqh, sdqn, sdqd, sib, sih, sit, scb, sch, sct,
     Hkv, Nq, Nk, q_offset, window, qk_scale, sm_scale, mask_thr,
     G: tl.constexpr, TQ: tl.constexpr, TQE: tl.constexpr, C: tl.constexpr,
@@ -405,9 +452,10 @@ def _bwd_dq_kernel(
 
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, Mask, KeyMask, Offsets, Tiles, Work, SlotBase, DO, Lse, Delta, dK, dV, PartK, PartV,
+    Q, K, V, Mask, KeyMask, KeyPart, Offsets, Tiles, Work, SlotBase, DO, Lse, Delta, dK, dV,
+    PartK, PartV,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
-    smb, smh, smq, smk, skmb, skmn, sdob, sdoh, sdon, sdod, slb, slh, sln,
+    smb, smh, smq, smk, skmb, skmn, skpb, sdob, sdoh, sdon, sdod, slb, slh, sln,
     sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd,
     Hkv, Nq, Nk, q_offset, window, L, BHL, TM, SEG, qk_scale, sm_scale, mask_thr,
     G: tl.constexpr, TQ: tl.constexpr, TQE: tl.constexpr, C: tl.constexpr,
@@ -702,8 +750,11 @@ def _mask_args(attn_mask: Optional[Tensor], q: Tensor, Nk: int):
 
 
 def _key_mask_args(key_mask: Optional[Tensor], q: Tensor, Nk: int, block_size: int):
-    """``(tensor, (stride_b, stride_n), has_key_mask)`` of a ``[B, Nk]`` key mask, read as
-    bytes (``q`` stands in for an absent one: never read).
+    """``(tensor, part, (stride_b, stride_n, part_stride_b), has_key_mask)`` of a ``[B, Nk]``
+    key mask, read as bytes (``q`` stands in for an absent one: never read).
+
+    ``part``: int32 ``[B, L + 1]``, the leaves holding a masked key among leaves ``[0, l)``,
+    so that a forward program on a window tells in two loads whether its leaves hold any.
 
     The tensor is ``[B, L * C + L]`` uint8 (``L = ceil(Nk / C)`` leaves of ``C`` keys): the
     mask, 1 for the keys past ``Nk``, then per leaf 1 if every key of it is live. The
@@ -711,7 +762,7 @@ def _key_mask_args(key_mask: Optional[Tensor], q: Tensor, Nk: int, block_size: i
     (the ``"fast"`` preset's forward with left padding: 1.21x faster than reading every key
     tile's bytes, ``profiles/attention_ab.json``)."""
     if key_mask is None:
-        return q, (0, 0), False
+        return q, q, (0, 0, 0), False
     if key_mask.dim() != 2 or key_mask.shape[1] != Nk or key_mask.shape[0] not in (1, q.shape[0]):
         raise ValueError(f"key_mask must be [B={q.shape[0]}, Nk={Nk}], got shape "
                          f"{tuple(key_mask.shape)}")
@@ -719,7 +770,10 @@ def _key_mask_args(key_mask: Optional[Tensor], q: Tensor, Nk: int, block_size: i
     km = torch.ones(Bk, n + n // block_size, dtype=torch.uint8, device=key_mask.device)
     km[:, :Nk] = key_mask  # a value cast (Inductor cannot lower bool->uint8 views)
     km[:, n:] = km[:, :n].view(Bk, n // block_size, block_size).amin(-1)
-    return km, (km.stride(0) if Bk > 1 else 0, km.stride(1)), True
+    part = torch.zeros(Bk, n // block_size + 1, dtype=torch.int32, device=key_mask.device)
+    part[:, 1:] = torch.cumsum(1 - km[:, n:].to(torch.int32), dim=1, dtype=torch.int32)
+    return km, part, (km.stride(0) if Bk > 1 else 0, km.stride(1),
+                      part.stride(0) if Bk > 1 else 0), True
 
 
 def _common(q, k, v, attn_mask, is_causal, block_indices, block_counts, block_size, query_tile,
@@ -737,14 +791,15 @@ def _common(q, k, v, attn_mask, is_causal, block_indices, block_counts, block_si
     tqe = min(Tq, triton.next_power_of_2(Nq))
     tp = tile_params(G, tqe, D, Dv, block_size, q.dtype, tuning)
     mask, mstr, has_mask, mask_bool, thr = _mask_args(attn_mask, q, Nk)
-    km, kmstr, has_km = _key_mask_args(key_mask, q, Nk, block_size)
+    km, part, kmstr, has_km = _key_mask_args(key_mask, q, Nk, block_size)
     bi = block_indices.contiguous()
     bc = block_counts.contiguous()
     meta = dict(G=G, TQ=Tq, TQE=tqe, C=block_size, D=D, DV=Dv, IS_CAUSAL=bool(is_causal),
                 HAS_MASK=has_mask, MASK_BOOL=mask_bool, HAS_KEY_MASK=has_km,
                 HAS_WINDOW=window is not None, DOT_PREC=dot_precision(q.dtype), **tp)
-    # The key mask rides with the explicit mask: (mask, key mask), strides of both.
-    return (B, Hq, Hkv, Nq, Nk, D, Dv, bi, bc, (mask, km), (*mstr, *kmstr), thr, meta)
+    # The key mask rides with the explicit mask: (mask, key mask, its partial leaves' prefix
+    # counts), strides of all.
+    return (B, Hq, Hkv, Nq, Nk, D, Dv, bi, bc, (mask, km, part), (*mstr, *kmstr), thr, meta)
 
 
 def sparse_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal: bool,

@@ -132,9 +132,12 @@ def _structured_from_mask_op(
     query_tile: int, leaf_scoring: str, shortlist: Optional[int], bound_block: Optional[int],
     flat_leaves: int, min_seq_len: int, dense_tail: int, kernel: str,
 ) -> Tensor:
-    return _structured_from_mask(q, k, v, attn_mask, scale, (
-        block_size, top_k, branching, beam, sink_blocks, local_blocks, query_tile, leaf_scoring,
-        shortlist, bound_block, flat_leaves, min_seq_len, dense_tail, kernel))
+    return _structured_from_mask(q, k, v, attn_mask, scale, _config_args(locals()))
+
+
+def _config_args(args: dict) -> tuple:
+    """The config fields among a runtime-mask op's arguments, in ``_CONFIG_FIELDS`` order."""
+    return tuple(args[name] for name in _CONFIG_FIELDS)
 
 
 def _structured_from_mask(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor, scale: float,
@@ -197,11 +200,10 @@ def _structured_from_mask_backward_op(
     # CUDA-graph capture and the other not (a capture reads no mask).
     from torch._dynamo.utils import counters
     counters["pisa"]["runtime_mask_backward"] += 1
+    config = _config_args(locals())
     with _autograd_inside_op():
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-        out = _structured_from_mask(*leaves, attn_mask, scale, (
-            block_size, top_k, branching, beam, sink_blocks, local_blocks, query_tile,
-            leaf_scoring, shortlist, bound_block, flat_leaves, min_seq_len, dense_tail, kernel))
+        out = _structured_from_mask(*leaves, attn_mask, scale, config)
         grads = torch.autograd.grad(out, leaves, grad_out, allow_unused=True)
     return tuple(torch.zeros_like(t) if g is None else g.contiguous()
                  for t, g in zip((q, k, v), grads))

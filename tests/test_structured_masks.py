@@ -100,6 +100,28 @@ def test_padded_and_future_keys_do_not_leak(case, cfg, data):
         assert torch.equal(out3[:, :, : i + 1], out[:, :, : i + 1])
 
 
+@settings(max_examples=25, deadline=None)
+@given(case=structured(), cfg=sparse_configs())
+def test_nan_in_padded_keys_reaches_no_output_or_gradient(case, cfg):
+    """NaN in padded keys and values (a cache's garbage) leaves every output and gradient as
+    it was: the reference multiplies no hidden key by its zero weight (0 * NaN is NaN), as
+    the Triton kernels never load one. (A new user's finding, December 2026.)"""
+    q, k, v, km, causal, off = case
+    pad = ~km[:, None, :, None]
+
+    def run(k_, v_):
+        leaves = [t.clone().requires_grad_() for t in (q, k_, v_)]
+        out = _run((*leaves, km, causal, off), cfg)
+        out.sum().backward()
+        return out.detach(), *(t.grad for t in leaves)
+
+    want = run(k, v)
+    got = run(torch.where(pad, float("nan"), k), torch.where(pad, float("nan"), v))
+    live = km[:, None, :, None].expand_as(k)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(got[2][live], want[2][live]) and torch.equal(got[3][live], want[3][live])
+
+
 def test_short_sequences_run_dense_with_the_same_mask():
     q, k, v = torch.randn(2, 4, 5, 16), torch.randn(2, 2, 9, 16), torch.randn(2, 2, 9, 16)
     km = torch.tensor([[1] * 9, [0, 0, 0] + [1] * 6])  # integer, as a tokenizer returns it

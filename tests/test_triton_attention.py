@@ -276,3 +276,47 @@ def test_errors_name_the_problem():
                             **CFG.attention_options())
     with pytest.raises(ValueError, match="block_indices"):
         ta.sparse_attention(q, k, v, None, False, 0.25, bi[:, :, :0], bc, **CFG.attention_options())
+
+
+@pytest.mark.parametrize("C,dtype", [(16, torch.float32), (128, torch.float32)])
+def test_window_with_a_broadcast_key_mask_matches_dense(C, dtype):
+    """The window path under a key mask of batch 1 broadcast to B=2: programs whose leaves
+    hold no masked key (run without the key mask) beside programs that do, one and several
+    key tiles per leaf; out, dq, dk, dv equal dense attention, and NaN in the masked keys
+    reaches nothing (a review's mutant: a batch stride on the partial-leaf counts)."""
+    from pisa_compile.kernels.geometry import dense_mask
+    from pisa_compile.kernels.window import window_blocks
+
+    B, Hkv, G, N, D, W, Tq = 2, 2, 2, 200, 16, 40, 16
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(B, h, N, D, generator=gen, dtype=dtype) for h in (Hkv * G, Hkv, Hkv))
+    km = torch.ones(1, N, dtype=torch.bool)
+    km[0, 150:152] = False
+    bi, bc = window_blocks(N, N, W, 0, C, Tq, q.device)
+    n_tiles_masked = sum(int(((bi[t, :bc[t]] * C <= 151) & (bi[t, :bc[t]] * C + C > 150)).any())
+                         for t in range(bi.shape[0]))
+    assert 0 < n_tiles_masked < bi.shape[0]  # clean and masked programs in one call
+    bi, bc = bi.expand(B, Hkv, *bi.shape).contiguous(), bc.expand(B, Hkv, *bc.shape).contiguous()
+    go = torch.randn(B, Hkv * G, N, D, generator=gen, dtype=dtype)
+
+    def run(k_, v_):
+        out, lse = ta.sparse_attention(q, k_, v_, None, True, 0.25, bi, bc, block_size=C,
+                                       query_tile=Tq, key_mask=km, window=W)
+        grads = ta.sparse_attention_backward(go, q, k_, v_, None, out, lse, bi, bc, True, 0.25,
+                                             block_size=C, query_tile=Tq, key_mask=km,
+                                             window=W)
+        return (out, *grads)
+
+    got = run(k, v)
+    vis = dense_mask(B, N, N, True, 0, km.expand(B, N), window=W)
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    want = ref.dense_attention(*leaves, attn_mask=vis, scale=0.25)
+    want.backward(go.double())
+    for a, b in zip(got, (want, *(t.grad for t in leaves))):
+        torch.testing.assert_close(a.double(), b.detach(), atol=1e-4, rtol=1e-4)
+    hide = ~km[:, None, :, None]
+    poisoned = run(torch.where(hide, float("nan"), k), torch.where(hide, float("nan"), v))
+    live = km[:, None, :, None].expand_as(k)
+    assert torch.equal(poisoned[0], got[0]) and torch.equal(poisoned[1], got[1])
+    assert torch.equal(poisoned[2][live], got[2][live])
+    assert torch.equal(poisoned[3][live], got[3][live])

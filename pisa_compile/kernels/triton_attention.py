@@ -20,7 +20,7 @@ by more than ``SEG_TILES`` tiles (the sink leaf is chosen by all) is split over 
 programs whose fp32 partials are added in a fixed order, so the sums stay deterministic.
 
 Masks are applied only where a key tile needs them: a causal tile whose keys all lie at or
-before the sub-block's first query, and that has no key past ``Nk`` or key-masked, skips the
+before the sub-block's first query, and has no key past ``Nk`` and none key-masked, skips the
 mask; a key mask's bytes are read only for leaves flagged as holding a masked key
 (:func:`_key_mask_args`). An explicit ``attn_mask`` is read (through its strides; stride 0 for
 broadcast dims) on every tile.
@@ -131,17 +131,18 @@ def _tile_keys_live(kpos, kvalid, blk, k0, Nk, km_row, skmn, C: tl.constexpr,
                     BLOCK_N: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
                     HAS_WINDOW: tl.constexpr):
     """A key tile of :func:`_keys`: ``kvalid`` with key-masked keys out, whether any key is
-    missing (past ``Nk`` or masked), and bounds ``k_lo <= ``every valid key ``<= k_hi``.
+    missing (past ``Nk`` or masked), and bounds ``k_lo``, ``k_hi`` of its valid keys.
 
     One leaf per key tile: from scalars, no reduction over the tile (two or three per key
     tile otherwise, each across warps); under a key mask the leaf's flag (every key live,
     :func:`_key_mask_args`) is read first and the keys' bytes only for a leaf with a masked
-    key (the load is predicated off for the others). The bounds may be loose (then the mask
-    is applied where it changes nothing).
+    key (the load is predicated off for the others). The bounds are the tile's; they are
+    read only when no key is missing, where they are exact.
 
     A window under a key mask keeps the per-key load and the reductions: there the flag's
-    dependent load cost 4.4% (window 4096 at 32K, head dim 64), where without a window it
-    saved 20% (the "fast" preset's blocks, 16K, left padding; ``profiles/attention_ab.json``);
+    dependent load cost 2.5% (window 4096 at 32K, head dim 64, runs b and c), where without
+    a window the flag and the scalar bounds together gave 1.21x (the "fast" preset's blocks,
+    16K, left padding; ``profiles/attention_ab.json``);
     the window's programs skip the key mask by a range check instead (:func:`_fwd_kernel`)."""
     if C >= BLOCK_N and not (HAS_KEY_MASK and HAS_WINDOW):
         any_pad = k0 + BLOCK_N > Nk
@@ -311,6 +312,7 @@ def _fwd_kernel(
     km_row = KeyMask + b64 * skmb
 
     if HAS_KEY_MASK and HAS_WINDOW:
+        # Block lists are ascending (window_blocks), so [first, last] spans every listed leaf.
         # A window program whose leaves [first, last] hold no key-masked key runs the loop
         # without the key mask (attention_mask=ones; left padding's windows past the pad):
         # 1.035x there, where the per-key read stays (see _tile_keys_live). Two copies of the
@@ -749,18 +751,21 @@ def _mask_args(attn_mask: Optional[Tensor], q: Tensor, Nk: int):
     return m, m.stride(), True, False, float(thr)
 
 
-def _key_mask_args(key_mask: Optional[Tensor], q: Tensor, Nk: int, block_size: int):
+def _key_mask_args(key_mask: Optional[Tensor], q: Tensor, Nk: int, block_size: int,
+                   window: Optional[int] = None):
     """``(tensor, part, (stride_b, stride_n, part_stride_b), has_key_mask)`` of a ``[B, Nk]``
     key mask, read as bytes (``q`` stands in for an absent one: never read).
 
-    ``part``: int32 ``[B, L + 1]``, the leaves holding a masked key among leaves ``[0, l)``,
-    so that a forward program on a window tells in two loads whether its leaves hold any.
+    ``part``: with a ``window``, int32 ``[B, L + 1]``, entry ``l`` the number of leaves
+    holding a masked key among leaves ``[0, l)``, so that a forward program on a window
+    tells in two loads whether its leaves hold any (else unused and not built).
 
     The tensor is ``[B, L * C + L]`` uint8 (``L = ceil(Nk / C)`` leaves of ``C`` keys): the
     mask, 1 for the keys past ``Nk``, then per leaf 1 if every key of it is live. The
     forward and ``dq`` kernels read a leaf's flag and its keys' bytes only where it is 0
-    (the ``"fast"`` preset's forward with left padding: 1.21x faster than reading every key
-    tile's bytes, ``profiles/attention_ab.json``)."""
+    (with the scalar bounds of :func:`_tile_keys_live`, the ``"fast"`` preset's forward with
+    left padding ran 1.21x faster, ``profiles/attention_ab.json``). The batch is 1 or ``B``
+    as the key mask's."""
     if key_mask is None:
         return q, q, (0, 0, 0), False
     if key_mask.dim() != 2 or key_mask.shape[1] != Nk or key_mask.shape[0] not in (1, q.shape[0]):
@@ -770,6 +775,8 @@ def _key_mask_args(key_mask: Optional[Tensor], q: Tensor, Nk: int, block_size: i
     km = torch.ones(Bk, n + n // block_size, dtype=torch.uint8, device=key_mask.device)
     km[:, :Nk] = key_mask  # a value cast (Inductor cannot lower bool->uint8 views)
     km[:, n:] = km[:, :n].view(Bk, n // block_size, block_size).amin(-1)
+    if window is None:  # read by the window path only
+        return km, km, (km.stride(0) if Bk > 1 else 0, km.stride(1), 0), True
     part = torch.zeros(Bk, n // block_size + 1, dtype=torch.int32, device=key_mask.device)
     part[:, 1:] = torch.cumsum(1 - km[:, n:].to(torch.int32), dim=1, dtype=torch.int32)
     return km, part, (km.stride(0) if Bk > 1 else 0, km.stride(1),
@@ -791,7 +798,7 @@ def _common(q, k, v, attn_mask, is_causal, block_indices, block_counts, block_si
     tqe = min(Tq, triton.next_power_of_2(Nq))
     tp = tile_params(G, tqe, D, Dv, block_size, q.dtype, tuning)
     mask, mstr, has_mask, mask_bool, thr = _mask_args(attn_mask, q, Nk)
-    km, part, kmstr, has_km = _key_mask_args(key_mask, q, Nk, block_size)
+    km, part, kmstr, has_km = _key_mask_args(key_mask, q, Nk, block_size, window)
     bi = block_indices.contiguous()
     bc = block_counts.contiguous()
     meta = dict(G=G, TQ=Tq, TQE=tqe, C=block_size, D=D, DV=Dv, IS_CAUSAL=bool(is_causal),

@@ -797,13 +797,12 @@ def _chunk_logits(p, q, k, block_indices, t0, t1, scale):
     return s.masked_fill(~vis, float("-inf")), pos, qr, kk
 
 
-def _unseen_zeroed(x: Tensor, s: Tensor) -> Tensor:
-    """Gathered keys or values ``x [.., n, d]`` with those no row of the chunk's tile sees
-    (``s [.., rows, n]`` is ``-inf`` there for every row) set to 0: their weights are 0, but
-    ``0 * NaN`` in the matmul would carry a padding key's NaN into the rows (the Triton
-    kernels never load such keys)."""
-    seen = (s != float("-inf")).any(-2)
-    return x.masked_fill(~seen[..., None], 0.0)
+def _unseen(s: Tensor) -> Tensor:
+    """``[.., n, 1]``: the gathered keys no row of the chunk's tile sees (``s [.., rows, n]``
+    is ``-inf`` there for every row). Their weights are 0, but ``0 * NaN`` in a matmul would
+    carry a padding key's NaN into the rows, so their keys and values are zeroed first (the
+    Triton kernels never load such keys)."""
+    return ~(s != float("-inf")).any(-2)[..., None]
 
 
 def sparse_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal: bool,
@@ -824,7 +823,7 @@ def sparse_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor
     for t0, t1 in _tile_chunks(p.T, p.B * p.Hkv * per_tile):
         s, pos, _, _ = _chunk_logits(p, q, k, block_indices, t0, t1, scale)
         w, z = softmax_rows(s)
-        vv = _unseen_zeroed(_gather_nodes(v, pos.clamp(min=0)).to(w.dtype), s)
+        vv = _gather_nodes(v, pos.clamp(min=0)).to(w.dtype).masked_fill(_unseen(s), 0.0)
         o = torch.matmul(w, vv)
         q0, q1 = t0 * p.Tq, min(t1 * p.Tq, p.Nq)
         out[:, :, q0:q1] = _from_rows(o, p, t0, t1).to(q.dtype)
@@ -854,10 +853,11 @@ def sparse_attention_backward(grad_out, q, k, v, attn_mask, out, lse, block_indi
         # Recomputed from the scores, not from `lse`: see softmax_rows.
         w, _ = softmax_rows(s)  # [B, Hkv, t, R, MC]
         do = _chunk_rows(grad_out, p, t0, t1).to(acc)
-        vv = _unseen_zeroed(_gather_nodes(v, pos.clamp(min=0)).to(acc), s)
+        unseen = _unseen(s)
+        vv = _gather_nodes(v, pos.clamp(min=0)).to(acc).masked_fill(unseen, 0.0)
         dp = torch.matmul(do, vv.transpose(-1, -2))
         ds = w * (dp - _chunk_rows(delta, p, t0, t1))
-        dqr = torch.matmul(ds, _unseen_zeroed(kk, s)) * scale
+        dqr = torch.matmul(ds, kk.masked_fill(unseen, 0.0)) * scale
         q0, q1 = t0 * p.Tq, min(t1 * p.Tq, p.Nq)
         dq[:, :, q0:q1] = _from_rows(dqr, p, t0, t1).to(q.dtype)
         dk_blk = torch.matmul(ds.transpose(-1, -2), qr) * scale  # [B, Hkv, t, MC, D]

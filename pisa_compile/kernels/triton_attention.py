@@ -311,6 +311,9 @@ def _fwd_kernel(
     v_base = V + b64 * svb + hkv.to(tl.int64) * svh
     km_row = KeyMask + b64 * skmb
 
+    # Whether this program runs its loop without the key mask: a Python False (a constexpr:
+    # one loop is compiled) except on the window path under a key mask.
+    skip_key_mask = False
     if HAS_KEY_MASK and HAS_WINDOW:
         # Block lists are ascending (window_blocks), so [first, last] spans every listed leaf.
         # A window program whose leaves [first, last] hold no key-masked key runs the loop
@@ -322,29 +325,22 @@ def _fwd_kernel(
         first = tl.load(bi_row + e0, mask=some, other=0)
         last = tl.load(bi_row + tl.maximum(e1 - 1, e0), mask=some, other=0)
         kp_row = KeyPart + b64 * skpb
-        n_part = tl.load(kp_row + last + 1, mask=some, other=0) - tl.load(
+        skip_key_mask = tl.load(kp_row + last + 1, mask=some, other=0) == tl.load(
             kp_row + first, mask=some, other=0)
-        if n_part == 0:
-            m_i, l_i, acc = _fwd_blocks(
-                q, bi_row, e0, e1, Nk, k_base, v_base, skn, skd, svn, svd, offs_d, offs_dv,
-                km_row, skmn, b, head, qi, row_ok, q_lo, q_hi, Mask, smb, smh, smq, smk,
-                mask_thr, q_offset, window, qk_scale, C, D, DV, BLOCK_M, BLOCK_N, HEAD_DIM_V,
-                IS_CAUSAL, HAS_MASK,
-                MASK_BOOL, False, HAS_WINDOW, DOT_PREC)
-        else:
-            m_i, l_i, acc = _fwd_blocks(
-                q, bi_row, e0, e1, Nk, k_base, v_base, skn, skd, svn, svd, offs_d, offs_dv,
-                km_row, skmn, b, head, qi, row_ok, q_lo, q_hi, Mask, smb, smh, smq, smk,
-                mask_thr, q_offset, window, qk_scale, C, D, DV, BLOCK_M, BLOCK_N, HEAD_DIM_V,
-                IS_CAUSAL, HAS_MASK,
-                MASK_BOOL, True, HAS_WINDOW, DOT_PREC)
+    if skip_key_mask:
+        m_i, l_i, acc = _fwd_blocks(
+            q, bi_row, e0, e1, Nk, k_base, v_base, skn, skd, svn, svd, offs_d, offs_dv,
+            km_row, skmn, b, head, qi, row_ok, q_lo, q_hi, Mask, smb, smh, smq, smk,
+            mask_thr, q_offset, window, qk_scale, C, D, DV, BLOCK_M, BLOCK_N, HEAD_DIM_V,
+            IS_CAUSAL, HAS_MASK, MASK_BOOL, HAS_KEY_MASK=False, HAS_WINDOW=HAS_WINDOW,
+            DOT_PREC=DOT_PREC)
     else:
         m_i, l_i, acc = _fwd_blocks(
             q, bi_row, e0, e1, Nk, k_base, v_base, skn, skd, svn, svd, offs_d, offs_dv,
             km_row, skmn, b, head, qi, row_ok, q_lo, q_hi, Mask, smb, smh, smq, smk,
             mask_thr, q_offset, window, qk_scale, C, D, DV, BLOCK_M, BLOCK_N, HEAD_DIM_V,
-            IS_CAUSAL, HAS_MASK,
-            MASK_BOOL, HAS_KEY_MASK, HAS_WINDOW, DOT_PREC)
+            IS_CAUSAL, HAS_MASK, MASK_BOOL, HAS_KEY_MASK=HAS_KEY_MASK, HAS_WINDOW=HAS_WINDOW,
+            DOT_PREC=DOT_PREC)
 
     # No visible key: zeros and lse = -inf, as SDPA. l_i is NaN (not 0) for a row that met a
     # NaN or +inf score, and that row stays NaN, as in SDPA.

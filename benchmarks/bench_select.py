@@ -74,6 +74,13 @@ TUNE_RESCORE = {
     "rb64_w4_s4": dict(row_block=64, num_warps=4, num_stages=4),
     "rb64_w4_kb32": dict(row_block=64, num_warps=4, key_block=32),
     "rb32_w4": dict(row_block=32, num_warps=4),
+    # Register caps: about 225 registers without one (compiled offline for sm90), so two
+    # 4-warp programs per SM; 168 lets three in, 128 four (the rest spills).
+    "rb64_w4_r168": dict(row_block=64, num_warps=4, maxnreg=168),
+    "rb64_w4_r168_p3": dict(row_block=64, num_warps=4, maxnreg=168, programs_per_sm=3),
+    "rb64_w4_r128": dict(row_block=64, num_warps=4, maxnreg=128),
+    "rb64_w4_r128_p8": dict(row_block=64, num_warps=4, maxnreg=128, programs_per_sm=8),
+    "rb64_w4_r152": dict(row_block=64, num_warps=4, maxnreg=152),
 }
 
 # --tune-flat: launch options of the flat kernel (flat_leaves; the defaults up to 32K keys).

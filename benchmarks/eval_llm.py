@@ -4,7 +4,8 @@ one process, with each set's prefill time.
 
     python -m benchmarks.eval_llm --gguf DIR/qwen2.5-coder-0.5b-instruct.gguf \
         [--lengths 4096 8192 16384 30000] [--repeats 3] [--configs defaults exact ...] \
-        [--json profiles/eval_llm.json] [--png profiles/eval_llm.png]
+        [--pyramid-decode defaults ...] [--json profiles/eval_llm.json] \
+        [--png profiles/eval_llm.png]
 
 The model (``../shared/models/README.md``): Qwen2.5-Coder-0.5B-Instruct, 24 layers, 14 query and
 2 KV heads of 64 (G = 7), de-quantized from GGUF by transformers, bf16 on CUDA.
@@ -33,6 +34,7 @@ two agree).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
 import sys
@@ -41,6 +43,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import torch
+from torch._dynamo.utils import counters
 
 from pisa_compile import PisaConfig, pisa_attention
 from pisa_compile.samples import stdlib_files
@@ -673,20 +676,23 @@ def use_attention(model, name: str, config: Optional[PisaConfig],
 
 
 @torch.no_grad()
-def _retrieved(model, case: Case, device) -> tuple[bool, float, int]:
+def _retrieved(model, case: Case, device, cache: Optional[Callable] = None
+               ) -> tuple[bool, float, int]:
     """Whether greedy decoding after the prompt gives every answer token, as ``generate()``
     would: the prompt (the case without its answer) is prefilled, then each answer token is
     fed back through the KV cache (one query per step). Teacher forcing the answer inside the
     prefill would let the answer's own queries vote in the last query tile's selection.
     Also returns the prefill's wall time (ms), and the first answer token predicted wrong
     (-1: none; 0 is the prefill's own prediction, later ones decode steps, each fed the true
-    answer so far)."""
+    answer so far). ``cache``: called with the case's length, returns the
+    ``past_key_values`` the prefill starts from (default: the model's own cache)."""
     ids = case.input_ids.to(device)[None]
     prompt, answer = ids[:, :-case.n_answer], ids[0, -case.n_answer:]
+    kw = {} if cache is None else {"past_key_values": cache(ids.shape[1])}
     if device.type == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
-    out = model(prompt, logits_to_keep=1, use_cache=True)
+    out = model(prompt, logits_to_keep=1, use_cache=True, **kw)
     if device.type == "cuda":
         torch.cuda.synchronize()
     ms = (time.perf_counter() - t0) * 1e3
@@ -713,7 +719,8 @@ def evaluate(model, tokenizer, lengths: Sequence[int], configs: dict, *, repeats
              loss_windows_per_length: int = 4, bos: Optional[int] = None,
              ceilings: Optional[dict] = None, ceiling_lengths: Optional[Sequence[int]] = None,
              progress: Callable[[str], None] = lambda s: None,
-             checkpoint: Callable[[dict], None] = lambda r: None) -> dict:
+             checkpoint: Callable[[dict], None] = lambda r: None,
+             pyramid_decode: Sequence[str] = ()) -> dict:
     """Retrieval and loss of ``model`` under dense SDPA and each PISA option set.
 
     Args:
@@ -728,6 +735,12 @@ def evaluate(model, tokenizer, lengths: Sequence[int], configs: dict, *, repeats
         checkpoint: called with the partial report after each (length, option set).
         repeats: cases per (task, depth); see :func:`needle_cases`.
         loss_windows_per_length: held-out windows per length for the loss.
+        pyramid_decode: names among ``configs`` run once more, as ``"<name>+pyramid"``, with
+            each case prefilled into a :class:`~pisa_compile.hf_cache.PisaCache` of that
+            config (``sparse_from=0``): the decode steps then select from the cache's
+            persistent pyramid (``generate(past_key_values=PisaCache(...))``; Triton only:
+            elsewhere they stay dense). Retrieval only (the loss is the config's own), and
+            ``sparse_decode_steps`` counts the steps the pyramid served.
 
     Returns:
         ``{"lengths": [...], "results": {config: {str(N): {"retrieval", "cases", "by_task",
@@ -740,7 +753,11 @@ def evaluate(model, tokenizer, lengths: Sequence[int], configs: dict, *, repeats
     """
     device = next(model.parameters()).device
     ceilings = ceilings or {}
-    runs = {"dense": None, **configs, **{c: cfg for c, (cfg, _) in ceilings.items()}}
+    unknown = [c for c in pyramid_decode if c not in configs]
+    if unknown:
+        raise ValueError(f"pyramid_decode: {unknown} are not among configs {list(configs)}")
+    runs = {"dense": None, **configs, **{c: cfg for c, (cfg, _) in ceilings.items()},
+            **{f"{c}+pyramid": configs[c] for c in pyramid_decode}}
     results: dict = {name: {} for name in runs}
     report = {"lengths": list(lengths), "results": results}
     for n in lengths:
@@ -749,33 +766,47 @@ def evaluate(model, tokenizer, lengths: Sequence[int], configs: dict, *, repeats
         for name, cfg in runs.items():
             if name in ceilings and ceiling_lengths is not None and n not in ceiling_lengths:
                 continue
+            pyramid = name.endswith("+pyramid")
+            if pyramid and not cases:
+                continue  # retrieval only
             use_attention(model, name, cfg,
                           ceiling=ceilings[name][1] if name in ceilings else None)
+            cache = None
+            if pyramid:
+                from pisa_compile.hf_cache import PisaCache
+                cache = functools.partial(PisaCache, config=cfg, sparse_from=0)
             # warm-up: kernels compile once (with no cases, the first loss window is it)
             if cases:
-                _retrieved(model, cases[0], device)
+                _retrieved(model, cases[0], device, cache)
             else:
                 _tail_loss(model, windows[0], device)
+            steps0 = counters["pisa"]["sparse_decode"]
             oks, times, by_task, misses = [], [], {}, []
             for case in cases:
-                ok, ms, miss = _retrieved(model, case, device)
+                ok, ms, miss = _retrieved(model, case, device, cache)
                 oks.append(ok)
                 misses.append(miss)
                 times.append(ms)
                 by_task.setdefault(case.task, []).append(ok)
-            losses = [_tail_loss(model, w, device) for w in windows]
+            losses = [] if pyramid else [_tail_loss(model, w, device) for w in windows]
             # repeats=0: loss only (retrieval and prefill time None)
             row = {"retrieval": sum(oks) / len(oks) if oks else None, "cases": len(oks),
                    "by_task": {t: sum(v) / len(v) for t, v in by_task.items()},
-                   "loss": sum(losses) / len(losses), "loss_windows": len(losses),
+                   "loss": sum(losses) / len(losses) if losses else None,
+                   "loss_windows": len(losses),
                    "prefill_ms": sorted(times)[len(times) // 2] if times else None,
                    "hits": [int(o) for o in oks], "first_miss": misses}
+            if pyramid:
+                row["sparse_decode_steps"] = counters["pisa"]["sparse_decode"] - steps0
             results[name][str(n)] = row
-            row["loss_vs_dense"] = row["loss"] / results["dense"][str(n)]["loss"] - 1.0
+            row["loss_vs_dense"] = (None if row["loss"] is None else
+                                    row["loss"] / results["dense"][str(n)]["loss"] - 1.0)
             hits = f"retrieval {row['retrieval']:.3f} ({len(oks)} cases), " if oks else ""
             ms = f", prefill {row['prefill_ms']:.1f} ms" if times else ""
-            progress(f"N={n} {name}: {hits}loss {row['loss']:.4f} "
-                     f"({row['loss_vs_dense']:+.2%}){ms}")
+            loss = ("" if row["loss"] is None else
+                    f"loss {row['loss']:.4f} ({row['loss_vs_dense']:+.2%})")
+            steps = (f", {row['sparse_decode_steps']} sparse decode steps" if pyramid else "")
+            progress(f"N={n} {name}: {hits}{loss}{ms}{steps}")
             checkpoint(report)
     return report
 
@@ -826,12 +857,18 @@ def main(argv=None) -> int:
                     help=f"block-level ceilings among {list(CEILINGS)}")
     ap.add_argument("--ceiling-lengths", type=int, nargs="*",
                     help="lengths the ceilings run at (default: all)")
+    ap.add_argument("--pyramid-decode", nargs="*", default=[],
+                    help="configs (among --configs) also run with a PisaCache: decode steps "
+                         "select from its persistent pyramid")
     ap.add_argument("--json", help="written after every row, so a cut-off run keeps its rows")
     ap.add_argument("--png")
     args = ap.parse_args(argv)
     unknown = [c for c in args.configs if c not in CANDIDATES]
     if unknown:
         ap.error(f"--configs: unknown {unknown}; expected some of {list(CANDIDATES)}")
+    unknown = [c for c in args.pyramid_decode if c not in args.configs]
+    if unknown:
+        ap.error(f"--pyramid-decode: {unknown} are not among --configs {args.configs}")
     unknown = [c for c in args.ceilings if c not in CEILINGS]
     if unknown:
         ap.error(f"--ceilings: unknown {unknown}; expected some of {list(CEILINGS)}")
@@ -857,7 +894,7 @@ def main(argv=None) -> int:
 
     report = evaluate(model, tok, args.lengths, configs, ceilings=ceilings, repeats=args.repeats,
                       loss_windows_per_length=args.loss_windows,
-                      ceiling_lengths=args.ceiling_lengths,
+                      ceiling_lengths=args.ceiling_lengths, pyramid_decode=args.pyramid_decode,
                       progress=lambda s: print(s, flush=True), checkpoint=save)
     save(report)
     if args.png:

@@ -266,3 +266,29 @@ def test_kernel_ceiling_equals_the_pytorch_ceiling(B, Hkv, G, Nq, Nk, C, Tq, top
         q, k.repeat_interleave(G, 1), v.repeat_interleave(G, 1),
         attn_mask=torch.ones(Nq, Nk, dtype=torch.bool).tril(Nk - Nq))
     assert (got - dense).abs().max() > 1e-3
+
+
+def test_pyramid_decode_rows_decode_from_the_cache(fresh_dynamo):
+    """``pyramid_decode``: the case is prefilled into a PisaCache and every answer token after
+    the first is decoded from its persistent pyramid (Triton's interpreter here; the tokens
+    themselves are checked against dense ones in ``test_hf_cache.py``); in the exact regime
+    the outcome is dense's."""
+    import functools
+
+    from torch._dynamo.utils import counters
+
+    from pisa_compile.hf_cache import PisaCache
+    model = tiny_llama(1024, num_layers=2)
+    case = eval_llm.needle_cases(ByteTokenizer(), 256, repeats=1, tasks=("code",))[0]
+    cpu = torch.device("cpu")
+    eval_llm.use_attention(model, "dense", None)
+    dense = eval_llm._retrieved(model, case, cpu)
+    exact = PisaConfig(min_seq_len=0, block_size=16, top_k=64, query_tile=16, kernel="triton")
+    eval_llm.use_attention(model, "exact+pyramid", exact)
+    cache = functools.partial(PisaCache, config=exact, sparse_from=0)
+    pyramid = eval_llm._retrieved(model, case, cpu, cache)
+    assert (pyramid[0], pyramid[2]) == (dense[0], dense[2])
+    assert counters["pisa"]["sparse_decode"] == (case.n_answer - 1) * 2
+    with pytest.raises(ValueError, match="pyramid_decode"):
+        eval_llm.evaluate(model, ByteTokenizer(), [256], {"exact": exact},
+                          pyramid_decode=["fast"])

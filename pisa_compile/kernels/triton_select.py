@@ -986,8 +986,9 @@ SELECT_TUNING = dict(row_block=64, num_warps=None, num_stages=None, maxnreg=None
 # True or False; split_leaves: shortlist slots per program of the split scores (2: 0.112 ms
 # per decode step at 128K, B=8, against 0.123 with 8 and 0.136 with 32,
 # profiles/decode_probe.json).
+# maxnreg: None = Triton's default, or a register cap per thread (the rest spills).
 RESCORE_TUNING = dict(row_block=64, key_block=64, num_warps=4, num_stages=None,
-                      programs_per_sm=4, split=None, split_leaves=2)
+                      programs_per_sm=4, split=None, split_leaves=2, maxnreg=None)
 
 # Launch settings of the flat kernel (one-level pools wider than the walk's): rows per chunk,
 # leaves per chunk (leaf_block * block_size / bound_block sub-blocks per dot), warps. At 32K
@@ -1321,5 +1322,5 @@ def _rescore(q, k, km, lcnt, short_idx, sel_idx, sel_counts, idx, counts, trace,
         LOWP=q.dtype != torch.float32, TRACE=trace is not None, SPLIT=bool(split),
         FULL_BY_COUNT=bool(full_by_count),
         num_warps=rt["num_warps"],
-        **({"num_stages": rt["num_stages"]} if rt["num_stages"] is not None else {}))
+        **{key: rt[key] for key in ("num_stages", "maxnreg") if rt[key] is not None})
     return idx, counts

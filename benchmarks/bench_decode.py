@@ -121,10 +121,12 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--lengths", type=int, nargs="+", default=[8192, 32768, 131072])
+    ap.add_argument("--options", type=json.loads, default={},
+                    help='PisaConfig options as JSON, e.g. \'{"beam": 124}\'')
     ap.add_argument("--json", default=None)
     argv = sys.argv[1:] if argv is None else argv
     args = ap.parse_args(argv)
-    cfg = PisaConfig()
+    cfg = PisaConfig(**args.options)
     rows = []
     for B in args.batches:
         for N in args.lengths:
@@ -134,7 +136,8 @@ def main(argv=None) -> None:
     if args.json:
         res = dict(command="python -m benchmarks.bench_decode " + " ".join(argv),
                    device=torch.cuda.get_device_name(), torch=torch.__version__,
-                   config="PisaConfig() (decode: query_tile 1, boxes per leaf, the walk)",
+                   config=f"PisaConfig(**{args.options}) (decode: query_tile 1, boxes per "
+                          "leaf, the walk)",
                    rows=rows)
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)

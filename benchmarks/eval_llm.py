@@ -123,6 +123,10 @@ CANDIDATES: dict[str, dict] = {
     "quality_flat_b8_s64": {"preset": "quality", "min_seq_len": 2048, "shortlist": 64,
                             "bound_block": 8},
     "quality_flat_k32": {"preset": "quality", "min_seq_len": 2048, "top_k": 32},
+    # Wider beams: the prefill's flat scan ignores them (up to flat_leaves), so with
+    # --pyramid-decode they change only the decode walk's pool (pow2(2 * (beam + 4))).
+    "quality_flat_b124": {"preset": "quality", "min_seq_len": 2048, "beam": 124},
+    "quality_flat_b252": {"preset": "quality", "min_seq_len": 2048, "beam": 252},
     "quality_b124_all_k32": {"preset": "quality", "min_seq_len": 2048, "beam": 124,
                              "shortlist": None, "top_k": 32},
     "quality_b124_all_k64": {"preset": "quality", "min_seq_len": 2048, "beam": 124,

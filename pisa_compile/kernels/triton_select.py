@@ -986,9 +986,12 @@ SELECT_TUNING = dict(row_block=64, num_warps=None, num_stages=None, maxnreg=None
 # True or False; split_leaves: shortlist slots per program of the split scores (2: 0.112 ms
 # per decode step at 128K, B=8, against 0.123 with 8 and 0.136 with 32,
 # profiles/decode_probe.json).
-# maxnreg: None = Triton's default, or a register cap per thread (the rest spills).
+# maxnreg: a register cap per thread (None: Triton's choice). Uncapped the kernel takes 233
+# registers on the H200, so two 4-warp programs share an SM; at 128 (56 spilled) four do, and
+# selection at 32K takes 12.93 ms instead of 15.15 (128K: 48.94 against 57.91; the same
+# blocks; 168 with three programs per SM: 13.26; profiles/select_rescore_regs.json).
 RESCORE_TUNING = dict(row_block=64, key_block=64, num_warps=4, num_stages=None,
-                      programs_per_sm=4, split=None, split_leaves=2, maxnreg=None)
+                      programs_per_sm=4, split=None, split_leaves=2, maxnreg=128)
 
 # Launch settings of the flat kernel (one-level pools wider than the walk's): rows per chunk,
 # leaves per chunk (leaf_block * block_size / bound_block sub-blocks per dot), warps. At 32K

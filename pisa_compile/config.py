@@ -115,9 +115,10 @@ class PisaConfig:
             ``pow2(L)`` floats and the scan's work grows as ``L^2``. DESIGN.md "Flat leaves".
         min_seq_len: below this many keys the op is plain SDPA, and the backend leaves an
             SDPA call as it is (>= 0; DESIGN.md "Rewrite rules"). Default 32768: from
-            there the default selection pays in training (forward+backward 1.9x faster than
-            dense at 32K on the standard shape, H200); its forward pays past 32K (0.74x
-            dense's speed at 32K, the flat scan's last length; 1.6x at 64K, 3.5x at 128K).
+            there the default selection pays in training (forward+backward 2.2x faster than
+            dense at 32K on the standard shape, H200); its forward matches dense at 32K (0.97x
+            dense's speed, the flat scan's last length) and pays past it (2.2x at 64K, 4.5x
+            at 128K; ``profiles/bench_options_r128.json``).
         dense_tail: the last ``dense_tail`` queries of an ``is_causal`` call without a
             window attend every visible key (dense SDPA; rounded up so that the sparse rows
             end on a query tile, fewer than ``dense_tail + query_tile``), and a call of at

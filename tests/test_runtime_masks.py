@@ -335,3 +335,25 @@ def test_triton_window_compiles_past_one_query_tile(fresh_dynamo, dynamic):
         km = _padding(2, n + off, [0, 11], True)
         torch.testing.assert_close(g(q, k, v, km, off), f(q, k, v, km, off), atol=1e-5,
                                    rtol=1e-5)
+
+
+@pytest.mark.parametrize("kernel", ["triton", "reference"])
+def test_report_says_where_an_unproved_mask_goes(fresh_dynamo, kernel):
+    """A mask the pass cannot prove (a graph input): with ``kernel='triton'`` on the CPU the
+    op reads it at run time through Triton's interpreter, and the report says so; with
+    ``kernel='reference'`` the PyTorch reference selects (a new user read the first as the
+    second)."""
+    import pisa_compile
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 64, 16, generator=g) for _ in range(3))
+    m = torch.rand(1, 1, 64, 64, generator=g) > 0.2
+
+    def f(q, k, v, m):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+
+    opts = dict(min_seq_len=0, block_size=16, dense_tail=0, kernel=kernel)
+    (site,) = pisa_compile.explain(f, q, k, v, m, options=opts).sites
+    if kernel == "triton":
+        assert "read at run time" in site.note and "interpreter" in site.note, site.note
+    else:
+        assert "selection runs the PyTorch reference" in site.note, site.note

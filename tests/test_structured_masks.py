@@ -691,3 +691,73 @@ def test_training_at_changing_lengths_under_dynamic_shapes(impl, opts):
             for a, p in zip(got, model.parameters()):
                 torch.testing.assert_close(a, p.grad, atol=1e-4, rtol=1e-4)
     assert all(map(math.isfinite, losses)) and len(set(losses)) == 3
+
+
+# A tokenizer's attention_mask laid out as [B, 1, 1, Nk] before (or after) its test, as a new
+# user wrote it; values 0, 1 and 2 so that each test is read as written (``== 1`` masks the 2s,
+# ``> 0`` and ``.bool()`` keep them).
+_PADDING_SPELLINGS = {
+    "index_bool": lambda am: am[:, None, None, :].bool(),
+    "index_eq1": lambda am: am[:, None, None, :] == 1,
+    "index_gt0": lambda am: am[:, None, None, :] > 0,
+    "zero_lt_index": lambda am: 0 < am[:, None, None, :],
+    "index_ge2": lambda am: am[:, None, None, :] >= 2,
+    "index_ne1": lambda am: am[:, None, None, :] != 1,
+    "unsqueeze_bool": lambda am: am.unsqueeze(1).unsqueeze(2).bool(),
+    "view_gt0": lambda am: am.view(am.shape[0], 1, 1, am.shape[1]) > 0,
+    "reshape_to_bool": lambda am: am.reshape(am.shape[0], 1, 1, -1).to(torch.bool),
+    "bool_unsqueeze": lambda am: am.bool().unsqueeze(1).unsqueeze(1),
+    "index_eq1_expand": lambda am: (am[:, None, None, :] == 1).expand(-1, 1, am.shape[1], -1),
+}
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("spelling", sorted(_PADDING_SPELLINGS))
+def test_padding_spelled_after_its_layout_is_structure(spelling, causal):
+    """``am[:, None, None, :].bool()``, ``== 1``, ``> 0``, ``unsqueeze``/``view``/``reshape``
+    before the test, alone or AND a tril: proved padding (the op reads ``am`` with the same
+    test when it runs), and equal to eager on every row that sees a key."""
+    g = torch.Generator().manual_seed(3)
+    n = 48
+    q, k, v = (torch.randn(3, 2, n, 16, generator=g) for _ in range(3))
+    am = torch.ones(3, n, dtype=torch.long)
+    am[1, :11] = 0
+    am[2, :5] = 0
+    am[2, 20:30] = 2  # neither 0 nor 1
+    layout = _PADDING_SPELLINGS[spelling]
+
+    def f(q, k, v, am):
+        m = layout(am)
+        if causal:
+            m = torch.logical_and(torch.ones(n, n, dtype=torch.bool).tril(), m)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=m)
+
+    report = pisa_compile.explain(f, q, k, v, am, options=OPTS_EXACT_NO_TAIL)
+    want_mask = "is_causal+padding" if causal else "padding"
+    assert [s.mask.split("->")[-1] for s in report.sites] == [want_mask], str(report)
+    got = torch.compile(f, backend="pisa", options=OPTS_EXACT_NO_TAIL)(q, k, v, am)
+    want = f(q, k, v, am)
+    seen = want.isfinite().all(-1, keepdim=True)  # eager's rows that see no key are NaN
+    torch.testing.assert_close(got * seen, want.nan_to_num() * seen, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_a_reshape_that_moves_keys_is_not_padding():
+    """``am.t()`` laid out as ``[B, 1, 1, Nk]`` reads key ``j`` of row ``b`` from ``am[j, b]``:
+    a square mask transposed is data, not the tokenizer's padding of ``am`` (the site may
+    prove the transposed tensor's own padding, never ``am``'s); eager and compiled agree."""
+    g = torch.Generator().manual_seed(4)
+    n = 32
+    q, k, v = (torch.randn(n, 2, n, 16, generator=g) for _ in range(3))
+    am = torch.rand(n, n, generator=g) > 0.3
+    am[:, 0] = True
+
+    def f(q, k, v, am):
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=am.t()[:, None, None, :])
+
+    report = pisa_compile.explain(f, q, k, v, am, options=OPTS_EXACT_NO_TAIL)
+    assert all(s.rewritten for s in report.sites), str(report)
+    got = torch.compile(f, backend="pisa", options=OPTS_EXACT_NO_TAIL)(q, k, v, am)
+    torch.testing.assert_close(got, f(q, k, v, am), atol=1e-5, rtol=1e-4)

@@ -80,7 +80,9 @@ class Struct:
     ``upper``/``lower`` are offsets ``(const, terms)`` as in :class:`Index`; ``upper = 0`` is
     SDPA's top-left causal mask, ``upper = past`` a KV cache's, ``lower`` a sliding window's
     edge. ``key`` is the node of a ``[B, Nk]`` bool tensor, read at ``[b, j]`` (padding), or
-    with ``key_nonzero`` of any other dtype, read as ``key[b, j] != 0``.
+    with ``key_test = (op, c)`` of any dtype, read as ``key[b, j] <op> c`` (``op`` a
+    comparison method: ``"ne"``, ``"eq"``, ``"gt"``, ``"ge"``, ``"lt"``, ``"le"``; a
+    tokenizer's int ``attention_mask`` tested as written, ``.bool()`` as ``("ne", 0)``).
     ``n_queries`` is None while the values do not depend on the query (a key mask alone);
     callers compare the shapes with the mask's own.
     """
@@ -95,7 +97,7 @@ class Struct:
     # Module buffers whose values this structure was read from (a registered causal mask):
     # true when the graph was compiled, so the op must check them on every call.
     checked: tuple = ()
-    key_nonzero: bool = False  # ``key`` is not bool: a key attends where it is nonzero
+    key_test: Optional[tuple] = None  # (op, c): a key attends where ``key <op> c``
     # Rows of ``key`` read (``key[:key_rows]``) when its batch is not provably the rows read:
     # a graph where attention_mask got its own batch symbol (no duck sizing).
     key_rows: Any = None
@@ -344,13 +346,14 @@ def both(x: Any, y: Any) -> Any:
         return None
     ok_u, upper = _both(x.upper, y.upper, min)
     ok_l, lower = _both(x.lower, y.lower, max)
-    if not (ok_u and ok_l) or (x.key is not None and y.key is not None and x.key is not y.key):
+    if not (ok_u and ok_l) or (x.key is not None and y.key is not None and (
+            x.key is not y.key or x.key_test != y.key_test)):
         return None
     kx = x if x.key is not None else y
     return Struct(True, x.n_queries if x.n_queries is not None else y.n_queries, x.n_keys,
                   upper, lower, kx.key, kx.key_cut,
-                  x.checked + tuple(n for n in y.checked if n not in x.checked), kx.key_nonzero,
-                  kx.key_rows)
+                  checked=x.checked + tuple(n for n in y.checked if n not in x.checked),
+                  key_test=kx.key_test, key_rows=kx.key_rows)
 
 
 def _index_axis(index: Any) -> Optional[int]:
@@ -382,9 +385,69 @@ def _keeps_last_two(index: Any) -> bool:
     return True
 
 
+def _number(c: Any) -> bool:
+    """A Python int or float constant (not a bool, not a node)."""
+    return isinstance(c, (int, float)) and not isinstance(c, bool)
+
+
+def _key_test(x: "KeyVal", op: str, c: Any) -> "Struct":
+    """The key mask ``key <op> c`` of a laid-out ``[B, Nk]`` key tensor ``x``."""
+    return Struct(True, None, P.val(x.key).shape[1], key=x.key, key_test=(op, c))
+
+
+_RESHAPE_METHODS = ("view", "reshape", "unsqueeze")
+
+
+def _reshape_source(node: Node) -> Optional[Node]:
+    """The input of ``node`` when ``node`` only reshapes it (row-major order kept: ``view``
+    and ``reshape`` to sizes, ``unsqueeze``, indexing by full slices, ``None`` and ``...``),
+    else None. ``view(dtype)`` reinterprets bytes: not a reshape."""
+    if not (node.args and isinstance(node.args[0], Node)):
+        return None
+    if P._meth(node, *_RESHAPE_METHODS) or P._fn(node, torch.unsqueeze, torch.reshape):
+        if any(isinstance(a, torch.dtype) for a in node.args[1:]) or node.kwargs.get(
+                "dtype") is not None:
+            return None
+        return node.args[0]
+    if P._fn(node, operator.getitem) or P._meth(node, "__getitem__"):
+        idx = node.args[1] if len(node.args) > 1 else None
+        items = idx if isinstance(idx, tuple) else (idx,)
+        full = slice(None, None, None)
+        if all(e is None or e is Ellipsis or e == full for e in items):
+            return node.args[0]
+    return None
+
+
+def _key_layout(node: Node) -> Any:
+    """A ``[B, 1, 1, Nk]`` reshape of a ``[B, Nk]`` tensor (``am[:, None, None, :]``,
+    ``am.unsqueeze(1).unsqueeze(2)``, ``am.view(B, 1, 1, Nk)``, ...): a reshape keeps
+    row-major order, so entry ``[b, 0, 0, j]`` is ``am[b, j]``. A bool tensor is the key
+    mask itself (:class:`Struct`), another dtype its values (:class:`KeyVal`); None
+    otherwise, or when the tensor is written in place (the op reads it when it runs)."""
+    v = P.val(node)
+    if not (isinstance(v, torch.Tensor) and v.dim() == 4 and P.known_equal(v.shape[1], 1)
+            and P.known_equal(v.shape[2], 1)):
+        return None
+    src, sv = node, None
+    while (up := _reshape_source(src)) is not None:  # back to the first [B, Nk] tensor
+        src, sv = up, P.val(up)
+        if isinstance(sv, torch.Tensor) and sv.dim() == 2:
+            break
+    if (src is node or not isinstance(sv, torch.Tensor) or sv.dim() != 2 or sv.is_complex()
+            or not P.known_equal(sv.shape[0], v.shape[0])
+            or not P.known_equal(sv.shape[1], v.shape[3]) or _mutated(_root(src))):
+        return None
+    return Struct(True, None, sv.shape[1], key=src) if sv.dtype == torch.bool else KeyVal(src)
+
+
 def _compare(op: str, a: Any, b: Any) -> Any:
-    """``a <op> b`` for two laid-out indices (a band :class:`Struct`), or an index against a
-    constant it always passes (:data:`ONES`: transformers' bidirectional ``q_idx >= 0``)."""
+    """``a <op> b`` for two laid-out indices (a band :class:`Struct`), an index against a
+    constant it always passes (:data:`ONES`: transformers' bidirectional ``q_idx >= 0``), or
+    a laid-out key tensor against a number (a key mask: ``am[:, None, None, :] > 0``)."""
+    if isinstance(b, KeyVal) and _number(a):  # 0 < am[...]: am[...] > 0
+        a, b, op = b, a, {"le": "ge", "ge": "le", "lt": "gt", "gt": "lt"}[op]
+    if isinstance(a, KeyVal) and _number(b):
+        return _key_test(a, op, b)
     if isinstance(a, Index) and isinstance(b, (int, float)) and not isinstance(b, bool):
         low = a.const  # arange(n) + c >= c: holds for every entry when no symbol is added
         if not a.terms and (op == "ge" and low >= b or op == "gt" and low > b):
@@ -743,6 +806,9 @@ def _evaluate(node: Node, ev) -> Any:
     out = _float_mask_rules(node, ev, x0, x1)
     if out is not _NOT_MINE:
         return out
+    out = _key_layout(node)
+    if out is not None:
+        return out
     if P._fn(node, torch.arange):
         return _arange(node)
     if P._fn(node, operator.add, torch.add) or P._meth(node, "add", "__add__", "__radd__"):
@@ -821,8 +887,10 @@ def _evaluate(node: Node, ev) -> Any:
         if (isinstance(x, KeyVal) and not isinstance(c, (Node, bool)) and c == 0
                 and isinstance(c, (int, float))):
             # a tokenizer's int mask tested against 0: attend where the key is nonzero
-            s = Struct(True, None, P.val(x.key).shape[1], key=x.key, key_nonzero=True)
+            s = Struct(True, None, P.val(x.key).shape[1], key=x.key, key_test=("ne", 0))
             return s if _name(node) in ("ne", "__ne__") else s.negated()
+        if isinstance(x, KeyVal) and _number(c):  # am[:, None, None, :] == 1
+            return _key_test(x, "eq" if is_eq else "ne", c)
         return None
     if P._fn(node, torch.tril, torch.triu) or P._meth(node, "tril", "triu"):
         diag = P.arg(node, 1, "diagonal", 0)
@@ -865,8 +933,8 @@ def _float_of(x: Any) -> Optional[float]:
 
 def _same_struct(a: Struct, b: Struct) -> bool:
     """Equal structures (sizes compared without adding shape guards)."""
-    return (a.attend, a.upper, a.lower, a.key, a.key_cut, a.key_nonzero, a.checked) == (
-        b.attend, b.upper, b.lower, b.key, b.key_cut, b.key_nonzero, b.checked) and (
+    return (a.attend, a.upper, a.lower, a.key, a.key_cut, a.key_test, a.checked) == (
+        b.attend, b.upper, b.lower, b.key, b.key_cut, b.key_test, b.checked) and (
         (a.key_rows is None) == (b.key_rows is None)) and (
         a.key_rows is None or P.known_equal(a.key_rows, b.key_rows)) and all(
         (x is None and y is None) or (x is not None and y is not None and P.known_equal(x, y))
@@ -956,7 +1024,8 @@ def _float_mask_rules(node: Node, ev, x0: Any, x1: Any) -> Any:
             return None
         # fill where the region is 0 and the key is 0: the region narrowed to nonzero keys
         return FMask(dataclasses.replace(
-            x.region, key=t.key, key_nonzero=_dtype(t.key) != torch.bool), x.fill)
+            x.region, key=t.key,
+            key_test=None if _dtype(t.key) == torch.bool else ("ne", 0)), x.fill)
     if P._meth(node, "reshape", "view"):
         x = ev(x0)
         if not isinstance(x, Index) or x.axis is not None:
@@ -979,6 +1048,8 @@ def _float_mask_rules(node: Node, ev, x0: Any, x1: Any) -> Any:
             fill = torch.tensor(x.fill, dtype=src).to(dtype).item()
             return dataclasses.replace(x, fill=fill) if math.isfinite(fill) else None
         if isinstance(x, KeyVal):
+            if dtype == torch.bool:  # .bool(), .to(torch.bool): nonzero
+                return _key_test(x, "ne", 0)
             # nonzero stays nonzero: same dtype, or integers/bools to floats
             ok = dtype == src or (dtype is not None and dtype.is_floating_point
                                   and src is not None and not src.is_floating_point)

@@ -70,7 +70,7 @@ class _Plan:
     causal_offset: Any = None        # (const, terms) offset of the causal diagonal (masks.Struct)
     key_mask: Optional[Node] = None  # [B, Nk] bool key mask proved from the graph
     key_cut: bool = False            # pass key_mask[:, :Nk] (masks.Struct.key_cut)
-    key_nonzero: bool = False        # pass key_mask != 0 (masks.Struct.key_nonzero)
+    key_test: Optional[tuple] = None  # pass key_mask <op> c (masks.Struct.key_test)
     key_rows: bool = False           # pass key_mask[:B] (masks.Struct.key_rows)
     # A key mask proved in a checkpoint body's caller: made an input of the body by _apply
     # (not by the analysis, which must leave the graphs as they are if the site stays dense).
@@ -287,7 +287,7 @@ def _take_structure(graph, plan: _Plan, s: M.Struct, qv: Any, kv: Any, site: Sit
     key = s.key
     if crossed and key is not None and key.graph is not graph:
         plan.key_outer = outer  # _apply makes the key mask an input of the body
-    plan.key_mask, plan.key_cut, plan.key_nonzero = key, s.key_cut, s.key_nonzero
+    plan.key_mask, plan.key_cut, plan.key_test = key, s.key_cut, s.key_test
     plan.key_rows = s.key_rows is not None
     # Structure leaves a row empty only through the key mask: a causal row sees key 0 and a
     # window the diagonal.
@@ -864,8 +864,8 @@ def _apply(gm: GraphModule, plan: _Plan, config: PisaConfig) -> Node:
             km = emit("call_method", "narrow", (km, 1, 0, emit("call_method", "size", (k, 2))))
         if plan.key_rows:  # key[:B]: raises where the dense gather would
             km = emit("call_method", "narrow", (km, 0, 0, emit("call_method", "size", (q, 0))))
-        if plan.key_nonzero:  # an int attention_mask read as (mask != 0)
-            km = emit("call_method", "ne", (km, 0))
+        if plan.key_test is not None:  # e.g. an int attention_mask read as (mask != 0)
+            km = emit("call_method", plan.key_test[0], (km, plan.key_test[1]))
         structure["key_mask"] = km
     if plan.causal_offset is not None:
         structure["causal_offset"] = _emit_offset(emit, gm.graph, plan.causal_offset)
@@ -1308,11 +1308,14 @@ def _note_and_selects(n_keys, has_mask: bool, config: PisaConfig, device: torch.
     elif window is not None and padded:
         notes.append("window with a key mask: the Triton attention kernels over the window's "
                      "blocks (traced FlexAttention was wrong with padding)")
-    triton = device.type == "cuda" and config.kernel != "reference"
+    # kernel='triton' on a CPU tensor runs Triton's interpreter, which reads the mask too.
+    triton = (device.type == "cuda" and config.kernel != "reference") or config.kernel == "triton"
     dense_mask = has_mask and config.kernel == "auto" and device.type == "cuda"
     if has_mask and triton:
+        dtypes = ("float16/bfloat16 with kernel='auto'" if device.type == "cuda" else
+                  "float16/float32 under Triton's interpreter")
         notes.append("explicit mask: read at run time where the kernels take the dtype "
-                     "(float16/bfloat16 with kernel='auto'; one host sync per call; with "
+                     f"({dtypes}; one host sync per call; with "
                      "gradients the backward runs the forward again): causal AND padding runs "
                      "PISA, any other mask "
                      + ("dense SDPA under the mask" if dense_mask else

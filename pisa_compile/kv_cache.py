@@ -62,9 +62,10 @@ class PisaKVCache:
     what a dense one does), :meth:`attend` runs causal attention for the newest queries.
     A decode call (at most 16 queries) on the Triton path is sparse where the cost model says
     it is faster than dense (``sparse_from``): per query (query tile 1; the ``G`` query
-    heads of a KV head share it) it walks the pyramid's boxes (``branching``, ``beam``), scores the pool's leaves exactly
-    (``shortlist``), and attends the ``top_k`` best plus the forced leaves with the split-K
-    decode kernel. Other calls run :func:`pisa_compile.pisa_attention` with ``config``
+    heads of a KV head share it) it ranks every leaf by its box (up to ``flat_leaves``
+    leaves; past it, walks the pyramid's boxes: ``branching``, ``beam``), scores the
+    ``shortlist`` best leaves exactly, and attends the ``top_k`` best plus the forced leaves
+    with the split-K decode kernel. Other calls run :func:`pisa_compile.pisa_attention` with ``config``
     (a long prefill: PISA; a short call: dense), or dense SDPA where dense is faster.
 
     Args:
@@ -85,9 +86,10 @@ class PisaKVCache:
             values baked in at capture).
 
     Quality: on Qwen2.5-Coder-0.5B with every decode step sparse (45 needle cases per
-    length) the walk loses needles that dense steps keep: 0.822 against 0.933 at 30K,
-    0.911 against 0.933 at 16K (``profiles/eval_llm_pyramid.json``); a wider ``beam``
-    (124) keeps them at head dim 64 but does not fit shared memory at 128.
+    length) the walk (``beam`` 60) lost needles that dense steps keep: 0.822 against 0.933
+    at 30K (``profiles/eval_llm_pyramid.json``); ranking every leaf box (the walk at
+    ``beam`` 252, one level) kept all of them at 30K, hence the flat ranking up to
+    ``flat_leaves``. Past it (over 32K keys) decode walks, unmeasured on a real model.
 
     Memory: the pyramid takes ``(2 * D * itemsize + 8)`` bytes per node and head, about
     ``2 * ceil(max_len / block_size)`` nodes (``branching`` 2): 3.1% of the K/V cache at
@@ -112,9 +114,12 @@ class PisaKVCache:
             raise ValueError(f"PisaKVCache: dtype must be a floating dtype, got {dtype!r}")
         config = check_options(config, sparse_from, "PisaKVCache")
         self.config, self.sparse_from, self.cuda_graph = config, sparse_from, bool(cuda_graph)
-        # Decode selects per query from per-leaf boxes by the walk (no flat scan).
+        # Decode selects per query from per-leaf boxes: up to flat_leaves leaves every leaf
+        # box is ranked (the walk's pool of 128 lost needles on Qwen2.5-Coder at 30K:
+        # 0.822 against 0.933 with dense steps; a pool of every leaf kept them), past it the
+        # walk.
         self.decode_config = config.replace(query_tile=1, bound_block=config.block_size,
-                                            flat_leaves=0, dense_tail=0, min_seq_len=0)
+                                            dense_tail=0, min_seq_len=0)
         self.keys = torch.zeros(batch_size, num_kv_heads, max_len, head_dim, dtype=dtype,
                                 device=device)
         self.values = torch.zeros(batch_size, num_kv_heads, max_len, value_dim, dtype=dtype,

@@ -341,3 +341,49 @@ def test_select_under_a_calls_key_mask_scores_holed_leaves_under_it():
     want_bi, want_bc = ref.select_blocks(q, k, None, True, 0.25, causal_offset=n - 1,
                                          key_mask=km, **cache.decode_config.selection_options())
     assert torch.equal(bi, want_bi) and torch.equal(bc, want_bc), (bi[0, :, 0], want_bi[0, :, 0])
+
+
+def test_decode_ranks_every_leaf_box_up_to_flat_leaves(monkeypatch):
+    """Up to ``flat_leaves`` leaves a decode step ranks every leaf by its box in the flat
+    kernel, reading the pyramid's leaf level (a walk's pool of 128 lost needles on a real
+    model): the same blocks as the flat selection built from the keys, and a key planted
+    along the step's query is selected; past ``flat_leaves`` the walk runs."""
+    # 126 leaves: one level of 126 is a pool of 256 > WALK_MAX_POOL, the flat kernel's case.
+    cache, q, k, v, n0, steps = _decode_case(padded=True, seed=6, n_prompt=503, steps=2,
+                                             shortlist=8, top_k=2)
+    launched = []
+    real = ts.launcher
+    monkeypatch.setattr(ts, "launcher", lambda kern, t: launched.append(kern) or real(kern, t))
+    opts = cache.decode_config.selection_options()
+    for s in range(steps):
+        n = n0 + s
+        if s:
+            cache.append(k[:, :, n - 1:n], v[:, :, n - 1:n])
+        qs = q[:, :, n - 1:n]
+        km = None if cache.key_mask is None else cache.key_mask[:, :n]
+        launched.clear()
+        got = cache.select(qs)
+        assert ts._flat_kernel in launched and ts._select_kernel not in launched
+        want = ts.select_blocks(qs, k[:, :, :n], True, 0.25, key_mask=km, causal_offset=n - 1,
+                                **opts)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), f"step {s}"
+    # A needle: key 300 (leaf 75, far from the sinks and the local leaves) along the last
+    # query of every head of KV head 0 in batch 0.
+    n = cache.length
+    qs = q[:, :, n - 1:n].clone()
+    G = qs.shape[1] // k.shape[1]
+    kk = cache.keys.clone()
+    kk[0, 0, 300] = 6.0 * qs[0, :G, 0].mean(0) / qs[0, :G, 0].mean(0).norm()
+    needle = PisaKVCache(*kk.shape[:2], kk.shape[2], kk.shape[3], dtype=kk.dtype, device="cpu",
+                         config=cache.config, sparse_from=0)
+    needle.append(kk[:, :, :n], cache.values[:, :, :n],
+                  None if cache.key_mask is None else cache.key_mask[:, :n])
+    idx, _ = needle.select(qs)
+    assert 300 // cache.config.block_size in idx[0, 0, 0].tolist()
+    launched.clear()
+    walk = PisaKVCache(*kk.shape[:2], kk.shape[2], kk.shape[3], dtype=kk.dtype, device="cpu",
+                       config=cache.config.replace(flat_leaves=0), sparse_from=0)
+    walk.append(kk[:, :, :n], cache.values[:, :, :n],
+                None if cache.key_mask is None else cache.key_mask[:, :n])
+    walk.select(qs)
+    assert ts._select_kernel in launched and ts._flat_kernel not in launched

@@ -866,7 +866,7 @@ def _top_n_mask(S, cand, n, LP: tl.constexpr):
 def _flat_kernel(
     q_ptr, sink_ptr, lcnt_ptr, shi_ptr, slo_ptr, slc_ptr, idx_ptr, bcnt_ptr, short_ptr, vote_ptr,
     sqb, sqh, sqn, sqd,
-    Hkv, Nq, Nk, L, total, T, M, n_sink, local_blocks, offset, scale,
+    Hkv, Nq, Nk, L, sub_stride, total, T, M, n_sink, local_blocks, offset, scale,
     D: tl.constexpr, G: tl.constexpr, TQ: tl.constexpr, C: tl.constexpr, BD: tl.constexpr,
     RB: tl.constexpr, LB: tl.constexpr, NS: tl.constexpr, MP: tl.constexpr, W: tl.constexpr,
     SHORT: tl.constexpr, LP: tl.constexpr, CAUSAL: tl.constexpr, HAS_LOCAL: tl.constexpr,
@@ -883,7 +883,9 @@ def _flat_kernel(
     sub-blocks per ``[RB, D] x [D, LB * NS]`` dot pair), twice per row chunk: once for each
     row's softmax normaliser (online, as flash attention's row statistics), once for the
     shares, which add into the tile's votes in a global row ``vote_ptr [.., LP]`` (L2
-    resident); the ``SHORT`` best are then found by :func:`_top_n_mask`.
+    resident); the ``SHORT`` best are then found by :func:`_top_n_mask`. The sub-blocks of
+    batch * KV head ``bh`` start at row ``bh * sub_stride`` (``L * NS`` for the call's own
+    buffers; a persistent pyramid's leaf level, ``NS = 1``, at ``bh * total``).
     """
     scale = tl.cast(scale, tl.float32)
     t = tl.program_id(0)
@@ -904,7 +906,7 @@ def _flat_kernel(
         s0 = tl.load(sink_ptr + b)
     s1 = s0 + n_sink
     lbase = bh.to(tl.int64) * total  # the leaf level comes first in the pyramid's buffers
-    sbase = bh.to(tl.int64) * (L * NS)
+    sbase = bh.to(tl.int64) * sub_stride
     vrow = vote_ptr + tile * LP
     sb = tl.arange(0, LB * NS)
     lb = tl.arange(0, LB)
@@ -1146,9 +1148,10 @@ def select_blocks(q: Tensor, k: Tensor, is_causal: bool, scale: float, *, block_
         pyramid: a persistent :class:`~.persistent.BoxPyramid` up to date for these
             ``Nk`` keys under this ``key_mask`` (a KV cache's, :mod:`pisa_compile.kv_cache`):
             nothing is built, so the call reads no key outside the shortlist. Its boxes are
-            per leaf: ``bound_block`` is taken as ``block_size``, and there is no flat scan
-            (``flat_leaves`` is ignored; a pool wider than 128 nodes runs on the walk).
-            ``block_size``, ``branching`` and the resolved ``beam`` must be the pyramid's.
+            per leaf: ``bound_block`` is taken as ``block_size``; up to ``flat_leaves``
+            leaves the flat kernel ranks every leaf box (the pyramid's leaf level), past it
+            the walk (a pool wider than 128 nodes on the walk kernel). ``block_size``,
+            ``branching`` and the resolved ``beam`` must be the pyramid's.
 
     Returns:
         ``block_indices`` int32 ``[B, Hkv, T, M]`` (ascending, -1 padded, forced leaves
@@ -1160,7 +1163,7 @@ def select_blocks(q: Tensor, k: Tensor, is_causal: bool, scale: float, *, block_
     C, Tq = block_size, query_tile
     T = cdiv(Nq, Tq)
     if pyramid is not None:
-        bound_block, flat_leaves = block_size, 0
+        bound_block = block_size
         if (pyramid.block_size, pyramid.branching, pyramid.beam) != (block_size, branching,
                                                                     beam):
             raise ValueError(
@@ -1208,10 +1211,11 @@ def select_blocks(q: Tensor, k: Tensor, is_causal: bool, scale: float, *, block_
                                  leaf_scoring=leaf_scoring, shortlist=shortlist,
                                  bound_block=bound_block, tuning=tuning)
 
-    # The flat kernel reads a sub-block layout, not a persistent pyramid's: the walk takes
-    # any pool (past WALK_MAX_POOL with more registers than it likes) up to its [P, P] rank.
-    flat = meta.pop("FLAT") and pyramid is None
-    if pyramid is not None and meta["P"] > 1024:
+    # A persistent pyramid's leaf level is the flat kernel's sub-block level (one per leaf).
+    # Its walk takes any pool (past WALK_MAX_POOL with more registers than it likes) up to
+    # its [P, P] rank.
+    flat = meta.pop("FLAT")
+    if pyramid is not None and not flat and meta["P"] > 1024:
         raise ValueError(f"a pyramid's walk holds at most 1024 nodes per level: branching * "
                          f"(beam + forced leaves) = {meta['P']} (top_k={top_k}, beam={beam}); "
                          f"use a smaller top_k or beam")
@@ -1245,7 +1249,7 @@ def select_blocks(q: Tensor, k: Tensor, is_causal: bool, scale: float, *, block_
         launcher(_flat_kernel, q)[(T, B * Hkv)](
             q, counts if sinks is None else sinks, lcnt, shi, slo, slc, sel_idx, sel_counts,
             short_idx, votes, *q.stride(),
-            Hkv, Nq, Nk, L, total, T, M, min(sink_blocks, L), local_blocks,
+            Hkv, Nq, Nk, L, sub_stride, total, T, M, min(sink_blocks, L), local_blocks,
             0 if offset is None else offset, float(scale),
             D=D, G=G, TQ=Tq, C=C, BD=meta["BD"], RB=min(ft["row_block"], meta["RB"]), LB=LB,
             NS=meta["NS"], MP=meta["MP"], W=W, SHORT=meta["SHORT"], LP=LP,

@@ -21,11 +21,11 @@ from torch import Tensor
 
 from .config import PisaConfig
 from .kernels import dispatch, persistent
-from .kernels.geometry import dense_mask
+from .kernels.geometry import cdiv, dense_mask, flat_applies
 from .kernels.runtime import DECODE_MAX_QUERIES, stage_range
 from .kernels.persistent import BoxPyramid, box_pyramid
 
-__all__ = ["PisaKVCache", "SPARSE_DECODE_BYTES"]
+__all__ = ["PisaKVCache", "SPARSE_DECODE_BYTES", "SPARSE_DECODE_BYTES_FLAT"]
 
 # The cost model: a sparse step takes about the same time at any length (0.05-0.14 ms on the
 # H200 replayed from a CUDA graph, 0.4 ms launched eagerly, mostly host time), dense decode
@@ -33,6 +33,12 @@ __all__ = ["PisaKVCache", "SPARSE_DECODE_BYTES"]
 # (the crossovers of profiles/bench_decode.json: B=8 between 8K and 16K keys, B=1 near 80K
 # in a graph; eagerly B=8 near 56K, B=1 past 128K).
 SPARSE_DECODE_BYTES = {"graph": 384 << 20, "eager": 2 << 30}
+# Up to flat_leaves leaves a step ranks every leaf box (the flat kernel) instead of walking:
+# 0.157 ms at B=8, 32K in a CUDA graph against the walk's 0.110 and dense's 0.257, 0.114
+# at B=1 (walk 0.069, dense 0.051); eagerly 0.47 ms at B=8 (walk 0.38). From those two
+# points the graph break-even is near 540 MiB of K/V at 32K (profiles/bench_decode_flat.json):
+# these thresholds keep a margin; they are estimates, not a measured sweep.
+SPARSE_DECODE_BYTES_FLAT = {"graph": 640 << 20, "eager": 3 << 30}
 
 
 def check_options(config: Optional[PisaConfig], sparse_from: Optional[int],
@@ -78,7 +84,8 @@ class PisaKVCache:
             ``top_k``, ``branching``, ``beam``, ``sink_blocks``, ``local_blocks``,
             ``shortlist``) and for prefill. Default ``PisaConfig()``.
         sparse_from: keys from which a decode step is sparse; None (default): the cost model,
-            sparse once a dense step would read :data:`SPARSE_DECODE_BYTES` of K/V (measured
+            sparse once a dense step would read :data:`SPARSE_DECODE_BYTES` of K/V
+            (:data:`SPARSE_DECODE_BYTES_FLAT` while the step ranks every leaf box; measured
             on the H200 for one shape: Hkv=8, D=128, G=4).
         cuda_graph: tells the cost model that you replay the steps from CUDA graphs you
             capture (no host time per step): its ``"graph"`` threshold, else ``"eager"``.
@@ -223,7 +230,11 @@ class PisaKVCache:
             return self.length >= self.sparse_from
         B, Hkv, _, D = self.keys.shape
         dense_bytes = B * Hkv * self.length * (D + self.values.shape[3]) * t.element_size()
-        return dense_bytes >= SPARSE_DECODE_BYTES["graph" if self.cuda_graph else "eager"]
+        c = self.decode_config
+        flat = (flat_applies(c.leaf_scoring, c.shortlist, c.bound_block)
+                and cdiv(self.length, c.block_size) <= c.flat_leaves)
+        table = SPARSE_DECODE_BYTES_FLAT if flat else SPARSE_DECODE_BYTES
+        return dense_bytes >= table["graph" if self.cuda_graph else "eager"]
 
     def attend(self, query: Tensor, *, scale: Optional[float] = None) -> Tensor:
         """Causal attention of the newest ``Nq`` queries over the cache's ``length`` tokens.

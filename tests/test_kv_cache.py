@@ -90,15 +90,21 @@ def _decode_case(seed=0, B=2, Hkv=2, G=3, D=16, n_prompt=61, steps=5, padded=Tru
     return cache, q, k, v, n_prompt, steps
 
 
-@pytest.mark.parametrize("padded", [False, True])
-def test_decode_selects_as_the_scratch_selection(padded):
-    cache, q, k, v, n0, steps = _decode_case(padded=padded)
+def _decode_steps(cache, q, k, v, n0, steps):
+    """Per step ``s``: append the previous step's key (from the second step on) and yield
+    ``(s, n, the step's query [B, Hq, 1, D], the cache's key mask over n keys or None)``."""
     for s in range(steps):
         n = n0 + s
         if s:
             cache.append(k[:, :, n - 1:n], v[:, :, n - 1:n])
-        qs = q[:, :, n - 1:n]
-        km = None if cache.key_mask is None else cache.key_mask[:, :n]
+        yield s, n, q[:, :, n - 1:n], (None if cache.key_mask is None
+                                       else cache.key_mask[:, :n])
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_decode_selects_as_the_scratch_selection(padded):
+    cache, q, k, v, n0, steps = _decode_case(padded=padded)
+    for s, n, qs, km in _decode_steps(cache, q, k, v, n0, steps):
         got = cache.select(qs)
         want = ts.select_blocks(qs, k[:, :, :n], True, 0.25, key_mask=km, causal_offset=n - 1,
                                 **cache.decode_config.selection_options())
@@ -355,12 +361,7 @@ def test_decode_ranks_every_leaf_box_up_to_flat_leaves(monkeypatch):
     real = ts.launcher
     monkeypatch.setattr(ts, "launcher", lambda kern, t: launched.append(kern) or real(kern, t))
     opts = cache.decode_config.selection_options()
-    for s in range(steps):
-        n = n0 + s
-        if s:
-            cache.append(k[:, :, n - 1:n], v[:, :, n - 1:n])
-        qs = q[:, :, n - 1:n]
-        km = None if cache.key_mask is None else cache.key_mask[:, :n]
+    for s, n, qs, km in _decode_steps(cache, q, k, v, n0, steps):
         launched.clear()
         got = cache.select(qs)
         assert ts._flat_kernel in launched and ts._select_kernel not in launched

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from pisa_compile import PisaConfig, PisaKVCache, pisa_attention
 from pisa_compile.kernels.geometry import block_width, cdiv, level_sizes
 from pisa_compile.kernels.triton_pyramid import append_boxes
-from pisa_compile.kernels.triton_select import pool_size
+from pisa_compile.kernels.triton_select import pool_size, runs_flat
 
 HQ, HKV, D = 32, 8, 128
 
@@ -60,15 +60,21 @@ def graph_ms(fn) -> float:
 
 
 def step_bytes(cfg: PisaConfig, n: int, itemsize: int = 2) -> int:
-    """Bytes one decode step reads per (batch row, KV head), upper bound: every level's pool
-    of boxes (max and min), the keys of every pool leaf (scored exactly), and K/V of the
-    ``block_width`` attended blocks."""
+    """Bytes one decode step reads per (batch row, KV head), upper bound: the boxes (max and
+    min) it ranks (every leaf's where the flat kernel runs, else every level's pool), the
+    keys of the leaves it scores exactly (the shortlist, or the walk's pool), and K/V of
+    the ``block_width`` attended blocks."""
     C, beam = cfg.block_size, cfg.effective_beam
     forced = min(cfg.sink_blocks, cdiv(n, C)) + cfg.local_blocks
     P = pool_size(cfg.branching, beam, forced)
-    levels = len(level_sizes(n, C, cfg.branching, beam))
-    boxes = levels * P * 2 * D * itemsize
-    exact = min(P, cdiv(n, C)) * C * D * itemsize
+    decode = cfg.replace(query_tile=1, bound_block=C, dense_tail=0, min_seq_len=0)
+    if runs_flat(n, **decode.selection_options()):
+        boxes = cdiv(n, C) * 2 * D * itemsize
+        exact = min(cfg.effective_shortlist or cdiv(n, C), cdiv(n, C)) * C * D * itemsize
+    else:
+        levels = len(level_sizes(n, C, cfg.branching, beam))
+        boxes = levels * P * 2 * D * itemsize
+        exact = min(P, cdiv(n, C)) * C * D * itemsize
     M = block_width(n, C, cfg.top_k, cfg.sink_blocks, cfg.local_blocks, 1)
     return boxes + exact + M * C * 2 * D * itemsize
 
@@ -137,7 +143,7 @@ def main(argv=None) -> None:
         res = dict(command="python -m benchmarks.bench_decode " + " ".join(argv),
                    device=torch.cuda.get_device_name(), torch=torch.__version__,
                    config=f"PisaConfig(**{args.options}) (decode: query_tile 1, boxes per "
-                          "leaf, the walk)",
+                          "leaf; every leaf ranked up to flat_leaves, else the walk)",
                    rows=rows)
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)

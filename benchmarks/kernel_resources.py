@@ -59,11 +59,11 @@ def compile_select(preset: str, Hq: int, Hkv: int, D: int, N: int, tuning: dict)
         else:
             sig[name] = "fp32" if name == "scale" else "i32"
     # The JIT marks each pointer and each int divisible by 16 (tt.divisibility), which lets
-    # loads vectorise and go through cp.async; without these hints the kernel compiles to
-    # scalar loads and more registers than the real launch (225 against 233 on the H200 for
-    # the rescoring kernel with them; 255 and spills without). At the standard shape the
-    # strides and lengths are multiples of 16; Hkv (8), the counts and the offsets are not
-    # assumed to be.
+    # loads vectorise and go through cp.async; without these hints a kernel compiles to
+    # scalar loads and more registers than the real launch (the rescoring kernel, compiled
+    # the same way by hand: 225 registers with them, the H200 reported 233; 255 and spills
+    # without). At the standard shape the strides and lengths are multiples of 16; Hkv (8),
+    # the counts and the offsets are not assumed to be.
     aligned = {"sqb", "sqh", "sqn", "Nq", "Nk", "Lcap", "sub_stride", "total"}
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
              if sig[name].startswith("*") or name in aligned}

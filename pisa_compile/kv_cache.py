@@ -21,7 +21,7 @@ from torch import Tensor
 
 from .config import PisaConfig
 from .kernels import dispatch, persistent
-from .kernels.geometry import cdiv, dense_mask, flat_applies
+from .kernels.geometry import dense_mask
 from .kernels.runtime import DECODE_MAX_QUERIES, stage_range
 from .kernels.persistent import BoxPyramid, box_pyramid
 
@@ -35,9 +35,10 @@ __all__ = ["PisaKVCache", "SPARSE_DECODE_BYTES", "SPARSE_DECODE_BYTES_FLAT"]
 SPARSE_DECODE_BYTES = {"graph": 384 << 20, "eager": 2 << 30}
 # Up to flat_leaves leaves a step ranks every leaf box (the flat kernel) instead of walking:
 # 0.157 ms at B=8, 32K in a CUDA graph against the walk's 0.110 and dense's 0.257, 0.114
-# at B=1 (walk 0.069, dense 0.051); eagerly 0.47 ms at B=8 (walk 0.38). From those two
-# points the graph break-even is near 540 MiB of K/V at 32K (profiles/bench_decode_flat.json):
-# these thresholds keep a margin; they are estimates, not a measured sweep.
+# at B=1 (walk 0.069, dense 0.051); eagerly 0.47 ms at B=8 (walk 0.38). A straight line
+# through those two batch sizes puts the graph break-even near 475 MiB of K/V at 32K
+# (profiles/bench_decode_flat.json): these thresholds keep a margin; they are estimates,
+# not a measured sweep. Which steps are flat: triton_select.runs_flat.
 SPARSE_DECODE_BYTES_FLAT = {"graph": 640 << 20, "eager": 3 << 30}
 
 
@@ -232,9 +233,8 @@ class PisaKVCache:
             return self.length >= self.sparse_from
         B, Hkv, _, D = self.keys.shape
         dense_bytes = B * Hkv * self.length * (D + self.values.shape[3]) * t.element_size()
-        c = self.decode_config
-        flat = (flat_applies(c.leaf_scoring, c.shortlist, c.bound_block)
-                and cdiv(self.length, c.block_size) <= c.flat_leaves)
+        from .kernels.triton_select import runs_flat
+        flat = runs_flat(self.length, **self.decode_config.selection_options())
         table = SPARSE_DECODE_BYTES_FLAT if flat else SPARSE_DECODE_BYTES
         return dense_bytes >= table["graph" if self.cuda_graph else "eager"]
 

@@ -292,3 +292,31 @@ def test_pyramid_decode_rows_decode_from_the_cache(fresh_dynamo):
     with pytest.raises(ValueError, match="pyramid_decode"):
         eval_llm.evaluate(model, ByteTokenizer(), [256], {"exact": exact},
                           pyramid_decode=["fast"])
+
+
+def test_evaluate_runs_pyramid_rows_with_a_cache(monkeypatch):
+    """``evaluate(pyramid_decode=[name])`` adds a ``name+pyramid`` row whose cases get a
+    ``PisaCache`` of that config with ``sparse_from=0`` (the other rows none), no loss, and
+    a count of sparse steps."""
+    from pisa_compile.hf_cache import PisaCache
+    seen = {}
+
+    def retrieved(model, case, device, cache=None):
+        seen.setdefault(model.config._attn_implementation, set()).add(
+            None if cache is None else (cache.func, cache.keywords["config"],
+                                        cache.keywords["sparse_from"]))
+        return True, 1.0, -1
+
+    monkeypatch.setattr(eval_llm, "_retrieved", retrieved)
+    monkeypatch.setattr(eval_llm, "_tail_loss", lambda model, ids, device: 1.0)
+    cfg = PisaConfig(min_seq_len=0, block_size=16, kernel="reference")
+    report = eval_llm.evaluate(tiny_llama(1024, num_layers=1), ByteTokenizer(), [256],
+                               {"q": cfg}, repeats=1, loss_windows_per_length=1,
+                               pyramid_decode=["q"])
+    res = report["results"]
+    assert set(res) == {"dense", "q", "q+pyramid"}
+    assert seen["pisa_eval_q+pyramid"] == {(PisaCache, cfg, 0)}
+    assert seen["pisa_eval_q"] == {None} and seen["sdpa"] == {None}
+    row = res["q+pyramid"]["256"]
+    assert row["loss"] is None and row["loss_vs_dense"] is None and row["retrieval"] == 1.0
+    assert row["sparse_decode_steps"] == 0 and "sparse_decode_steps" not in res["q"]["256"]

@@ -392,26 +392,30 @@ def test_decode_ranks_every_leaf_box_up_to_flat_leaves(monkeypatch):
 
 def test_cost_model_waits_longer_for_the_flat_ranking(monkeypatch):
     """A step that ranks every leaf box costs more than a walk's: the cost model turns it
-    sparse from :data:`SPARSE_DECODE_BYTES_FLAT` of K/V, and past ``flat_leaves`` leaves
-    (the walk) from :data:`SPARSE_DECODE_BYTES` (both scaled down here, to lengths a CPU
-    test holds)."""
+    sparse from :data:`SPARSE_DECODE_BYTES_FLAT` of K/V where :func:`runs_flat` says the
+    selection runs the flat kernel, and from :data:`SPARSE_DECODE_BYTES` where it walks
+    (both scaled down here, to lengths a CPU test holds)."""
     from pisa_compile import kv_cache
     assert kv_cache.SPARSE_DECODE_BYTES_FLAT["graph"] > kv_cache.SPARSE_DECODE_BYTES["graph"]
     assert kv_cache.SPARSE_DECODE_BYTES_FLAT["eager"] > kv_cache.SPARSE_DECODE_BYTES["eager"]
     per_key = 2 * 2 * (16 + 16) * 4  # B * Hkv * (D + Dv) * itemsize
-    monkeypatch.setattr(kv_cache, "SPARSE_DECODE_BYTES", {"graph": 100 * per_key,
-                                                          "eager": 200 * per_key})
-    monkeypatch.setattr(kv_cache, "SPARSE_DECODE_BYTES_FLAT", {"graph": 300 * per_key,
-                                                               "eager": 400 * per_key})
-    cache, q, *_ = _decode_case(shortlist=8)  # flat_leaves 512: 4-key leaves up to 2048 keys
+    monkeypatch.setattr(kv_cache, "SPARSE_DECODE_BYTES", {"graph": 250 * per_key,
+                                                          "eager": 260 * per_key})
+    monkeypatch.setattr(kv_cache, "SPARSE_DECODE_BYTES_FLAT", {"graph": 1000 * per_key,
+                                                               "eager": 1010 * per_key})
+    cache, q, *_ = _decode_case(shortlist=8)  # 4-key leaves, flat_leaves 512
     cache.sparse_from = None
-    for graph, walk_at, flat_at in ((True, 100, 300), (False, 200, 400)):
+    opts = cache.decode_config.selection_options()
+    # 64 leaves: one level fits the walk's registers; 250 leaves: the flat kernel.
+    assert not ts.runs_flat(256, **opts) and ts.runs_flat(999, **opts)
+    assert not ts.runs_flat(999, **{**opts, "flat_leaves": 0})
+    for graph, walk_at, flat_at in ((True, 250, 1000), (False, 260, 1010)):
         cache.cuda_graph = graph
-        for length, sparse in ((flat_at - 1, False), (flat_at, True)):
+        cache.decode_config = cache.decode_config.replace(flat_leaves=512)
+        for length, sparse in ((walk_at - 1, False), (walk_at, True),  # walks
+                               (flat_at - 1, False), (flat_at, True)):  # flat
             cache.length = length
             assert cache.decode_is_sparse(1, q) == sparse, (graph, length)
         cache.decode_config = cache.decode_config.replace(flat_leaves=0)  # the walk
-        for length, sparse in ((walk_at - 1, False), (walk_at, True)):
-            cache.length = length
-            assert cache.decode_is_sparse(1, q) == sparse, (graph, length)
-        cache.decode_config = cache.decode_config.replace(flat_leaves=512)
+        cache.length = flat_at - 1
+        assert cache.decode_is_sparse(1, q), graph

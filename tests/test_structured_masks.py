@@ -761,3 +761,56 @@ def test_a_reshape_that_moves_keys_is_not_padding():
     assert all(s.rewritten for s in report.sites), str(report)
     got = torch.compile(f, backend="pisa", options=OPTS_EXACT_NO_TAIL)(q, k, v, am)
     torch.testing.assert_close(got, f(q, k, v, am), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("test, proved", [("ne_big", False), ("gt_big", False),
+                                          ("ne_zero", True)])
+def test_a_cast_after_the_layout_keeps_only_the_zero_test(test, proved):
+    """An int mask cast to float after its layout rounds large values (16777217 -> 2**24):
+    a threshold must be read on the cast values, so it stays an explicit mask; the zero test
+    survives any int -> float cast and is padding. Equal to eager either way (a review's
+    finding: the threshold was applied to the uncast ints)."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(3, 2, 48, 16, generator=g) for _ in range(3))
+    am = torch.full((3, 48), 16777217)
+    am[0, 10:20] = 16777216
+    am[1, :7] = 0
+
+    def f(q, k, v, am):
+        x = am[:, None, None, :].float()
+        m = {"ne_big": x != 16777216, "gt_big": x > 16777216, "ne_zero": x != 0}[test]
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=m)
+
+    report = pisa_compile.explain(f, q, k, v, am, options=OPTS_EXACT_NO_TAIL)
+    assert [s.mask.endswith("->padding") for s in report.sites] == [proved], str(report)
+    got = torch.compile(f, backend="pisa", options=OPTS_EXACT_NO_TAIL)(q, k, v, am)
+    want = f(q, k, v, am)
+    seen = want.isfinite().all(-1, keepdim=True)
+    torch.testing.assert_close(got * seen, want.nan_to_num() * seen, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_a_key_written_through_an_in_place_result_is_not_padding():
+    """``b = a.mul_(2)`` aliases ``a``: a key mask read from ``b`` after ``a.zero_()`` must
+    not be proved (the op would read the zeros), and compiled equals eager (a review's
+    finding, older than the reshape spellings)."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(3, 2, 48, 16, generator=g) for _ in range(3))
+    am = torch.ones(3, 48, dtype=torch.long)
+    am[1, :11] = 0
+    am[2, 20:30] = 2
+
+    def f(q, k, v, am):
+        a2 = am.clone()
+        b = a2.mul_(2)
+        m = b[:, None, None, :] > 2
+        a2.zero_()
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=m)
+
+    report = pisa_compile.explain(f, q, k, v, am, options=OPTS_EXACT_NO_TAIL)
+    assert not any(s.mask.endswith("padding") for s in report.sites), str(report)
+    got = torch.compile(f, backend="pisa", options=OPTS_EXACT_NO_TAIL)(q, k, v, am)
+    want = f(q, k, v, am)
+    seen = want.isfinite().all(-1, keepdim=True)
+    torch.testing.assert_close(got * seen, want.nan_to_num() * seen, atol=1e-5, rtol=1e-4)

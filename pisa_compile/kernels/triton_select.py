@@ -1112,6 +1112,16 @@ def select_launch(G: int, Nq: int, Nk: int, D: int, *, block_size: int, top_k: i
     return meta, options
 
 
+def runs_flat(n_keys: int, **options) -> bool:
+    """Whether :func:`select_blocks` over ``n_keys`` keys ranks them in :func:`_flat_kernel`
+    (after ``flat_leaves`` raised the beam, one pyramid level wider than the walk's
+    registers) rather than on the walk. ``options``: :meth:`PisaConfig.selection_options`
+    (``bound_block`` as the call has it: ``block_size`` for a persistent pyramid). The
+    persistent pyramid's decode cost model reads it."""
+    meta, _ = select_launch(1, 1, n_keys, 16, **options)
+    return bool(meta["FLAT"])
+
+
 def select_blocks(q: Tensor, k: Tensor, is_causal: bool, scale: float, *, block_size: int,
                   top_k: int, branching: int, beam: int, sink_blocks: int, local_blocks: int,
                   query_tile: int, leaf_scoring: str, shortlist: int = 0,

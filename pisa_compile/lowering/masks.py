@@ -133,9 +133,11 @@ class FMask:
 @dataclass(frozen=True)
 class KeyVal:
     """``key[:, None, None, :]`` of a ``[B, Nk]`` tensor that is not bool (a tokenizer's int
-    ``attention_mask``): its values, laid along the batch and key dims."""
+    ``attention_mask``): its values, laid along the batch and key dims. ``exact`` False: cast
+    after the layout (an int to a float rounds large values), so only its zero test holds."""
 
     key: Node
+    exact: bool = True
 
 
 @dataclass(frozen=True)
@@ -390,8 +392,11 @@ def _number(c: Any) -> bool:
     return isinstance(c, (int, float)) and not isinstance(c, bool)
 
 
-def _key_test(x: "KeyVal", op: str, c: Any) -> "Struct":
-    """The key mask ``key <op> c`` of a laid-out ``[B, Nk]`` key tensor ``x``."""
+def _key_test(x: "KeyVal", op: str, c: Any) -> Optional["Struct"]:
+    """The key mask ``key <op> c`` of a laid-out ``[B, Nk]`` key tensor ``x``; after a cast
+    that may round (``x.exact`` False) only ``!= 0`` and ``== 0`` (None otherwise)."""
+    if not x.exact and (op, c) not in (("ne", 0), ("eq", 0)):
+        return None
     return Struct(True, None, P.val(x.key).shape[1], key=x.key, key_test=(op, c))
 
 
@@ -418,6 +423,16 @@ def _reshape_source(node: Node) -> Optional[Node]:
     return None
 
 
+def _written(node: Node) -> bool:
+    """Whether ``node``'s memory may be written in place anywhere in the graph: through its
+    views, or through the tensor an in-place result aliases (``b = a.mul_(2)`` reads ``a``,
+    which a later ``a.zero_()`` writes)."""
+    prev = None
+    while node is not prev:
+        prev, node = node, _alias_root(_root(node))
+    return _mutated(node)
+
+
 def _key_layout(node: Node) -> Any:
     """A ``[B, 1, 1, Nk]`` reshape of a ``[B, Nk]`` tensor (``am[:, None, None, :]``,
     ``am.unsqueeze(1).unsqueeze(2)``, ``am.view(B, 1, 1, Nk)``, ...): a reshape keeps
@@ -435,7 +450,7 @@ def _key_layout(node: Node) -> Any:
             break
     if (src is node or not isinstance(sv, torch.Tensor) or sv.dim() != 2 or sv.is_complex()
             or not P.known_equal(sv.shape[0], v.shape[0])
-            or not P.known_equal(sv.shape[1], v.shape[3]) or _mutated(_root(src))):
+            or not P.known_equal(sv.shape[1], v.shape[3]) or _written(src)):
         return None
     return Struct(True, None, sv.shape[1], key=src) if sv.dtype == torch.bool else KeyVal(src)
 
@@ -444,9 +459,7 @@ def _compare(op: str, a: Any, b: Any) -> Any:
     """``a <op> b`` for two laid-out indices (a band :class:`Struct`), an index against a
     constant it always passes (:data:`ONES`: transformers' bidirectional ``q_idx >= 0``), or
     a laid-out key tensor against a number (a key mask: ``am[:, None, None, :] > 0``)."""
-    if isinstance(b, KeyVal) and _number(a):  # 0 < am[...]: am[...] > 0
-        a, b, op = b, a, {"le": "ge", "ge": "le", "lt": "gt", "gt": "lt"}[op]
-    if isinstance(a, KeyVal) and _number(b):
+    if isinstance(a, KeyVal) and _number(b):  # (Dynamo writes 0 < t as t > 0)
         return _key_test(a, op, b)
     if isinstance(a, Index) and isinstance(b, (int, float)) and not isinstance(b, bool):
         low = a.const  # arange(n) + c >= c: holds for every entry when no symbol is added
@@ -530,7 +543,7 @@ def _key_gather(node: Node, ev) -> Optional[Struct]:
     full = slice(None, None, None)
     if idx == (full, None, None, full):  # hand-written: padding_mask[:, None, None, :]
         if (isinstance(src, Node) and isinstance(sv, torch.Tensor) and sv.dim() == 2
-                and sv.dtype == torch.bool and not _mutated(_root(src))):
+                and sv.dtype == torch.bool and not _written(src)):
             return Struct(True, None, sv.shape[1], key=src)
         return None
     if not (isinstance(idx, tuple) and len(idx) == 2 and all(isinstance(i, Node) for i in idx)):
@@ -541,7 +554,7 @@ def _key_gather(node: Node, ev) -> Optional[Struct]:
         return None
     if (bi.axis, bi.const, bi.terms, ki.axis, ki.const, ki.terms) != (-4, 0, (), -1, 0, ()):
         return None
-    if _mutated(_root(src)):
+    if _written(src):
         return None
     # key[:B] where its rows are not provably B: the op reads the same rows, and the cut
     # raises where the gather would (fewer rows).
@@ -1050,10 +1063,13 @@ def _float_mask_rules(node: Node, ev, x0: Any, x1: Any) -> Any:
         if isinstance(x, KeyVal):
             if dtype == torch.bool:  # .bool(), .to(torch.bool): nonzero
                 return _key_test(x, "ne", 0)
-            # nonzero stays nonzero: same dtype, or integers/bools to floats
-            ok = dtype == src or (dtype is not None and dtype.is_floating_point
-                                  and src is not None and not src.is_floating_point)
-            return x if ok else None
+            # nonzero stays nonzero: same dtype, or integers/bools to floats (which may round
+            # large values: only the zero test stays exact)
+            if dtype == src:
+                return x
+            ok = (dtype is not None and dtype.is_floating_point and src is not None
+                  and not src.is_floating_point)
+            return dataclasses.replace(x, exact=False) if ok else None
         if isinstance(x, (PadSum, PadTest)):
             return None
         return _NOT_MINE
@@ -1067,7 +1083,7 @@ def _float_mask_rules(node: Node, ev, x0: Any, x1: Any) -> Any:
         full = slice(None, None, None)
         if (idx == (full, None, None, full) and isinstance(sv, torch.Tensor) and sv.dim() == 2
                 and sv.dtype != torch.bool and not sv.is_complex()
-                and not _mutated(_root(src))):  # the op reads the key mask when it runs
+                and not _written(src)):  # the op reads the key mask when it runs
             return KeyVal(src)
         return _NOT_MINE
     return _NOT_MINE

@@ -647,19 +647,22 @@ def _run(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
     # The tail has fewer than dense_tail + query_tile rows: a static bound for the GQA fold
     # when Nq is symbolic.
     tail_bound = config.dense_tail + config.query_tile
+    # A decode call (the dense tail's, or any few-query call once a PisaKVCache exists, also
+    # with dense_tail=0) reads a cache's pyramid where its keys are one; not below
+    # min_seq_len, where the op is plain SDPA.
+    whole_tail = how.reason == dispatch.IN_DENSE_TAIL
+    m4 = _mask4(attn_mask)
+    if ((whole_tail or how.attention != dispatch.SDPA)
+            and _cached_decode_applies(q, k, v, m4, is_causal, window, config)):
+        if m4 is not None:  # one query: its bool mask row is a key mask
+            key_mask = m4[:, 0, 0, :].expand(q.shape[0], k.shape[2])
+        if not is_causal:  # one query that sees every (unmasked) key: the last position
+            causal_offset = k.shape[2] - 1
+        return _cached_decode_op(q, k, v, key_mask, causal_offset, float(scale), config.kernel)
     if how.attention == dispatch.RUNTIME_MASK:
-        return _StructuredFromMask.apply(q, k, v, _mask4(attn_mask), float(scale),
+        return _StructuredFromMask.apply(q, k, v, m4, float(scale),
                                          tuple(getattr(config, f) for f in _CONFIG_FIELDS))
     if how.attention == dispatch.SDPA:
-        whole_tail = how.reason == dispatch.IN_DENSE_TAIL
-        m4 = _mask4(attn_mask)
-        if whole_tail and _cached_decode_applies(q, k, v, m4, is_causal, window, config):
-            if m4 is not None:  # one query: its bool mask row is a key mask
-                key_mask = m4[:, 0, 0, :].expand(q.shape[0], k.shape[2])
-            if not is_causal:  # one query that sees every (unmasked) key: the last position
-                causal_offset = k.shape[2] - 1
-            return _cached_decode_op(q, k, v, key_mask, causal_offset, float(scale),
-                                     config.kernel)
         return _dense(q, k, v, attn_mask, key_mask, is_causal, causal_offset, window, scale,
                       enable_gqa, max_rows=tail_bound if whole_tail else None,
                       kernel=config.kernel)

@@ -39,7 +39,10 @@ def _model():
     return transformers.LlamaForCausalLM(cfg).eval()
 
 
-def test_generate_with_pisa_cache_decodes_sparsely_and_exactly(fresh_dynamo):
+@pytest.mark.parametrize("dense_tail", [64, 0])
+def test_generate_with_pisa_cache_decodes_sparsely_and_exactly(fresh_dynamo, dense_tail):
+    """Also with ``dense_tail=0`` (a new user's finding: the steps then read their mask at
+    run time and selected from scratch, the pyramid unused)."""
     from torch._dynamo.utils import counters
     m = _model()
     ids = torch.randint(3, 128, (2, 40), generator=torch.Generator().manual_seed(1))
@@ -48,9 +51,11 @@ def test_generate_with_pisa_cache_decodes_sparsely_and_exactly(fresh_dynamo):
     new = 5
     dense = m.generate(input_ids=ids, attention_mask=am, max_new_tokens=new, do_sample=False)
     # top_k covers every leaf: the exact regime, so the tokens must be dense's.
-    pc = PisaConfig(block_size=4, top_k=64, kernel="triton", min_seq_len=0)
+    pc = PisaConfig(block_size=4, top_k=64, kernel="triton", min_seq_len=0,
+                    dense_tail=dense_tail)
     m.forward = torch.compile(m.forward, backend="pisa", dynamic=True,
-                              options=dict(min_seq_len=0, kernel="triton"))
+                              options=dict(min_seq_len=0, kernel="triton",
+                                           dense_tail=dense_tail))
     cache = PisaCache(40 + new, config=pc, sparse_from=0)
     with torch._dynamo.config.patch(recompile_limit=64):
         out = m.generate(input_ids=ids, attention_mask=am, max_new_tokens=new,

@@ -531,21 +531,15 @@ def _root(node: Node) -> Node:
 
 
 def _key_gather(node: Node, ev) -> Optional[Struct]:
-    """``mask2d[:, None, None, :]`` of a ``[B, Nk]`` bool tensor is ``key[b, j]``; so is
-    ``mask2d[batch_idx, kv_idx]`` (transformers' padding mask function): with
+    """``mask2d[batch_idx, kv_idx]`` (transformers' padding mask function): with
     ``batch_idx = arange(B)`` laid along dim -4 and ``kv_idx = arange(Nk)`` along dim -1, over
-    a ``[B, Nk']`` bool tensor no node writes to, it is ``key[b, j]``. When ``Nk' = Nk`` is not
+    a ``[B, Nk']`` bool tensor no node writes to, it is ``key[b, j]``
+    (``mask2d[:, None, None, :]`` is a reshape, read by :func:`_key_layout`). When ``Nk' = Nk`` is not
     provable (decode under dynamic shapes: two symbols), the key mask is ``key[:, :Nk]``,
     which raises where the gather would (``Nk' < Nk``) and equals it otherwise."""
     idx = node.args[1] if len(node.args) > 1 else None
     src = node.args[0]
     sv = P.val(src)
-    full = slice(None, None, None)
-    if idx == (full, None, None, full):  # hand-written: padding_mask[:, None, None, :]
-        if (isinstance(src, Node) and isinstance(sv, torch.Tensor) and sv.dim() == 2
-                and sv.dtype == torch.bool and not _written(src)):
-            return Struct(True, None, sv.shape[1], key=src)
-        return None
     if not (isinstance(idx, tuple) and len(idx) == 2 and all(isinstance(i, Node) for i in idx)):
         return None
     bi, ki = ev(idx[0]), ev(idx[1])
@@ -900,7 +894,7 @@ def _evaluate(node: Node, ev) -> Any:
         if (isinstance(x, KeyVal) and not isinstance(c, (Node, bool)) and c == 0
                 and isinstance(c, (int, float))):
             # a tokenizer's int mask tested against 0: attend where the key is nonzero
-            s = Struct(True, None, P.val(x.key).shape[1], key=x.key, key_test=("ne", 0))
+            s = _key_test(x, "ne", 0)
             return s if _name(node) in ("ne", "__ne__") else s.negated()
         if isinstance(x, KeyVal) and _number(c):  # am[:, None, None, :] == 1
             return _key_test(x, "eq" if is_eq else "ne", c)
@@ -973,9 +967,9 @@ def _plain_index(index: Any, ndim: int) -> bool:
 
 def _float_mask_rules(node: Node, ev, x0: Any, x1: Any) -> Any:
     """The rules of transformers <= 4.52's float masks (``_prepare_4d_causal_attention_mask
-    _with_cache_position``): ``full(min)``, ``triu``, ``* bool``, ``| bool``, ``[:, None,
-    None, :]`` of the int ``attention_mask``, ``(mask + key) == 0``, ``masked_fill``, cuts
-    and casts, and a reshaped ``cache_position``. :data:`_NOT_MINE` for other nodes. (In-place
+    _with_cache_position``): ``full(min)``, ``triu``, ``* bool``, ``| bool``, ``(mask +
+    key) == 0`` (the int ``attention_mask`` laid out by :func:`_key_layout`), ``masked_fill``,
+    cuts and casts, and a reshaped ``cache_position``. :data:`_NOT_MINE` for other nodes. (In-place
     forms, ``*=`` and ``|=``, are read by :func:`_versioned`.)"""
     dtype = _dtype(node)
     if P._fn(node, torch.full) or P._meth(node, "new_full"):
@@ -1079,13 +1073,7 @@ def _float_mask_rules(node: Node, ev, x0: Any, x1: Any) -> Any:
         x = ev(src)
         if isinstance(x, FMask):
             return _cut_fmask(x, src, node, idx)
-        sv = P.val(src)
-        full = slice(None, None, None)
-        if (idx == (full, None, None, full) and isinstance(sv, torch.Tensor) and sv.dim() == 2
-                and sv.dtype != torch.bool and not sv.is_complex()
-                and not _written(src)):  # the op reads the key mask when it runs
-            return KeyVal(src)
-        return _NOT_MINE
+        return _NOT_MINE  # am[:, None, None, :] is a reshape: _key_layout reads it
     return _NOT_MINE
 
 

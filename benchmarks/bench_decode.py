@@ -33,6 +33,7 @@ from pisa_compile import PisaConfig, PisaKVCache, pisa_attention
 from pisa_compile.kernels.geometry import block_width, cdiv, level_sizes
 from pisa_compile.kernels.triton_pyramid import append_boxes
 from pisa_compile.kernels.triton_select import pool_size, runs_flat
+from pisa_compile.kv_cache import decode_config
 
 HQ, HKV, D = 32, 8, 128
 
@@ -67,8 +68,7 @@ def step_bytes(cfg: PisaConfig, n: int, itemsize: int = 2) -> int:
     C, beam = cfg.block_size, cfg.effective_beam
     forced = min(cfg.sink_blocks, cdiv(n, C)) + cfg.local_blocks
     P = pool_size(cfg.branching, beam, forced)
-    decode = cfg.replace(query_tile=1, bound_block=C, dense_tail=0, min_seq_len=0)
-    if runs_flat(n, **decode.selection_options()):
+    if runs_flat(n, **decode_config(cfg).selection_options()):
         boxes = cdiv(n, C) * 2 * D * itemsize
         exact = min(cfg.effective_shortlist or cdiv(n, C), cdiv(n, C)) * C * D * itemsize
     else:

@@ -25,7 +25,7 @@ from .kernels.geometry import dense_mask
 from .kernels.runtime import DECODE_MAX_QUERIES, stage_range
 from .kernels.persistent import BoxPyramid, box_pyramid
 
-__all__ = ["PisaKVCache", "SPARSE_DECODE_BYTES", "SPARSE_DECODE_BYTES_FLAT"]
+__all__ = ["PisaKVCache", "SPARSE_DECODE_BYTES", "SPARSE_DECODE_BYTES_FLAT", "decode_config"]
 
 # The cost model: a sparse step takes about the same time at any length (0.05-0.14 ms on the
 # H200 replayed from a CUDA graph, 0.4 ms launched eagerly, mostly host time), dense decode
@@ -40,6 +40,15 @@ SPARSE_DECODE_BYTES = {"graph": 384 << 20, "eager": 2 << 30}
 # (profiles/bench_decode_flat.json): these thresholds keep a margin; they are estimates,
 # not a measured sweep. Which steps are flat: triton_select.runs_flat.
 SPARSE_DECODE_BYTES_FLAT = {"graph": 640 << 20, "eager": 3 << 30}
+
+
+def decode_config(config: PisaConfig) -> PisaConfig:
+    """The options a :class:`PisaKVCache` decode step selects with: per query, from per-leaf
+    boxes. Up to ``flat_leaves`` leaves every leaf box is ranked (the walk's pool of 128 lost
+    needles on Qwen2.5-Coder at 30K: 0.822 against 0.933 with dense steps; a pool of every
+    leaf kept them), past it the walk."""
+    return config.replace(query_tile=1, bound_block=config.block_size, dense_tail=0,
+                          min_seq_len=0)
 
 
 def check_options(config: Optional[PisaConfig], sparse_from: Optional[int],
@@ -124,12 +133,7 @@ class PisaKVCache:
             raise ValueError(f"PisaKVCache: dtype must be a floating dtype, got {dtype!r}")
         config = check_options(config, sparse_from, "PisaKVCache")
         self.config, self.sparse_from, self.cuda_graph = config, sparse_from, bool(cuda_graph)
-        # Decode selects per query from per-leaf boxes: up to flat_leaves leaves every leaf
-        # box is ranked (the walk's pool of 128 lost needles on Qwen2.5-Coder at 30K:
-        # 0.822 against 0.933 with dense steps; a pool of every leaf kept them), past it the
-        # walk.
-        self.decode_config = config.replace(query_tile=1, bound_block=config.block_size,
-                                            dense_tail=0, min_seq_len=0)
+        self.decode_config = decode_config(config)
         self.keys = torch.zeros(batch_size, num_kv_heads, max_len, head_dim, dtype=dtype,
                                 device=device)
         self.values = torch.zeros(batch_size, num_kv_heads, max_len, value_dim, dtype=dtype,

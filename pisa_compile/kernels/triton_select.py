@@ -62,6 +62,8 @@ reference selection instead (``dispatch.plan`` decides and says why).
 
 from __future__ import annotations
 
+import functools
+
 from typing import Mapping, Optional
 
 import torch
@@ -1117,8 +1119,14 @@ def runs_flat(n_keys: int, **options) -> bool:
     (after ``flat_leaves`` raised the beam, one pyramid level wider than the walk's
     registers) rather than on the walk. ``options``: :meth:`PisaConfig.selection_options`
     (``bound_block`` as the call has it: ``block_size`` for a persistent pyramid). The
-    persistent pyramid's decode cost model reads it."""
-    meta, _ = select_launch(1, 1, n_keys, 16, **options)
+    persistent pyramid's decode cost model reads it at every step, hence the cache (of
+    WALK_MAX_POOL as it was at the first call for those options)."""
+    return _runs_flat(n_keys, tuple(sorted(options.items())))
+
+
+@functools.lru_cache(maxsize=4096)
+def _runs_flat(n_keys: int, options: tuple) -> bool:
+    meta, _ = select_launch(1, 1, n_keys, 16, **dict(options))
     return bool(meta["FLAT"])
 
 

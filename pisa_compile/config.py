@@ -18,8 +18,8 @@ __all__ = ["PisaConfig", "PRESETS", "MAX_FLAT_LEAVES", "split_options"]
 
 LEAF_SCORINGS = ("pooled", "exact")
 _OPTIONAL = ("beam", "shortlist", "bound_block")  # the int options that take None
-# Most leaves of a flat scan: its vote row per query tile is pow2(L) fp32 and its work grows
-# as L^2; 4096 leaves are 256K keys at block_size 64.
+# Most leaves of a flat scan: its scratch is 65 rows of pow2(L) fp32 per persistent program
+# and its work grows as L^2; 4096 leaves are 256K keys at block_size 64.
 MAX_FLAT_LEAVES = 4096
 _FLAT_NEEDS = "the flat scan needs leaf_scoring='exact', a shortlist and a bound_block"
 
@@ -109,10 +109,10 @@ class PisaConfig:
             shortlist's exact scores), instead of the walk's beam. Quadratic in the length, so
             bounded: past it the walk keeps the cost at ``O(N log N)`` (0..4096; 0 always
             walks). Used with ``leaf_scoring="exact"``, a ``shortlist`` and a ``bound_block``
-            (ignored otherwise). Default 512 (32K keys of 64); the scan's vote rows take
-            ``B * Hkv * ceil(Nq / query_tile) * pow2(L)`` floats. At most 4096
-            (:data:`MAX_FLAT_LEAVES`, 256K keys at ``block_size`` 64): each tile's vote row is
-            ``pow2(L)`` floats and the scan's work grows as ``L^2``. DESIGN.md "Flat leaves".
+            (ignored otherwise). Default 512 (32K keys of 64); the scan's scratch takes
+            ``65 * pow2(L)`` floats per persistent program (two per SM), whatever the batch.
+            At most 4096 (:data:`MAX_FLAT_LEAVES`, 256K keys at ``block_size`` 64): the
+            scan's work grows as ``L^2``. DESIGN.md "Flat leaves".
         min_seq_len: below this many keys the op is plain SDPA, and the backend leaves an
             SDPA call as it is (>= 0; DESIGN.md "Rewrite rules"). Default 32768: from
             there the default selection pays in training (forward+backward 2.2x faster than

@@ -6,10 +6,10 @@ leaves with a bounded pool of ``P`` nodes held in registers, and writes only
 ever built. With ``leaf_scoring="exact"`` a second kernel (:func:`_rescore_kernel`) scores
 the leaf shortlist the walk wrote (an index array of at most ``max(P, shortlist)`` leaves per
 tile) exactly, as a tensor-core pass over their keys, and picks. Up to ``flat_leaves`` leaves
-the pool is every leaf, wider than registers hold: :func:`_flat_kernel` ranks it in two
-streaming passes instead of the walk, through a per-tile vote row of ``pow2(L)`` floats
-(``[B * Hkv * T, pow2(L)]``, 4 MiB per batch row and KV head at 32K keys with 16-query
-tiles; bounded by ``flat_leaves``).
+the pool is every leaf, wider than registers hold: :func:`_flat_kernel` ranks it instead of
+the walk, one streaming pass over the boxes and one over the rows' rough leaf scores, kept
+in a scratch of ``(row_block + 1) * pow2(L)`` floats per persistent program (35 MiB on
+132 SMs at 32K keys, whatever the batch; bounded by ``flat_leaves``).
 
 Per level (same rules as :func:`pisa_compile.kernels.reference.select_blocks`):
 
@@ -866,92 +866,102 @@ def _top_n_mask(S, cand, n, LP: tl.constexpr):
 
 @triton.jit
 def _flat_kernel(
-    q_ptr, sink_ptr, lcnt_ptr, shi_ptr, slo_ptr, slc_ptr, idx_ptr, bcnt_ptr, short_ptr, vote_ptr,
+    q_ptr, sink_ptr, lcnt_ptr, shi_ptr, slo_ptr, slc_ptr, idx_ptr, bcnt_ptr, short_ptr, scr_ptr,
     sqb, sqh, sqn, sqd,
-    Hkv, Nq, Nk, L, sub_stride, total, T, M, n_sink, local_blocks, offset, scale,
+    Hkv, Nq, Nk, L, sub_stride, total, T, n_tiles, M, n_sink, local_blocks, offset, scale,
     D: tl.constexpr, G: tl.constexpr, TQ: tl.constexpr, C: tl.constexpr, BD: tl.constexpr,
     RB: tl.constexpr, LB: tl.constexpr, NS: tl.constexpr, MP: tl.constexpr, W: tl.constexpr,
     SHORT: tl.constexpr, LP: tl.constexpr, CAUSAL: tl.constexpr, HAS_LOCAL: tl.constexpr,
     HAS_KEY_MASK: tl.constexpr, LOWP: tl.constexpr,
 ):
-    """One program per (query tile, batch * KV head): the single-level walk (every visible
-    leaf in the pool, ``flat_leaves``) without an ``L``-wide register pool.
+    """Persistent programs over the ``n_tiles = B * Hkv * T`` (query tile, batch * KV head)
+    pairs: the single-level walk (every visible leaf in the pool, ``flat_leaves``) without an
+    ``L``-wide register pool.
 
     Same result as :func:`_select_kernel` with ``BOUND``, ``EXACT`` and ``SHORT`` at the leaf
     level: each row's rough leaf score is the LSE of its ``NS`` sub-blocks' box bounds, the
     tile vote the sum over rows of each row's softmax over the candidates, and the ``SHORT``
     best go to ``short_ptr`` for :func:`_rescore_kernel`; the forced leaves to
     ``idx_ptr``/``bcnt_ptr``. The leaves stream through in chunks of ``LB`` (``LB * NS``
-    sub-blocks per ``[RB, D] x [D, LB * NS]`` dot pair), twice per row chunk: once for each
-    row's softmax normaliser (online, as flash attention's row statistics), once for the
-    shares, which add into the tile's votes in a global row ``vote_ptr [.., LP]`` (L2
-    resident); the ``SHORT`` best are then found by :func:`_top_n_mask`. The sub-blocks of
-    batch * KV head ``bh`` start at row ``bh * sub_stride`` (``L * NS`` for the call's own
-    buffers; a persistent pyramid's leaf level, ``NS = 1``, at ``bh * total``).
+    sub-blocks per ``[RB, D] x [D, LB * NS]`` dot pair) once per row chunk, which keeps each
+    row's softmax normaliser (online, as flash attention's row statistics) and writes the
+    rows' rough leaf scores to the program's ``[RB, LP]`` scratch rows; a second pass over
+    those scores (not over the boxes again: that was half the kernel's time) adds the rows'
+    shares into the program's vote row (``[LP]`` after them), from which :func:`_top_n_mask`
+    picks. The sub-blocks of batch * KV head ``bh`` start at row ``bh * sub_stride`` (``L *
+    NS`` for the call's own buffers; a persistent pyramid's leaf level, ``NS = 1``, at ``bh *
+    total``).
     """
     scale = tl.cast(scale, tl.float32)
-    t = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // Hkv
-    h = bh % Hkv
-    q_first, q_last, clean_end, partial_end, live_end, lo, hi = _leaf_ranges(
-        t, Nq, Nk, L, offset, local_blocks, TQ, C, CAUSAL, HAS_LOCAL)
-    n_rows = (q_last - q_first + 1) * G
+    qk_scale = scale * LOG2E
     rr = tl.arange(0, RB)
     d = tl.arange(0, BD)
-    qoff0 = (rr % G).to(tl.int64) * sqh + (q_first + rr // G).to(tl.int64) * sqn
-    qbase = q_ptr + b.to(tl.int64) * sqb + (h * G).to(tl.int64) * sqh
-    qk_scale = scale * LOG2E
-    tile = bh.to(tl.int64) * T + t
-    s0 = 0
-    if HAS_KEY_MASK:
-        s0 = tl.load(sink_ptr + b)
-    s1 = s0 + n_sink
-    lbase = bh.to(tl.int64) * total  # the leaf level comes first in the pyramid's buffers
-    sbase = bh.to(tl.int64) * sub_stride
-    vrow = vote_ptr + tile * LP
     sb = tl.arange(0, LB * NS)
     lb = tl.arange(0, LB)
-    n_lc = (partial_end + LB - 1) // LB  # candidates lie below partial_end
-    for c in range((n_rows + RB - 1) // RB):
-        qv, row_ok = _q_rows(qbase, qoff0, c, rr, n_rows, q_first, sqh, sqn, sqd, d, D, BD,
-                             G, RB)
-        qp, qn = _split_q(qv)
-        m = tl.full([RB], float("-inf"), tl.float32)
-        den = tl.zeros([RB], dtype=tl.float32)
-        for j in range(n_lc):  # pass 1: each row's max and sum over the candidates
-            s = _flat_chunk(qp, qn, j, sb, partial_end, s0, s1, lo, hi, lcnt_ptr, lbase,
-                            shi_ptr, slo_ptr, slc_ptr, sbase, qk_scale, d, D, BD, LB, NS, LOWP)
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            ms = tl.where(m_new == float("-inf"), 0.0, m_new)
-            den = den * tl.exp2(m - ms) + tl.sum(tl.exp2(s - ms[:, None]), axis=1)
-            m = m_new
-        # A row votes if valid with a positive, finite sum (as _row_share). Its share is
-        # exp2(s - norm) with norm = max + log2(sum); a row that does not vote gets a zero
-        # query and norm = +inf (share 0, and no NaN from a NaN query).
-        voting = row_ok & (den > 0) & (den < float("inf"))
-        norm = tl.where(voting, m + tl.log2(tl.where(voting, den, 1.0)), float("inf"))
-        qp = tl.where(voting[:, None], qp, 0.0).to(qv.dtype)
-        qn = tl.where(voting[:, None], qn, 0.0).to(qv.dtype)
-        for j in range(n_lc):  # pass 2: the shares, summed over rows and sub-blocks
-            s = _flat_chunk(qp, qn, j, sb, partial_end, s0, s1, lo, hi, lcnt_ptr, lbase,
-                            shi_ptr, slo_ptr, slc_ptr, sbase, qk_scale, d, D, BD, LB, NS, LOWP)
-            e = tl.exp2(s - norm[:, None])
-            v = tl.sum(tl.reshape(tl.sum(e, axis=0), [LB, NS]), axis=1)
-            if c > 0:
-                v += tl.load(vrow + j * LB + lb)
-            tl.store(vrow + j * LB + lb, v)
-        tl.debug_barrier()  # the next chunk (and the pick) reads what other threads wrote
     ar = tl.arange(0, LP)
-    valid = ar < L
-    forced = valid & (((ar >= s0) & (ar < s1)) | ((ar >= lo) & (ar <= hi)))
-    cand = valid & (~forced) & (ar < partial_end)
-    bad = tl.load(lcnt_ptr + lbase + ar, mask=cand, other=0.0) == float("inf")
-    S = tl.load(vrow + ar, mask=cand, other=0.0)
-    picked = _top_n_mask(_prioritise(S, bad, cand), cand, SHORT, LP)
-    _store_compact(short_ptr + tile * W, ar, picked, W, W)
-    _store_compact(idx_ptr + tile * M, ar, forced, M, MP)
-    tl.store(bcnt_ptr + tile, tl.sum(forced.to(tl.int32), axis=0))
+    scr = scr_ptr + tl.program_id(0).to(tl.int64) * ((RB + 1) * LP)
+    vrow = scr + RB * LP
+    for tid in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
+        t = tid % T
+        bh = tid // T
+        b = bh // Hkv
+        h = bh % Hkv
+        q_first, q_last, clean_end, partial_end, live_end, lo, hi = _leaf_ranges(
+            t, Nq, Nk, L, offset, local_blocks, TQ, C, CAUSAL, HAS_LOCAL)
+        n_rows = (q_last - q_first + 1) * G
+        qoff0 = (rr % G).to(tl.int64) * sqh + (q_first + rr // G).to(tl.int64) * sqn
+        qbase = q_ptr + b.to(tl.int64) * sqb + (h * G).to(tl.int64) * sqh
+        tile = bh.to(tl.int64) * T + t
+        s0 = 0
+        if HAS_KEY_MASK:
+            s0 = tl.load(sink_ptr + b)
+        s1 = s0 + n_sink
+        lbase = bh.to(tl.int64) * total  # the leaf level comes first in the pyramid's buffers
+        sbase = bh.to(tl.int64) * sub_stride
+        n_lc = (partial_end + LB - 1) // LB  # candidates lie below partial_end
+        for c in range((n_rows + RB - 1) // RB):
+            qv, row_ok = _q_rows(qbase, qoff0, c, rr, n_rows, q_first, sqh, sqn, sqd, d, D,
+                                 BD, G, RB)
+            qp, qn = _split_q(qv)
+            m = tl.full([RB], float("-inf"), tl.float32)
+            den = tl.zeros([RB], dtype=tl.float32)
+            for j in range(n_lc):  # each row's max and sum, and its rough leaf scores
+                s = _flat_chunk(qp, qn, j, sb, partial_end, s0, s1, lo, hi, lcnt_ptr, lbase,
+                                shi_ptr, slo_ptr, slc_ptr, sbase, qk_scale, d, D, BD, LB, NS,
+                                LOWP)
+                m_new = tl.maximum(m, tl.max(s, axis=1))
+                ms = tl.where(m_new == float("-inf"), 0.0, m_new)
+                p = tl.exp2(s - ms[:, None])
+                den = den * tl.exp2(m - ms) + tl.sum(p, axis=1)
+                m = m_new
+                # A leaf's rough score, LSE of its sub-blocks: ms + log2(sum of their p); its
+                # share below, exp2(that - norm), is the sum of exp2(s - norm) over them.
+                a = tl.sum(tl.reshape(p, [RB, LB, NS]), axis=2)
+                tl.store(scr + rr[:, None] * LP + (j * LB + lb)[None, :],
+                         ms[:, None] + tl.log2(a))
+            # A row votes if valid with a positive, finite sum (as _row_share). Its share is
+            # exp2(r - norm) with norm = max + log2(sum); a row that does not vote adds 0.
+            voting = row_ok & (den > 0) & (den < float("inf"))
+            norm = tl.where(voting, m + tl.log2(tl.where(voting, den, 1.0)), float("inf"))
+            tl.debug_barrier()  # the scores were written by other threads
+            for j in range(n_lc):  # the shares, summed over rows
+                r = tl.load(scr + rr[:, None] * LP + (j * LB + lb)[None, :])
+                e = tl.where(voting[:, None], tl.exp2(r - norm[:, None]), 0.0)
+                v = tl.sum(e, axis=0)
+                if c > 0:
+                    v += tl.load(vrow + j * LB + lb)
+                tl.store(vrow + j * LB + lb, v)
+            tl.debug_barrier()  # the next chunk (and the pick) reads what other threads wrote
+        valid = ar < L
+        forced = valid & (((ar >= s0) & (ar < s1)) | ((ar >= lo) & (ar <= hi)))
+        cand = valid & (~forced) & (ar < partial_end)
+        bad = tl.load(lcnt_ptr + lbase + ar, mask=cand, other=0.0) == float("inf")
+        S = tl.load(vrow + ar, mask=cand, other=0.0)
+        picked = _top_n_mask(_prioritise(S, bad, cand), cand, SHORT, LP)
+        _store_compact(short_ptr + tile * W, ar, picked, W, W)
+        _store_compact(idx_ptr + tile * M, ar, forced, M, MP)
+        tl.store(bcnt_ptr + tile, tl.sum(forced.to(tl.int32), axis=0))
+        tl.debug_barrier()  # the vote row is read before the next tile writes it
 
 
 # Launch settings of the select kernel, measured on the H200 (benchmarks/bench_select.py
@@ -1001,7 +1011,7 @@ RESCORE_TUNING = dict(row_block=64, key_block=64, num_warps=4, num_stages=None,
 # leaves per chunk (leaf_block * block_size / bound_block sub-blocks per dot), warps. At 32K
 # (defaults, standard shape) 16 leaves select in 17.9 ms, 32 in 19.3 (8 warps: 21.4); 64 need
 # more shared memory than an SM has (profiles/select_flat_tune.json).
-FLAT_TUNING = dict(row_block=64, leaf_block=16, num_warps=4)
+FLAT_TUNING = dict(row_block=64, leaf_block=16, num_warps=4, programs_per_sm=2)
 # Widest one-level pool the walk kernel holds in registers; past it, the flat kernel.
 WALK_MAX_POOL = 128
 
@@ -1263,13 +1273,17 @@ def select_blocks(q: Tensor, k: Tensor, is_causal: bool, scale: float, *, block_
         ft = {**FLAT_TUNING, **(tuning or {}).get("flat", {})}
         LB = ft["leaf_block"]
         LP = max(LB, triton.next_power_of_2(L))
-        votes = torch.empty(B * Hkv * T * LP, dtype=torch.float32, device=q.device)
-        launcher(_flat_kernel, q)[(T, B * Hkv)](
+        RB = min(ft["row_block"], meta["RB"])
+        n_tiles = B * Hkv * T
+        n_prog = min(n_tiles, ft["programs_per_sm"] * multiprocessors(q.device))
+        # Per program: RB rows of rough leaf scores and one vote row, LP floats each.
+        scr = torch.empty(n_prog * (RB + 1) * LP, dtype=torch.float32, device=q.device)
+        launcher(_flat_kernel, q)[(n_prog,)](
             q, counts if sinks is None else sinks, lcnt, shi, slo, slc, sel_idx, sel_counts,
-            short_idx, votes, *q.stride(),
-            Hkv, Nq, Nk, L, sub_stride, total, T, M, min(sink_blocks, L), local_blocks,
-            0 if offset is None else offset, float(scale),
-            D=D, G=G, TQ=Tq, C=C, BD=meta["BD"], RB=min(ft["row_block"], meta["RB"]), LB=LB,
+            short_idx, scr, *q.stride(),
+            Hkv, Nq, Nk, L, sub_stride, total, T, n_tiles, M, min(sink_blocks, L),
+            local_blocks, 0 if offset is None else offset, float(scale),
+            D=D, G=G, TQ=Tq, C=C, BD=meta["BD"], RB=RB, LB=LB,
             NS=meta["NS"], MP=meta["MP"], W=W, SHORT=meta["SHORT"], LP=LP,
             CAUSAL=bool(is_causal), HAS_LOCAL=offset is not None and local_blocks > 0,
             HAS_KEY_MASK=key_mask is not None, LOWP=q.dtype != torch.float32,

@@ -1,10 +1,11 @@
 """The Triton selection against a baseline copy of its module, side by side in one process
 (GPU experiment, not part of the package).
 
-The defaults' selection (``PisaConfig()``: the flat kernel up to ``flat_leaves``, then the
-exact rescoring) on the standard shape (32 query / 8 KV heads of 128) at 16K and 32K, with
-and without an all-ones key mask, on the Llama-1B shape (32 / 8 heads of 64) at 32K and on
-Qwen2.5-Coder-0.5B's (14 / 2 heads of 64, G = 7) at 30K; bf16, causal, random q/k. Each call
+The defaults' selection (``PisaConfig()``: the flat kernel up to ``flat_leaves``, the walk
+past it, then the exact rescoring) on the standard shape (32 query / 8 KV heads of 128) at
+16K, 32K (with and without an all-ones key mask) and 128K, on the Llama-1B shape (32 / 8
+heads of 64) at 32K and on Qwen2.5-Coder-0.5B's (14 / 2 heads of 64, G = 7) at 30K; bf16,
+causal, random q/k. Each call
 is timed for both modules (``triton.testing.do_bench``, medians of three, alternating), and
 their block lists are compared (``tiles_equal``: the share of (batch, KV head, query tile)
 rows whose blocks are the same).
@@ -37,6 +38,9 @@ def _cases(dev):
         if n == 32768:
             yield (f"standard shape, {n // 1024}K, key mask ones", q, k,
                    torch.ones(1, n, dtype=torch.bool, device=dev))
+    q, k = qk(32, 8, 131072, 128)
+    yield "standard shape, 128K (the walk)", q, k, None
+    del q, k
     q, k = qk(32, 8, 32768, 64)
     yield "Llama-1B shape (32/8 heads of 64), 32K", q, k, None
     q, k = qk(14, 2, 30000, 64)
@@ -80,10 +84,15 @@ def main(argv=None) -> int:
         row["speedup"] = round(row["baseline"] / row["new"], 3)
         rows.append(row)
         print(row, flush=True)
+    from benchmarks.bench_select import compiled_info
+    kernels = {f"{tag} {name}": compiled_info(getattr(mod, name)) for tag, mod in
+               (("baseline", old), ("new", new))
+               for name in ("_select_kernel", "_flat_kernel", "_rescore_kernel")}
+    print(kernels, flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                           options=opts, rows=rows), f, indent=1)
+                           options=opts, rows=rows, compiled=kernels), f, indent=1)
     return 0
 
 

@@ -44,9 +44,9 @@ SPARSE_DECODE_BYTES_FLAT = {"graph": 640 << 20, "eager": 3 << 30}
 
 def decode_config(config: PisaConfig) -> PisaConfig:
     """The options a :class:`PisaKVCache` decode step selects with: per query, from per-leaf
-    boxes. Up to ``flat_leaves`` leaves every leaf box is ranked (the walk's pool of 128 lost
-    needles on Qwen2.5-Coder at 30K: 0.822 against 0.933 with dense steps; a pool of every
-    leaf kept them), past it the walk."""
+    boxes. Up to ``flat_leaves`` leaves every leaf box is ranked (on Qwen2.5-Coder at 30K the
+    walk's pool of 128 lost needles, 0.822 against 0.933 with dense steps; the flat ranking
+    kept them, 0.933), past it the walk."""
     return config.replace(query_tile=1, bound_block=config.block_size, dense_tail=0,
                           min_seq_len=0)
 
@@ -104,9 +104,11 @@ class PisaKVCache:
 
     Quality: on Qwen2.5-Coder-0.5B with every decode step sparse (45 needle cases per
     length) the walk (``beam`` 60) lost needles that dense steps keep: 0.822 against 0.933
-    at 30K (``profiles/eval_llm_pyramid.json``); ranking every leaf box (the walk at
-    ``beam`` 252, one level) kept all of them at 30K, hence the flat ranking up to
-    ``flat_leaves``. Past it (over 32K keys) decode walks, unmeasured on a real model.
+    at 30K (``profiles/eval_llm_pyramid.json``). Ranking every leaf box (the flat kernel,
+    up to ``flat_leaves``) keeps them: 1.000 / 0.956 / 0.933 / 0.933 at 4K / 8K / 16K / 30K
+    against dense steps' 1.000 / 0.978 / 0.933 / 0.933 and dense SDPA's 1.000 / 0.978 /
+    0.911 / 0.911 (``profiles/eval_llm_flat_decode.json``). Past ``flat_leaves`` (over 32K
+    keys) decode walks, unmeasured on a real model (the model's context is 32K).
     The ``"fast"`` preset's pooled leaves keep the walk and lose far more (0.400 against
     0.867 at 30K).
 

@@ -708,6 +708,8 @@ _PADDING_SPELLINGS = {
     "reshape_to_bool": lambda am: am.reshape(am.shape[0], 1, 1, -1).to(torch.bool),
     "bool_unsqueeze": lambda am: am.bool().unsqueeze(1).unsqueeze(1),
     "index_eq1_expand": lambda am: (am[:, None, None, :] == 1).expand(-1, 1, am.shape[1], -1),
+    "not_index_lt1": lambda am: ~(am[:, None, None, :] < 1),
+    "logical_not_index_le0": lambda am: torch.logical_not(am[:, None, None, :] <= 0),
 }
 
 
@@ -739,6 +741,43 @@ def test_padding_spelled_after_its_layout_is_structure(spelling, causal):
     got = torch.compile(f, backend="pisa", options=OPTS_EXACT_NO_TAIL)(q, k, v, am)
     want = f(q, k, v, am)
     seen = want.isfinite().all(-1, keepdim=True)  # eager's rows that see no key are NaN
+    torch.testing.assert_close(got * seen, want.nan_to_num() * seen, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("dtype", [torch.long, torch.float32])
+def test_a_negated_ordering_test_is_padding_on_non_float_keys_only(dtype):
+    """Hand-written attention that fills where ``am <= 0`` attends where ``am > 0``: proved
+    padding for an int ``am`` (``is_causal+padding`` with the tril). For a float ``am`` it
+    stays an explicit mask: ``not (x <= 0)`` holds for a NaN where ``x > 0`` does not; a NaN
+    key attends in eager, and so it does compiled."""
+    g = torch.Generator().manual_seed(5)
+    n = 48
+    q, k, v = (torch.randn(3, 2, n, 16, generator=g) for _ in range(3))
+    am = torch.ones(3, n, dtype=dtype)
+    am[1, :11] = 0
+    am[2, :5] = -1
+    am[2, 20:30] = 2
+    if dtype.is_floating_point:
+        am[0, 7] = float("nan")
+
+    def f(q, k, v, am):
+        s = q @ k.transpose(-2, -1) * 0.25
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).tril().logical_not(), float("-inf"))
+        s = s.masked_fill(am[:, None, None, :] <= 0, float("-inf"))
+        return s.softmax(-1) @ v
+
+    report = pisa_compile.explain(f, q, k, v, am, options=OPTS_EXACT_NO_TAIL)
+    (site,) = report.sites
+    assert site.rewritten, str(report)
+    proved = site.mask.split("->")[-1] == "is_causal+padding"
+    assert proved == (not dtype.is_floating_point), str(report)
+    got = torch.compile(f, backend="pisa", options=OPTS_EXACT_NO_TAIL)(q, k, v, am)
+    want = f(q, k, v, am)
+    # A row that sees no key is NaN in eager (softmax over -inf) and zero compiled (SDPA's
+    # rule, as every -inf-filled site): those rows are padded queries. 16 such rows.
+    seen = want.isfinite().all(-1, keepdim=True)
+    assert int((~seen).sum()) == 2 * (11 + 5)
     torch.testing.assert_close(got * seen, want.nan_to_num() * seen, atol=1e-5, rtol=1e-4)
 
 

@@ -8,7 +8,7 @@ the leaf shortlist the walk wrote (an index array of at most ``max(P, shortlist)
 tile) exactly, as a tensor-core pass over their keys, and picks. Up to ``flat_leaves`` leaves
 the pool is every leaf, wider than registers hold: :func:`_flat_kernel` ranks it instead of
 the walk, one streaming pass over the boxes and one over the rows' rough leaf scores, kept
-in a scratch of ``(row_block + 1) * pow2(L)`` floats per persistent program (35 MiB on
+in a scratch of ``(row_block + 1) * pow2(L)`` floats per persistent program (33.5 MiB on
 132 SMs at 32K keys, whatever the batch; bounded by ``flat_leaves``).
 
 Per level (same rules as :func:`pisa_compile.kernels.reference.select_blocks`):

@@ -71,6 +71,10 @@ class Index:
     length: Any = None  # int or SymInt
 
 
+# The comparison that holds exactly where another fails (on non-NaN values).
+_FLIP_TEST = {"eq": "ne", "ne": "eq", "lt": "ge", "ge": "lt", "le": "gt", "gt": "le"}
+
+
 @dataclass(frozen=True)
 class Struct:
     """0/1 (or bool) values over ``[..., n_queries, n_keys]``: with ``attend`` True, 1 exactly
@@ -107,7 +111,19 @@ class Struct:
 
     def negated(self) -> "Struct":
         """The negation; one bound alone flips to the other bound (``j - i > u`` is
-        ``j - i >= u + 1``), so ``~triu(ones, 1)`` is the causal mask again."""
+        ``j - i >= u + 1``), so ``~triu(ones, 1)`` is the causal mask again, and a key test
+        alone flips its comparison (``~(am < 1)`` is ``am >= 1``: ``masked_fill(am <= 0,
+        -inf)`` attends where ``am > 0``). An ordering test flips only on a non-float key:
+        ``not (x < c)`` is not ``x >= c`` for a NaN."""
+        if (self.attend and self.key_test is not None and self.upper is None
+                and self.lower is None):
+            op, c = self.key_test
+            flip = _FLIP_TEST[op]
+            dtype = _dtype(self.key)
+            # (a NaN constant fails both x < c and x >= c, whatever the key's dtype)
+            if op in ("eq", "ne") or (dtype is not None and not dtype.is_floating_point
+                                      and not dtype.is_complex and c == c):
+                return dataclasses.replace(self, key_test=(flip, c), fill=None)
         if self.key is None and (self.upper is None) != (self.lower is None):
             if self.upper is not None:
                 c, t = self.upper

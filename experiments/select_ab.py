@@ -10,8 +10,8 @@ is timed for both modules (``triton.testing.do_bench``, medians of three, altern
 their block lists are compared (``tiles_equal``: the share of (batch, KV head, query tile)
 rows whose blocks are the same).
 
-    git show REV:pisa_compile/kernels/triton_select.py > /tmp/select_base.py
-    PYTHONPATH=. python -m experiments.select_ab --baseline /tmp/select_base.py \\
+    git show REV:pisa_compile/kernels/triton_select.py > experiments/_select_base.py
+    PYTHONPATH=. python -m experiments.select_ab --baseline experiments/_select_base.py \\
         --json $OUT/select_ab.json
 """
 

@@ -907,12 +907,7 @@ def _evaluate(node: Node, ev) -> Any:
         if isinstance(x, Struct) and not isinstance(c, Node) and c in (0, 1, True, False):
             keep = (c in (1, True)) == is_eq
             return x if keep else x.negated()
-        if (isinstance(x, KeyVal) and not isinstance(c, (Node, bool)) and c == 0
-                and isinstance(c, (int, float))):
-            # a tokenizer's int mask tested against 0: attend where the key is nonzero
-            s = _key_test(x, "ne", 0)
-            return s if _name(node) in ("ne", "__ne__") else s.negated()
-        if isinstance(x, KeyVal) and _number(c):  # am[:, None, None, :] == 1
+        if isinstance(x, KeyVal) and _number(c):  # am[:, None, None, :] == 0 (or == 1)
             return _key_test(x, "eq" if is_eq else "ne", c)
         return None
     if P._fn(node, torch.tril, torch.triu) or P._meth(node, "tril", "triu"):

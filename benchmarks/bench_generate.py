@@ -20,6 +20,15 @@ T)`` (a fresh cache per call; its layers' update breaks the graph, so the prefil
 reaches the attention as a graph input and is read at run time). ``counters`` gives the
 plans and run-time paths the row took (``sparse_decode``, ``runtime_mask_structured``).
 
+``--static`` runs static caches instead, the way transformers serves them: one cache per
+row, ``reset()`` before each call, and the decode steps compiled by ``generate`` itself with
+``compile_config=CompileConfig(backend=..., mode="reduce-overhead")`` (CUDA graphs; on the
+CPU transformers does not compile them and the steps run through the compiled forward).
+Rows: ``inductor+static`` (``StaticCache``, dense) and ``pisa+static``
+(:class:`~pisa_compile.hf_cache.PisaStaticCache`, steps decoded from its pyramid where its
+cost model says so: ``counters["sparse_decode"]`` counts the steps that were traced or
+captured that way, not the replays).
+
 ``--device cpu --tiny`` runs a 2-layer toy model (the CPU smoke test).
 """
 
@@ -83,7 +92,23 @@ def run(model, backend: str, n: int, batch: int, pad: int, new_tokens: int, reps
                                    dynamic=True) if backend.startswith("pisa")
                      else torch.compile(eager_forward, dynamic=True))
     kw = dict(attention_mask=am, do_sample=False, pad_token_id=0)
-    if backend == "pisa+cache":
+    if backend.endswith("+static"):
+        from transformers import CompileConfig, StaticCache
+        from pisa_compile.hf_cache import PisaStaticCache
+        pisa = backend.startswith("pisa")
+        cache = (PisaStaticCache(model.config, n + new_tokens) if pisa
+                 else StaticCache(model.config, n + new_tokens))
+        # The steps: compiled by generate (CUDA only), as its default config but the backend.
+        # pisa_backend by function (no entry point where the package is not installed); it
+        # takes options, so CUDA graphs as Inductor's option (mode and options exclude).
+        kw["compile_config"] = (CompileConfig(backend=pisa_backend, mode=None, options={
+            **(options or {}), "triton.cudagraphs": True}) if pisa
+            else CompileConfig(backend="inductor", mode="reduce-overhead"))
+
+        def gen(ids, **k):  # one cache, emptied per call (a new one would recompile)
+            cache.reset()
+            return model.generate(ids, past_key_values=cache, **k)
+    elif backend == "pisa+cache":
         from pisa_compile.hf_cache import PisaCache
 
         def gen(ids, **k):  # a fresh cache per call: a used one would hold the last prompt
@@ -130,6 +155,9 @@ def main(argv=None):
                          "(--min-seq-len, if given, is added to them)")
     ap.add_argument("--pisa-cache", action="store_true",
                     help="also run backend='pisa' with past_key_values=PisaCache(N + T)")
+    ap.add_argument("--static", action="store_true",
+                    help="static caches compiled by generate (CUDA graphs): rows "
+                         "inductor+static and pisa+static instead of the others")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     if args.new_tokens < 2:
@@ -149,12 +177,14 @@ def main(argv=None):
     for i, n in enumerate(n for n in args.lengths for _ in range(args.rounds)):
         # Odd rounds run Inductor first: an order effect shows as a swap between rounds.
         order = ("pisa", "inductor") if i % args.rounds % 2 == 0 else ("inductor", "pisa")
+        if args.static:
+            order = tuple(b + "+static" for b in order)
         order += ("pisa+cache",) if args.pisa_cache else ()
         pair = {b: run(model, b, n, args.batch, args.pad, args.new_tokens, args.reps,
                        args.device, None if b == "inductor" else opts) for b in order}
         for b in order:
             pair[b]["ran_first"] = b == order[0]
-        dense_tokens = pair["inductor"]["tokens"]
+        dense_tokens = pair["inductor+static" if args.static else "inductor"]["tokens"]
         for b in order:
             r = pair[b]
             r["same_tokens"] = round(float((r.pop("tokens") == dense_tokens).float().mean()), 3)

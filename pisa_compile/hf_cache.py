@@ -20,12 +20,12 @@ import warnings
 from typing import Optional
 
 import torch
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicLayer, StaticCache, StaticLayer
 
 from .config import PisaConfig
-from .kv_cache import PisaKVCache, check_options
+from .kv_cache import PisaKVCache, PisaStaticKVCache, check_options
 
-__all__ = ["PisaCache", "PisaLayer"]
+__all__ = ["PisaCache", "PisaLayer", "PisaStaticCache", "PisaStaticLayer"]
 
 
 class PisaLayer(DynamicLayer):
@@ -207,3 +207,88 @@ def _raise_recompile_limit(want: int) -> None:
                       f"are made): after the cache's graph break each layer compiles graphs of "
                       f"its own, and past the limit torch.compile would run them eagerly, "
                       f"silently. Set it higher yourself to silence this.", stacklevel=2)
+
+
+class PisaStaticLayer(StaticLayer):
+    """transformers' ``StaticLayer`` with PISA's persistent pyramid: its buffers, its
+    device-side ``cumulative_length``, and a :class:`~pisa_compile.kv_cache.PisaStaticKVCache`
+    over them that updates the pyramid in the same op as the write. Compileable: a decode
+    step is one graph, replayable from a CUDA graph."""
+
+    def __init__(self, max_cache_len: int, pisa_config: Optional[PisaConfig] = None,
+                 sparse_from: Optional[int] = None):
+        super().__init__(max_cache_len=max_cache_len)
+        self.pisa_config, self.sparse_from = pisa_config, sparse_from
+        self.pisa: Optional[PisaStaticKVCache] = None
+
+    @torch.compiler.disable  # allocates and registers buffers: eager, once (a graph break)
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self.pisa = PisaStaticKVCache(self.keys, self.values, self.cumulative_length,
+                                      config=self.pisa_config, sparse_from=self.sparse_from)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write ``[B, Hkv, n, D]`` keys and values at the layer's length and update its
+        pyramid; returns the whole buffers (as ``StaticLayer``). Writing past
+        ``max_cache_len`` fails in ``index_copy_`` (a device-side assert on CUDA)."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.pisa.append(key_states, value_states)
+        return self.keys, self.values
+
+    def reset(self) -> None:
+        super().reset()
+        if self.pisa is not None:
+            self.pisa.reset()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("PisaStaticCache does not reorder its batch (beam search); "
+                                  "use PisaCache or a StaticCache for it")
+
+
+class PisaStaticCache(StaticCache):
+    """transformers' ``StaticCache`` whose full-attention layers keep PISA's persistent
+    pyramid: ``generate()`` decodes sparsely with a static cache, compiled and replayed from
+    CUDA graphs (``mode="reduce-overhead"``, transformers' ``CompileConfig``), with no host
+    synchronisation per step (DESIGN.md "Persistent pyramid").
+
+    Args:
+        config: the model's config (as ``StaticCache``: it gives the layers and their kinds;
+            sliding-window layers stay transformers' own).
+        max_cache_len: the most tokens (prompt plus new tokens) a layer holds (int >= 1).
+        pisa_config: :class:`~pisa_compile.PisaConfig` of the decode selection; default
+            ``PisaConfig()``.
+        sparse_from: a ``max_cache_len`` from which decode steps are sparse; None: the cost
+            model of :class:`~pisa_compile.PisaKVCache` at ``max_cache_len`` (dense SDPA over
+            a static cache reads every slot each step), for CUDA-graph replays.
+        **kwargs: passed to ``StaticCache`` (e.g. ``offloading``).
+
+    Example::
+
+        from transformers import CompileConfig
+        model.forward = torch.compile(model.forward, backend="pisa")  # the prefill
+        model.generation_config.compile_config = CompileConfig(backend="pisa")  # the steps
+        cache = PisaStaticCache(model.config, max_cache_len=prompt_len + 64)
+        out = model.generate(**inputs, max_new_tokens=64, past_key_values=cache)
+
+    transformers compiles the decode steps itself when the cache is static (on CUDA), with
+    ``generation_config.compile_config`` (``mode="reduce-overhead"`` by default: CUDA
+    graphs); with its default backend (Inductor) the steps run dense attention.
+
+    Raises:
+        ValueError: ``max_cache_len`` < 1 or ``sparse_from`` < 0.
+        TypeError: ``pisa_config`` is not a PisaConfig.
+    """
+
+    def __init__(self, config, max_cache_len: int, pisa_config: Optional[PisaConfig] = None,
+                 sparse_from: Optional[int] = None, **kwargs):
+        if not isinstance(max_cache_len, int) or isinstance(max_cache_len, bool) or (
+                max_cache_len < 1):
+            raise ValueError(f"PisaStaticCache: max_cache_len must be an int >= 1, got "
+                             f"{max_cache_len!r}")
+        check_options(pisa_config, sparse_from, "PisaStaticCache")
+        super().__init__(config, max_cache_len, **kwargs)
+        # Full-attention layers only: a sliding window's cache is small, dense is cheap.
+        self.layers = [PisaStaticLayer(max_cache_len, pisa_config, sparse_from)
+                       if type(layer) is StaticLayer else layer for layer in self.layers]

@@ -25,7 +25,8 @@ from .kernels.geometry import dense_mask
 from .kernels.runtime import DECODE_MAX_QUERIES, stage_range
 from .kernels.persistent import BoxPyramid, box_pyramid
 
-__all__ = ["PisaKVCache", "SPARSE_DECODE_BYTES", "SPARSE_DECODE_BYTES_FLAT", "decode_config"]
+__all__ = ["PisaKVCache", "PisaStaticKVCache", "SPARSE_DECODE_BYTES", "SPARSE_DECODE_BYTES_FLAT",
+           "decode_config"]
 
 # The cost model: a sparse step takes about the same time at any length (0.05-0.14 ms on the
 # H200 replayed from a CUDA graph, 0.4 ms launched eagerly, mostly host time), dense decode
@@ -149,6 +150,11 @@ class PisaKVCache:
         self.pyramid_length = 0  # keys the pyramid is up to date for
         # Compiled models' decode steps find the pyramid through the keys they are handed.
         persistent.register(self.keys, self)
+
+    @property
+    def view_length(self) -> int:
+        """The keys a compiled step is handed: ``keys[:, :, :length]``."""
+        return self.length
 
     def reset(self) -> None:
         """Empty the cache (the buffers are kept)."""
@@ -356,4 +362,169 @@ class PisaKVCache:
             out, _ = decode_attention(q, k, v, None, True, scale, idx, counts,
                                       block_size=self.config.block_size, query_tile=1,
                                       key_mask=km, causal_offset=k.shape[2] - q.shape[2])
+        return out
+
+
+# -- a static cache: the length lives on the device (CUDA graphs) --
+
+@torch.library.custom_op("pisa::static_append",
+                         mutates_args=("keys", "values", "length", "hi", "lo", "cnt", "lc"))
+def _static_append_op(keys: Tensor, values: Tensor, length: Tensor, hi: Tensor, lo: Tensor,
+                      cnt: Tensor, lc: Tensor, key_states: Tensor, value_states: Tensor,
+                      block_size: int, branching: int, beam: int) -> None:
+    # One op for the write, the length and the boxes: the decode op that reads the boxes
+    # takes ``keys`` as an input, so it is ordered after this op's mutation of them.
+    n = key_states.shape[2]
+    pos = length + torch.arange(n, device=keys.device, dtype=length.dtype)
+    keys.index_copy_(2, pos, key_states)
+    values.index_copy_(2, pos, value_states)
+    length.add_(n)
+    from .kernels.triton_pyramid import append_boxes_at  # Triton: only where it runs
+    with stage_range("pisa.pyramid", keys):
+        append_boxes_at(BoxPyramid(hi, lo, cnt, lc, keys.shape[2], block_size, branching,
+                                   beam), keys, length, n)
+
+
+@_static_append_op.register_fake
+def _(keys, values, length, hi, lo, cnt, lc, key_states, value_states, block_size, branching,
+      beam):
+    return None
+
+
+class PisaStaticKVCache:
+    """PISA's persistent pyramid beside a static KV cache whose length lives on the device
+    (transformers' ``StaticLayer``: ``cumulative_length``), so that decode steps compile
+    into one graph and replay from CUDA graphs (DESIGN.md "Persistent pyramid").
+
+    :meth:`append` writes new keys and values at the device length, advances it and updates
+    the pyramid's boxes in one custom op (``pisa::static_append``), without reading anything
+    back to the host. A compiled model's attention is handed the whole buffers
+    ``[B, Hkv, capacity, D]`` with a mask of the live keys (transformers builds it from
+    ``cache_position``); ``pisa::cached_decode`` finds this cache through the key buffer and
+    runs :meth:`decode`: one query per row, selected from the pyramid with the causal offset
+    read on the device (the local leaves), and the split-K decode kernel over the picked
+    blocks under the mask. Where the cost model says dense is cheaper (decided once, from
+    the capacity: dense SDPA over a static cache reads all of it every step) no pyramid is
+    kept and attention stays dense.
+
+    Args:
+        keys, values: the cache's preallocated ``[B, Hkv, capacity, D]`` / ``[..., Dv]``
+            buffers (written only through :meth:`append` from now on).
+        length: int64 tensor of one element on their device: the keys held (updated in place).
+        config: :class:`~pisa_compile.PisaConfig` of the selection (as :class:`PisaKVCache`).
+        sparse_from: a capacity from which decode is sparse; None: the cost model of
+            :class:`PisaKVCache` at the capacity.
+        cuda_graph: whether the steps replay from CUDA graphs (the cost model's ``"graph"``
+            thresholds, else ``"eager"``). Default True: a static cache is for graphs.
+
+    Padding is not known to the cache: padded keys stay in the boxes (they can take a slot
+    of the shortlist, where their exact score, under the call's mask, drops them) and never
+    reach the output. Prefill calls run through :func:`pisa_compile.pisa_attention` or
+    dense SDPA as the compiled graph planned them; only one-query calls read the pyramid.
+
+    Raises:
+        ValueError: buffers or length of the wrong shape, dtype or device.
+        TypeError: ``config`` is not a PisaConfig.
+    """
+
+    def __init__(self, keys: Tensor, values: Tensor, length: Tensor, *,
+                 config: Optional[PisaConfig] = None, sparse_from: Optional[int] = None,
+                 cuda_graph: bool = True):
+        if keys.dim() != 4 or values.dim() != 4 or keys.shape[:3] != values.shape[:3]:
+            raise ValueError(f"PisaStaticKVCache: keys and values must be [B, Hkv, capacity, "
+                             f"D] buffers of one B, Hkv, capacity; got {tuple(keys.shape)} and "
+                             f"{tuple(values.shape)}")
+        if (length.numel() != 1 or length.dtype not in (torch.int32, torch.int64)
+                or length.device != keys.device):
+            raise ValueError(f"PisaStaticKVCache: length must be one int32/int64 on "
+                             f"{keys.device}, got {tuple(length.shape)} {length.dtype} on "
+                             f"{length.device}")
+        config = check_options(config, sparse_from, "PisaStaticKVCache")
+        self.config, self.sparse_from, self.cuda_graph = config, sparse_from, bool(cuda_graph)
+        self.decode_config = decode_config(config)
+        self.keys, self.values, self.length = keys, values, length
+        B, Hkv, cap, D = keys.shape
+        self.pyramid: Optional[BoxPyramid] = None
+        if self._sparse_worthy():
+            self.pyramid = box_pyramid(B, Hkv, cap, D, keys.dtype, keys.device,
+                                       block_size=config.block_size,
+                                       branching=config.branching, beam=config.effective_beam)
+            if not torch.compiler.is_compiling():
+                # Fixed addresses: CUDA graphs replay the in-place updates without copies.
+                for t in self.pyramid[:4]:
+                    torch._dynamo.mark_static_address(t)
+        persistent.register(self.keys, self)
+
+    @property
+    def view_length(self) -> int:
+        """The keys a compiled step is handed: the whole buffer."""
+        return self.keys.shape[2]
+
+    def _sparse_worthy(self) -> bool:
+        """Whether a one-query step is sparse (the Triton path, and the cost model at the
+        capacity)."""
+        if dispatch.triton_refusal(self.keys, self.values, self.config.kernel) is not None:
+            return False
+        cap = self.keys.shape[2]
+        if self.sparse_from is not None:
+            return cap >= self.sparse_from
+        B, Hkv, _, D = self.keys.shape
+        dense_bytes = B * Hkv * cap * (D + self.values.shape[3]) * self.keys.element_size()
+        from .kernels.triton_select import runs_flat
+        flat = runs_flat(cap, **self.decode_config.selection_options())
+        table = SPARSE_DECODE_BYTES_FLAT if flat else SPARSE_DECODE_BYTES
+        return dense_bytes >= table["graph" if self.cuda_graph else "eager"]
+
+    def append(self, key: Tensor, value: Tensor) -> None:
+        """Write ``[B, Hkv, n, D]`` keys and values at positions ``[length, length + n)``,
+        advance ``length`` and update the pyramid: all on the device (traceable by
+        ``torch.compile``, capturable in a CUDA graph). Writing past the capacity is an
+        index error of ``index_copy_`` (on CUDA a device-side assert): the length is not
+        read on the host to check it."""
+        if self.pyramid is None:
+            pos = self.length + torch.arange(key.shape[2], device=key.device,
+                                             dtype=self.length.dtype)
+            self.keys.index_copy_(2, pos, key)
+            self.values.index_copy_(2, pos, value)
+            self.length.add_(key.shape[2])
+            return
+        p = self.pyramid
+        torch.ops.pisa.static_append(self.keys, self.values, self.length, p.hi, p.lo, p.cnt,
+                                     p.lc, key, value, p.block_size, p.branching, p.beam)
+
+    def reset(self) -> None:
+        """Empty the pyramid (the caller zeroes the buffers and the length)."""
+        if self.pyramid is not None:
+            self.pyramid.cnt.zero_()
+            self.pyramid.lc.fill_(float("-inf"))
+            self.pyramid.hi.zero_()
+            self.pyramid.lo.zero_()
+
+    def decode(self, query: Tensor, key: Tensor, value: Tensor, key_mask: Optional[Tensor],
+               causal_offset: int, scale: float) -> Optional[Tensor]:
+        """A compiled model's one-query step over the whole buffers: the sparse decode where
+        a pyramid is kept, else None (the caller runs dense attention). ``key_mask``: bool
+        ``[B, capacity]`` (transformers' mask of the step) or None; keys at or past
+        ``length`` are masked in any case. ``causal_offset`` is ignored (it is the device
+        length's)."""
+        from torch._dynamo.utils import counters
+        from .kernels import triton_select
+        from .kernels.triton_decode import decode_attention
+        cap = self.keys.shape[2]
+        if (self.pyramid is None or query.shape[2] != 1 or value.data_ptr() != (
+                self.values.data_ptr()) or value.shape[2] != cap
+                or query.dtype != self.keys.dtype
+                or dispatch.triton_refusal(query, value, self.config.kernel) is not None):
+            return None
+        counters["pisa"]["sparse_decode"] += 1  # tests: the pyramid really served the step
+        live = torch.arange(cap, device=query.device) < self.length
+        km = live.expand(query.shape[0], cap) if key_mask is None else key_mask & live
+        with stage_range("pisa.select", query):
+            idx, counts = triton_select.select_blocks(
+                query, key, True, float(scale), key_mask=km, pyramid=self.pyramid,
+                key_length=self.length, **self.decode_config.selection_options())
+        with stage_range("pisa.decode", query):
+            out, _ = decode_attention(query, key, value, None, True, float(scale), idx, counts,
+                                      block_size=self.config.block_size, query_tile=1,
+                                      key_mask=km, causal_offset=cap - 1)
         return out

@@ -3,10 +3,10 @@ stands behind (torch and :mod:`.geometry` only: importable without Triton).
 
 A :class:`pisa_compile.PisaKVCache` registers its key buffer here; the decode op
 (``ops``'s ``pisa::cached_decode``) looks up the keys it is handed at run time. A key tensor
-is recognised only as the exact view ``buffer[:, :, :length]`` of a live cache (same data
-pointer, shape, strides, dtype and device), so a copy, another slice, or a buffer written
-outside the cache's ``append`` never is; the owner then decides (its cost model) whether the
-step is sparse.
+is recognised only as the exact view ``buffer[:, :, :view_length]`` of a live cache (same
+data pointer, shape, strides, dtype and device: the filled part of a growing cache, the whole
+buffer of a static one), so a copy, another slice, or a buffer written outside the cache's
+``append`` never is; the owner then decides (its cost model) whether the step is sparse.
 """
 
 from __future__ import annotations
@@ -96,13 +96,13 @@ _OWNERS: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionar
 
 
 def register(keys: Tensor, owner: object) -> None:
-    """Record that ``owner`` (it has ``keys``, ``length`` and ``decode``) keeps a pyramid for
+    """Record that ``owner`` (it has ``keys``, ``view_length`` and ``decode``) keeps a pyramid for
     the buffer ``keys`` ``[B, Hkv, capacity, D]``; dropped when ``owner`` is collected."""
     _OWNERS[keys.data_ptr()] = owner
 
 
 def lookup(k: Tensor) -> Optional[object]:
-    """The owner whose keys ``k`` is exactly (``buffer[:, :, :length]``), or None."""
+    """The owner whose keys ``k`` is exactly (``buffer[:, :, :view_length]``), or None."""
     if k.numel() == 0 or not hasattr(k, "data_ptr"):
         return None
     try:
@@ -112,7 +112,8 @@ def lookup(k: Tensor) -> Optional[object]:
     if owner is None:
         return None
     buf = owner.keys
-    if (k.shape[:2] != buf.shape[:2] or k.shape[2] != owner.length or k.shape[3] != buf.shape[3]
+    if (k.shape[:2] != buf.shape[:2] or k.shape[2] != owner.view_length
+            or k.shape[3] != buf.shape[3]
             or k.stride() != buf.stride() or k.dtype != buf.dtype or k.device != buf.device):
         return None
     return owner

@@ -194,13 +194,22 @@ def build_pyramid(k: Tensor, key_live: Tensor, block_size: int, branching: int,
 # The layout is :class:`.persistent.BoxPyramid`'s.
 
 @triton.jit
-def _box_leaf_kernel(k_ptr, km_ptr, hi_ptr, lo_ptr, cnt_ptr, lc_ptr,
+def _box_leaf_kernel(k_ptr, km_ptr, hi_ptr, lo_ptr, cnt_ptr, lc_ptr, len_ptr,
                      skb, skh, skn, skd, smb, smn,
                      Hkv, n_keys, leaf0, total, D,
                      C: tl.constexpr, KC: tl.constexpr, BD: tl.constexpr,
-                     HAS_KEY_MASK: tl.constexpr):
+                     HAS_KEY_MASK: tl.constexpr, DEV_LEN: tl.constexpr):
     """Leaf ``leaf0 + program_id(0)`` of head ``program_id(1)``: its box over the live keys
-    (positions ``< n_keys`` that ``key_mask`` lets through), recomputed whole."""
+    (positions ``< n_keys`` that ``key_mask`` lets through), recomputed whole. ``DEV_LEN``:
+    ``n_keys`` is read from ``len_ptr`` and ``leaf0`` is the new keys' count, ``[n_keys -
+    leaf0, n_keys)`` (a static cache under a CUDA graph: no host length); programs past the
+    last leaf store nothing."""
+    last = leaf0 + tl.program_id(0)
+    if DEV_LEN:
+        n_new = leaf0
+        n_keys = tl.load(len_ptr).to(tl.int32)
+        leaf0 = (n_keys - n_new) // C
+        last = (n_keys - 1) // C
     leaf = leaf0 + tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // Hkv
@@ -229,21 +238,31 @@ def _box_leaf_kernel(k_ptr, km_ptr, hi_ptr, lo_ptr, cnt_ptr, lc_ptr,
     not_ok = tl.max(bad, axis=0) > 0
     zero = not_ok | (cnt == 0.0)
     out = bh.to(tl.int64) * total + leaf
-    tl.store(hi_ptr + out * D + d, tl.where(zero, 0.0, mx).to(hi_ptr.dtype.element_ty), mask=dm)
-    tl.store(lo_ptr + out * D + d, tl.where(zero, 0.0, mn).to(lo_ptr.dtype.element_ty), mask=dm)
-    tl.store(cnt_ptr + out, cnt)
-    tl.store(lc_ptr + out, tl.where(not_ok, float("inf"), tl.log2(cnt)))
+    sm = dm & ((d * 0 + leaf) <= last)  # DEV_LEN: a program past the last leaf stores nothing
+    one = tl.zeros([1], tl.int32)
+    tl.store(hi_ptr + out * D + d, tl.where(zero, 0.0, mx).to(hi_ptr.dtype.element_ty), mask=sm)
+    tl.store(lo_ptr + out * D + d, tl.where(zero, 0.0, mn).to(lo_ptr.dtype.element_ty), mask=sm)
+    tl.store(cnt_ptr + out + one, cnt + tl.zeros([1], tl.float32), mask=leaf + one <= last)
+    tl.store(lc_ptr + out + one, tl.where(not_ok, float("inf"), tl.log2(cnt))
+             + tl.zeros([1], tl.float32), mask=leaf + one <= last)
 
 
 @triton.jit
-def _box_node_kernel(hi_ptr, lo_ptr, cnt_ptr, lc_ptr, node0, node1, off_prev, n_prev, off_cur,
-                     total, D, GB: tl.constexpr, GP: tl.constexpr, NB: tl.constexpr,
-                     BD: tl.constexpr):
+def _box_node_kernel(hi_ptr, lo_ptr, cnt_ptr, lc_ptr, len_ptr, node0, node1, off_prev, n_prev,
+                     off_cur, total, D, GB: tl.constexpr, GP: tl.constexpr, NB: tl.constexpr,
+                     BD: tl.constexpr, DEV_LEN: tl.constexpr, SPAN: tl.constexpr):
     """Nodes ``[node0, node1]`` of one level (rows from ``off_cur``) of head
     ``program_id(1)``, ``NB`` per program: the union of their children's boxes (the level
     below, ``n_prev`` nodes from ``off_prev``), counts summed; a node over a non-finite box is
     not finite. One launch per level: a level reads only what earlier launches wrote (a
-    single launch walking the levels with CTA barriers lost upper-level writes on the H200)."""
+    single launch walking the levels with CTA barriers lost upper-level writes on the H200).
+    ``DEV_LEN``: the keys ``[n - node0, n)`` are new, ``n`` read from ``len_ptr``; a node of
+    this level spans ``SPAN`` keys."""
+    if DEV_LEN:
+        n_keys = tl.load(len_ptr).to(tl.int32)
+        first = (n_keys - node0) // SPAN
+        node1 = (n_keys - 1) // SPAN
+        node0 = first
     bh = tl.program_id(1)
     node = node0 + tl.program_id(0) * NB + tl.arange(0, NB)
     nm = node <= node1
@@ -289,22 +308,74 @@ def append_boxes(pyramid: BoxPyramid, k: Tensor, start: int, end: int,
         ValueError: ``start``/``end`` out of range, or ``k`` not ``[B, Hkv, >= end, D]`` of
             the pyramid's batch, heads and head dim.
     """
-    B, Hkv, total, D = pyramid.hi.shape
     if not (0 <= start < end <= pyramid.capacity):
         raise ValueError(f"append_boxes: need 0 <= start < end <= capacity "
                          f"({pyramid.capacity}), got start={start}, end={end}")
+    _check(pyramid, k, end, key_mask, "append_boxes")
+    _launch(pyramid, k, key_mask, None, start, end)
+
+
+def append_boxes_at(pyramid: BoxPyramid, k: Tensor, length: Tensor, n_new: int,
+                    key_mask: Optional[Tensor] = None) -> None:
+    """:func:`append_boxes` with the cache length on the device: keys ``[length - n_new,
+    length)`` of ``k`` were just written, ``length`` the keys now held. Nothing is read back
+    to the host, so a static cache's update can be captured in a CUDA graph: each level's
+    launch covers the most nodes ``n_new`` keys can touch, and programs past the touched
+    range store nothing.
+
+    Args:
+        pyramid: as :func:`append_boxes`.
+        k: ``[B, Hkv, capacity, D]`` the cache's keys.
+        length: int32/int64 tensor of one element on ``k``'s device, ``n_new <= length <=
+            capacity`` (not checked: that would read it).
+        n_new: the keys just written (int >= 1).
+        key_mask: as :func:`append_boxes`, ``[B, capacity]``.
+
+    Raises:
+        ValueError: ``n_new`` out of range, ``length`` not one integer on ``k``'s device, or
+            ``k`` not ``[B, Hkv, >= capacity, D]`` of the pyramid's batch, heads, head dim.
+    """
+    if not (isinstance(n_new, int) and 1 <= n_new <= pyramid.capacity):
+        raise ValueError(f"append_boxes_at: n_new must be an int in [1, {pyramid.capacity}], "
+                         f"got {n_new!r}")
+    if (length.numel() != 1 or length.dtype not in (torch.int32, torch.int64)
+            or length.device != k.device):
+        raise ValueError(f"append_boxes_at: length must be one int32/int64 on {k.device}, got "
+                         f"{tuple(length.shape)} {length.dtype} on {length.device}")
+    _check(pyramid, k, pyramid.capacity, key_mask, "append_boxes_at")
+    _launch(pyramid, k, key_mask, length, n_new, None)
+
+
+def _check(pyramid: BoxPyramid, k: Tensor, end: int, key_mask: Optional[Tensor],
+           where: str) -> None:
+    B, Hkv, total, D = pyramid.hi.shape
     if k.dim() != 4 or (k.shape[0], k.shape[1], k.shape[3]) != (B, Hkv, D) or k.shape[2] < end:
-        raise ValueError(f"append_boxes: k must be [B={B}, Hkv={Hkv}, >= {end}, D={D}], "
+        raise ValueError(f"{where}: k must be [B={B}, Hkv={Hkv}, >= {end}, D={D}], "
                          f"got {tuple(k.shape)}")
     if key_mask is not None and (key_mask.dim() != 2 or key_mask.shape[0] != B
                                  or key_mask.shape[1] < end):
-        raise ValueError(f"append_boxes: key_mask must be [B={B}, >= {end}], got "
+        raise ValueError(f"{where}: key_mask must be [B={B}, >= {end}], got "
                          f"{tuple(key_mask.shape)}")
     if k.dtype != pyramid.hi.dtype or k.device != pyramid.hi.device:
-        raise ValueError(f"append_boxes: k is {k.dtype} on {k.device}, the pyramid "
+        raise ValueError(f"{where}: k is {k.dtype} on {k.device}, the pyramid "
                          f"{pyramid.hi.dtype} on {pyramid.hi.device}")
+
+
+def _launch(pyramid: BoxPyramid, k: Tensor, key_mask: Optional[Tensor],
+            length: Optional[Tensor], start: int, end: Optional[int]) -> None:
+    """The launches of :func:`append_boxes` (``length`` None: keys ``[start, end)``) and of
+    :func:`append_boxes_at` (``start`` the new keys' count, the range read from ``length``)."""
+    B, Hkv, total, D = pyramid.hi.shape
     C, g = pyramid.block_size, pyramid.branching
-    leaf0, leaf1 = start // C, (end - 1) // C
+    dev = length is not None
+    if dev:
+        # The most leaves n new keys can touch; each level's span below shrinks from it.
+        n_leaves = cdiv(start, C) + 1
+        leaf0, len_arg = start, length
+        a, z = 0, n_leaves - 1
+    else:
+        leaf0, len_arg = start // C, pyramid.cnt  # unused
+        a, z = leaf0, (end - 1) // C
     BD = max(16, triton.next_power_of_2(D))
     KC = min(C, max(1, 4096 // BD))
     if key_mask is not None:
@@ -312,17 +383,21 @@ def append_boxes(pyramid: BoxPyramid, k: Tensor, start: int, end: int,
         km_arg, sm = km, (km.stride(0), km.stride(1))
     else:
         km_arg, sm = pyramid.cnt, (0, 0)  # unused
-    launcher(_box_leaf_kernel, k)[(leaf1 - leaf0 + 1, B * Hkv)](
-        k, km_arg, pyramid.hi, pyramid.lo, pyramid.cnt, pyramid.lc, *k.stride(), *sm,
-        Hkv, end, leaf0, total, D, C=C, KC=KC, BD=BD, HAS_KEY_MASK=key_mask is not None,
-        num_warps=4)
+    launcher(_box_leaf_kernel, k)[(z - a + 1, B * Hkv)](
+        k, km_arg, pyramid.hi, pyramid.lo, pyramid.cnt, pyramid.lc, len_arg, *k.stride(), *sm,
+        Hkv, 0 if dev else end, leaf0, total, D, C=C, KC=KC, BD=BD,
+        HAS_KEY_MASK=key_mask is not None, DEV_LEN=dev, num_warps=4)
     sizes = level_sizes(pyramid.capacity, C, g, pyramid.beam)
     offs = pyramid.level_offsets()
-    a, z = leaf0, leaf1
+    span = C
     for lev in range(1, len(sizes)):
-        a, z = a // g, z // g
+        span *= g
+        # Device length: z - a + 1 nodes touched below, at most z // g + 2 here (a range of
+        # m consecutive nodes has at most cdiv(m - 1, g) + 1 parents).
+        a, z = (0, cdiv(z - a, g)) if dev else (a // g, z // g)
         NB = 16 if z - a < 16 else 64
         launcher(_box_node_kernel, k)[(triton.cdiv(z - a + 1, NB), B * Hkv)](
-            pyramid.hi, pyramid.lo, pyramid.cnt, pyramid.lc, a, z, offs[lev - 1],
-            sizes[lev - 1], offs[lev], total, D, GB=g, GP=triton.next_power_of_2(g), NB=NB,
-            BD=BD, num_warps=4)
+            pyramid.hi, pyramid.lo, pyramid.cnt, pyramid.lc, len_arg,
+            start if dev else a, z, offs[lev - 1], sizes[lev - 1], offs[lev], total, D,
+            GB=g, GP=triton.next_power_of_2(g), NB=NB, BD=BD, DEV_LEN=dev,
+            SPAN=span if dev else 1, num_warps=4)

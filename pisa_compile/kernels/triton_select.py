@@ -492,13 +492,13 @@ def _select_kernel(
     q_ptr, sink_ptr, mu_ptr, lcnt_ptr, lo_ptr, shi_ptr, slo_ptr, slc_ptr,
     idx_ptr, bcnt_ptr, short_ptr, trace_ptr, scr_ptr,
     sqb, sqh, sqn, sqd,
-    Hkv, Nq, Nk, L, Lcap, sub_stride, total, T, M, n_sink, local_blocks, offset, scale,
+    Hkv, Nq, Nk, L, Lcap, sub_stride, total, T, M, n_sink, local_blocks, offset, scale, len_ptr,
     D: tl.constexpr, G: tl.constexpr, TQ: tl.constexpr, C: tl.constexpr,
     BD: tl.constexpr, GB: tl.constexpr, BEAM: tl.constexpr, TOPK: tl.constexpr, P: tl.constexpr,
     RB: tl.constexpr, MP: tl.constexpr, TW: tl.constexpr, W: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_LOCAL: tl.constexpr, EXACT: tl.constexpr, SHORT: tl.constexpr,
     HAS_KEY_MASK: tl.constexpr, LOWP: tl.constexpr, TRACE: tl.constexpr, UNROLL: tl.constexpr,
-    BOUND: tl.constexpr, NS: tl.constexpr, LATE: tl.constexpr,
+    BOUND: tl.constexpr, NS: tl.constexpr, LATE: tl.constexpr, DEV_LEN: tl.constexpr,
 ):
     """One program per (query tile, batch * KV head): the pyramid walk, top level to leaves.
 
@@ -509,8 +509,12 @@ def _select_kernel(
 
     With ``EXACT`` the kernel stops before the pick: it writes the leaves to score exactly
     (the ``SHORT`` best by rough score, or every candidate) to ``short_ptr`` ``[.., W]`` and
-    only the forced leaves to ``idx_ptr``/``bcnt_ptr``; :func:`_rescore_kernel` picks."""
+    only the forced leaves to ``idx_ptr``/``bcnt_ptr``; :func:`_rescore_kernel` picks.
+    ``DEV_LEN``: the causal offset is ``len_ptr``'s live key count minus ``Nq`` (a static
+    cache's decode: no host length)."""
     scale = tl.cast(scale, tl.float32)  # Inductor may pass Python floats as fp64 scalars
+    if DEV_LEN:
+        offset = tl.load(len_ptr).to(tl.int32) - Nq
     t = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // Hkv
@@ -645,11 +649,12 @@ def _leaf_lse2(qv, qpos, kbase, skn, skd, km_row, skmn, leaf, Nk, q_first, offse
 def _rescore_kernel(
     q_ptr, k_ptr, km_ptr, lcnt_ptr, short_ptr, fidx_ptr, fcnt_ptr, idx_ptr, bcnt_ptr, trace_ptr,
     scr_ptr, perm_ptr, lse_ptr, sqb, sqh, sqn, sqd, skb, skh, skn, skd, skmb, skmn,
-    Hkv, Nq, Nk, total, T, n_tiles, M, offset, scale, trace_stride,
+    Hkv, Nq, Nk, total, T, n_tiles, M, offset, scale, trace_stride, len_ptr,
     D: tl.constexpr, G: tl.constexpr, TQ: tl.constexpr, C: tl.constexpr, KC: tl.constexpr,
     BD: tl.constexpr, TOPK: tl.constexpr, W: tl.constexpr, RB: tl.constexpr, MP: tl.constexpr,
     TW: tl.constexpr, CAUSAL: tl.constexpr, HAS_KEY_MASK: tl.constexpr, LOWP: tl.constexpr,
     TRACE: tl.constexpr, SPLIT: tl.constexpr, FULL_BY_COUNT: tl.constexpr,
+    DEV_LEN: tl.constexpr,
 ):
     """Persistent programs over the ``n_tiles = B * Hkv * T`` (query tile, batch * KV head)
     pairs, tile-major within a head so that concurrent programs share the head's keys in L2:
@@ -676,9 +681,11 @@ def _rescore_kernel(
 
     With ``SPLIT`` (few tiles of at most ``RB`` rows: decode) the scores were computed by
     :func:`_rescore_split_kernel`, many programs per tile, into ``lse_ptr`` ``[tiles, W, RB]``;
-    this kernel only reads them and picks.
+    this kernel only reads them and picks. ``DEV_LEN``: as :func:`_select_kernel`.
     """
     scale = tl.cast(scale, tl.float32)
+    if DEV_LEN:
+        offset = tl.load(len_ptr).to(tl.int32) - Nq
     scr = scr_ptr + tl.program_id(0).to(tl.int64) * (W * RB)
     perm = perm_ptr + tl.program_id(0).to(tl.int64) * (2 * W)
     for tid in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
@@ -693,16 +700,20 @@ def _rescore_kernel(
 @triton.jit
 def _rescore_split_kernel(
     q_ptr, k_ptr, km_ptr, short_ptr, lse_ptr, sqb, sqh, sqn, sqd, skb, skh, skn, skd, skmb,
-    skmn, Hkv, Nq, Nk, T, offset, scale,
+    skmn, Hkv, Nq, Nk, T, offset, scale, len_ptr,
     D: tl.constexpr, G: tl.constexpr, TQ: tl.constexpr, C: tl.constexpr, KC: tl.constexpr,
     BD: tl.constexpr, W: tl.constexpr, RB: tl.constexpr, PER: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_KEY_MASK: tl.constexpr, LOWP: tl.constexpr,
+    DEV_LEN: tl.constexpr,
 ):
     """The exact leaf scores of one tile's shortlist slots ``[PER * program_id(1), +PER)``
     (tile ``program_id(0)``, at most ``RB`` rows) into ``lse_ptr [tiles, W, RB]``: a decode
     tile's shortlist is spread over ``W / PER`` programs instead of one walking it leaf by
-    leaf (bound by the latency of each leaf's loads: 183 of a 250 us step at 128K, B=8)."""
+    leaf (bound by the latency of each leaf's loads: 183 of a 250 us step at 128K, B=8).
+    ``DEV_LEN``: as :func:`_select_kernel`."""
     scale = tl.cast(scale, tl.float32)
+    if DEV_LEN:
+        offset = tl.load(len_ptr).to(tl.int32) - Nq
     tile = tl.program_id(0)
     t = tile % T
     bh = tile // T
@@ -869,10 +880,11 @@ def _flat_kernel(
     q_ptr, sink_ptr, lcnt_ptr, shi_ptr, slo_ptr, slc_ptr, idx_ptr, bcnt_ptr, short_ptr, scr_ptr,
     sqb, sqh, sqn, sqd,
     Hkv, Nq, Nk, L, sub_stride, total, T, n_tiles, M, n_sink, local_blocks, offset, scale,
+    len_ptr,
     D: tl.constexpr, G: tl.constexpr, TQ: tl.constexpr, C: tl.constexpr, BD: tl.constexpr,
     RB: tl.constexpr, LB: tl.constexpr, NS: tl.constexpr, MP: tl.constexpr, W: tl.constexpr,
     SHORT: tl.constexpr, LP: tl.constexpr, CAUSAL: tl.constexpr, HAS_LOCAL: tl.constexpr,
-    HAS_KEY_MASK: tl.constexpr, LOWP: tl.constexpr,
+    HAS_KEY_MASK: tl.constexpr, LOWP: tl.constexpr, DEV_LEN: tl.constexpr,
 ):
     """Persistent programs over the ``n_tiles = B * Hkv * T`` (query tile, batch * KV head)
     pairs: the single-level walk (every visible leaf in the pool, ``flat_leaves``) without an
@@ -890,9 +902,11 @@ def _flat_kernel(
     shares into the program's vote row (``[LP]`` after them), from which :func:`_top_n_mask`
     picks. The sub-blocks of batch * KV head ``bh`` start at row ``bh * sub_stride`` (``L *
     NS`` for the call's own buffers; a persistent pyramid's leaf level, ``NS = 1``, at ``bh *
-    total``).
+    total``). ``DEV_LEN``: as :func:`_select_kernel`.
     """
     scale = tl.cast(scale, tl.float32)
+    if DEV_LEN:
+        offset = tl.load(len_ptr).to(tl.int32) - Nq
     qk_scale = scale * LOG2E
     rr = tl.arange(0, RB)
     d = tl.arange(0, BD)
@@ -1147,7 +1161,8 @@ def select_blocks(q: Tensor, k: Tensor, is_causal: bool, scale: float, *, block_
                   key_mask: Optional[Tensor] = None, causal_offset: int = 0,
                   trace: Optional[Tensor] = None,
                   tuning: Optional[Mapping] = None,
-                  pyramid: Optional[BoxPyramid] = None) -> tuple[Tensor, Tensor]:
+                  pyramid: Optional[BoxPyramid] = None,
+                  key_length: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """Triton coarse-to-fine selection; same contract as ``reference.select_blocks`` without
     an explicit ``attn_mask`` (``dispatch.plan`` sends those calls to the reference).
 
@@ -1180,6 +1195,11 @@ def select_blocks(q: Tensor, k: Tensor, is_causal: bool, scale: float, *, block_
             leaves the flat kernel ranks every leaf box (the pyramid's leaf level), past it
             the walk (a pool wider than 128 nodes on the walk kernel). ``block_size``,
             ``branching`` and the resolved ``beam`` must be the pyramid's.
+        key_length: with a causal ``pyramid`` only: the live keys, an int32/int64 tensor of
+            one element on ``q``'s device (a static cache's length, never read on the host,
+            so that the call can be captured in a CUDA graph); the causal offset is then
+            ``key_length - Nq`` (``causal_offset`` is ignored), and keys past it must be
+            masked by ``key_mask``, which the exact scores read.
 
     Returns:
         ``block_indices`` int32 ``[B, Hkv, T, M]`` (ascending, -1 padded, forced leaves
@@ -1203,7 +1223,13 @@ def select_blocks(q: Tensor, k: Tensor, is_causal: bool, scale: float, *, block_
             raise ValueError(f"pyramid boxes are {pyramid.hi.dtype} on {pyramid.hi.device} of "
                              f"head dim {pyramid.hi.shape[3]}; q is {q.dtype} on {q.device}, "
                              f"head dim {D}")
-        if is_causal and Nq + causal_offset < Nk:
+        if key_length is not None:
+            if not is_causal or key_mask is None or key_length.numel() != 1 or (
+                    key_length.device != q.device):
+                raise ValueError("key_length needs a causal call with a key_mask, as one "
+                                 f"integer on {q.device}")
+            causal_offset = Nk - Nq  # host-side sizes only; the kernels read key_length
+        elif is_causal and Nq + causal_offset < Nk:
             raise ValueError(f"a pyramid holds every key: a causal call needs Nq + "
                              f"causal_offset >= Nk, got {Nq} + {causal_offset} < {Nk}")
         if Nk > pyramid.capacity or pyramid.hi.shape[:2] != k.shape[:2]:
@@ -1211,8 +1237,11 @@ def select_blocks(q: Tensor, k: Tensor, is_causal: bool, scale: float, *, block_
                              f"{tuple(pyramid.hi.shape[:2])} (B, Hkv); k is {tuple(k.shape)}")
     beam = flat_beam(Nk, block_size, branching, beam, flat_leaves, leaf_scoring=leaf_scoring,
                      shortlist=shortlist, bound_block=bound_block)
+    if key_length is not None and pyramid is None:
+        raise ValueError("key_length needs a persistent pyramid")
     # Read as bytes: a value cast (Inductor cannot lower bool->uint8 views); q: never read.
     km = q if key_mask is None else key_mask.to(torch.uint8)
+    len_arg = q if key_length is None else key_length  # q: never read without DEV_LEN
     live_limit = min(Nk, Nq + causal_offset) if is_causal else None
     key_live = None if key_mask is None else km[:, None, :]
     L = cdiv(Nk, C)
@@ -1282,15 +1311,15 @@ def select_blocks(q: Tensor, k: Tensor, is_causal: bool, scale: float, *, block_
             q, counts if sinks is None else sinks, lcnt, shi, slo, slc, sel_idx, sel_counts,
             short_idx, scr, *q.stride(),
             Hkv, Nq, Nk, L, sub_stride, total, T, n_tiles, M, min(sink_blocks, L),
-            local_blocks, 0 if offset is None else offset, float(scale),
+            local_blocks, 0 if offset is None else offset, float(scale), len_arg,
             D=D, G=G, TQ=Tq, C=C, BD=meta["BD"], RB=RB, LB=LB,
             NS=meta["NS"], MP=meta["MP"], W=W, SHORT=meta["SHORT"], LP=LP,
             CAUSAL=bool(is_causal), HAS_LOCAL=offset is not None and local_blocks > 0,
             HAS_KEY_MASK=key_mask is not None, LOWP=q.dtype != torch.float32,
-            num_warps=ft["num_warps"])
+            DEV_LEN=key_length is not None, num_warps=ft["num_warps"])
         return _rescore(q, k, km, lcnt, short_idx, sel_idx, sel_counts, idx, counts, trace,
                         key_mask, is_causal, offset, scale, total, T, M, meta, tuning,
-                        pyramid is None)
+                        pyramid is None, key_length)
     # Per program, two rows of P slots for the pool compaction (see _children).
     scratch = torch.empty(B * Hkv * T * 2 * P, dtype=torch.int32, device=q.device)
     launcher(_select_kernel, q)[(T, B * Hkv)](
@@ -1298,23 +1327,25 @@ def select_blocks(q: Tensor, k: Tensor, is_causal: bool, scale: float, *, block_
         sel_counts, short_idx, counts if trace is None else trace, scratch,
         *q.stride(),
         Hkv, Nq, Nk, L, Lcap, sub_stride, total, T, M, min(sink_blocks, L), local_blocks,
-        0 if offset is None else offset, float(scale),
+        0 if offset is None else offset, float(scale), len_arg,
         CAUSAL=bool(is_causal), HAS_LOCAL=offset is not None and local_blocks > 0,
         HAS_KEY_MASK=key_mask is not None, LOWP=q.dtype != torch.float32,
-        TRACE=trace is not None, **meta, **launch)
+        TRACE=trace is not None, DEV_LEN=key_length is not None, **meta, **launch)
     if exact:
         return _rescore(q, k, km, lcnt, short_idx, sel_idx, sel_counts, idx, counts, trace,
                         key_mask, is_causal, offset, scale, total, T, M, meta, tuning,
-                        pyramid is None)
+                        pyramid is None, key_length)
     return idx, counts
 
 
 def _rescore(q, k, km, lcnt, short_idx, sel_idx, sel_counts, idx, counts, trace, key_mask,
-             is_causal, offset, scale, total, T, M, meta, tuning, full_by_count=False):
+             is_causal, offset, scale, total, T, M, meta, tuning, full_by_count=False,
+             key_length=None):
     """Launch :func:`_rescore_kernel` on the shortlist ``short_idx`` and the forced leaves
     ``sel_idx``/``sel_counts``, writing ``idx``/``counts``; returns them. ``full_by_count``:
     ``lcnt`` was counted under this call's key mask (see the kernel's ``FULL_BY_COUNT``;
-    by default no count is trusted)."""
+    by default no count is trusted). ``key_length``: as :func:`select_blocks`."""
+    len_arg = lcnt if key_length is None else key_length  # unused without DEV_LEN
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     G, Tq, W, TW = Hq // Hkv, meta["TQ"], meta["W"], meta["TW"]
@@ -1338,11 +1369,11 @@ def _rescore(q, k, km, lcnt, short_idx, sel_idx, sel_counts, idx, counts, trace,
         launcher(_rescore_split_kernel, q)[(n_tiles, cdiv(W, per))](
             q, k, km, short_idx, lse, *q.stride(), *k.stride(),
             *((0, 0) if key_mask is None else km.stride()), Hkv, Nq, Nk, T,
-            0 if offset is None else offset, float(scale),
+            0 if offset is None else offset, float(scale), len_arg,
             D=D, G=G, TQ=Tq, C=meta["C"], KC=max(16, min(meta["C"], rt["key_block"])),
             BD=meta["BD"], W=W, RB=RBx, PER=per, CAUSAL=bool(is_causal),
             HAS_KEY_MASK=key_mask is not None, LOWP=q.dtype != torch.float32,
-            num_warps=rt["num_warps"])
+            DEV_LEN=key_length is not None, num_warps=rt["num_warps"])
     else:
         lse = counts  # unused
     scr = torch.empty(n_prog * W * RBx if not split else 1, dtype=torch.float32,
@@ -1354,12 +1385,12 @@ def _rescore(q, k, km, lcnt, short_idx, sel_idx, sel_counts, idx, counts, trace,
         counts if trace is None else trace, scr, perm, lse,
         *q.stride(), *k.stride(), *((0, 0) if key_mask is None else km.stride()),
         Hkv, Nq, Nk, total, T, n_tiles, M, 0 if offset is None else offset, float(scale),
-        0 if trace is None else trace.shape[3] * TW,
+        0 if trace is None else trace.shape[3] * TW, len_arg,
         D=D, G=G, TQ=Tq, C=meta["C"], KC=max(16, min(meta["C"], rt["key_block"])),
         BD=meta["BD"], TOPK=meta["TOPK"], W=W, RB=RBx, MP=meta["MP"], TW=TW,
         CAUSAL=bool(is_causal), HAS_KEY_MASK=key_mask is not None,
         LOWP=q.dtype != torch.float32, TRACE=trace is not None, SPLIT=bool(split),
-        FULL_BY_COUNT=bool(full_by_count),
+        FULL_BY_COUNT=bool(full_by_count), DEV_LEN=key_length is not None,
         num_warps=rt["num_warps"],
         **{key: rt[key] for key in ("num_stages", "maxnreg") if rt[key] is not None})
     return idx, counts

@@ -48,3 +48,38 @@ def test_generate_exact_regime_on_gpu(fresh_dynamo):
     for a, b in zip(out.scores, dense.scores):
         torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-3)
     assert torch.equal(out.sequences, dense.sequences)
+
+
+def test_static_cache_generate_in_cuda_graphs(fresh_dynamo):
+    """``PisaStaticCache`` with the decode steps compiled by ``generate`` itself in CUDA graphs
+    (``triton.cudagraphs``): no cudagraph skip, the steps captured with the pyramid's decode,
+    and in the exact regime the tokens and scores of dense attention (fp32)."""
+    from torch._dynamo.utils import counters
+    from transformers import CompileConfig
+
+    from pisa_compile.hf_cache import PisaStaticCache
+    from pisa_compile.samples import tiny_llama
+    m = tiny_llama(8192, num_layers=2).cuda()
+    ids = torch.randint(3, 256, (2, 3000), device="cuda")
+    am = torch.ones_like(ids)
+    am[1, :300] = 0
+    new = 8
+    kw = dict(input_ids=ids, attention_mask=am, max_new_tokens=new, do_sample=False,
+              output_scores=True, return_dict_in_generate=True, pad_token_id=0)
+    dense = m.generate(**kw)
+    opts = dict(min_seq_len=0, kernel="triton", top_k=64)  # 47 leaves: all selected
+    pc = PisaConfig(**opts)
+    m.forward = torch.compile(m.forward, dynamic=True, backend=lambda gm, ex: pisa_backend(
+        gm, ex, options=opts))
+    cache = PisaStaticCache(m.config, 3000 + new, pisa_config=pc, sparse_from=0)
+    cc = CompileConfig(backend=pisa_backend, mode=None,
+                       options={**opts, "triton.cudagraphs": True})
+    for _ in range(2):  # the second call replays the graphs the first one recorded
+        cache.reset()
+        out = m.generate(**kw, past_key_values=cache, compile_config=cc)
+        for a, b in zip(out.scores, dense.scores):
+            torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-3)
+        assert torch.equal(out.sequences, dense.sequences)
+    assert counters["pisa"]["sparse_decode"] >= 2, dict(counters["pisa"])  # traced per layer
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+    assert not any(k.startswith("reference_") for k in counters["pisa"]), dict(counters["pisa"])

@@ -1,0 +1,203 @@
+"""The static cache's persistent pyramid (``PisaStaticKVCache``, ``PisaStaticCache``): its
+length lives on the device, so the update and the decode selection read no host length.
+
+In Triton's interpreter (CPU, fp32): the pyramid after appends at a device length equals the
+pyramid built from scratch; a decode step over the whole static buffer selects what the
+growing cache (``PisaKVCache``, host length) selects over its filled part, and attends what
+the reference attends under that selection; ``generate()`` with ``PisaStaticCache`` decodes
+every step from the pyramid and, in the exact regime, gives dense attention's tokens.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("triton was imported without TRITON_INTERPRET=1; run this module on its own",
+                allow_module_level=True)
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+from pisa_compile import PisaConfig, PisaKVCache  # noqa: E402
+from pisa_compile.kernels import reference as ref  # noqa: E402
+from pisa_compile.kv_cache import PisaStaticKVCache  # noqa: E402
+from tests.pyramid_check import assert_pyramid_is_scratch  # noqa: E402
+
+pytestmark = [pytest.mark.filterwarnings("ignore::RuntimeWarning"),  # log2(0), interpreter
+              pytest.mark.filterwarnings("ignore::FutureWarning")]
+
+
+def _cfg(**kw):
+    base = dict(block_size=4, top_k=2, branching=2, beam=2, sink_blocks=1, local_blocks=1,
+                shortlist=None, kernel="triton", min_seq_len=0)
+    return PisaConfig(**{**base, **kw})
+
+
+def _static(B, Hkv, cap, D, config):
+    keys = torch.zeros(B, Hkv, cap, D)
+    return PisaStaticKVCache(keys, torch.zeros_like(keys), torch.zeros((), dtype=torch.long),
+                             config=config, sparse_from=0)
+
+
+def _as_grown(cache: PisaStaticKVCache):
+    """What ``assert_pyramid_is_scratch`` reads, with the device length read back."""
+    return SimpleNamespace(pyramid=cache.pyramid, length=int(cache.length), key_mask=None,
+                           keys=cache.keys)
+
+
+@settings(max_examples=20, deadline=None)
+@given(B=st.integers(1, 2), Hkv=st.integers(1, 2), C=st.sampled_from([4, 8]),
+       g=st.sampled_from([2, 3]), beam=st.integers(1, 3),
+       chunks=st.lists(st.integers(1, 37), min_size=1, max_size=6), seed=st.integers(0, 2 ** 16))
+def test_pyramid_after_device_length_appends_equals_scratch(B, Hkv, C, g, beam, chunks, seed):
+    """Over lengths, chunk sizes that cross leaf and node boundaries, batch sizes: each
+    level's launch covers the most nodes a chunk can touch and stores only the touched ones."""
+    gen = torch.Generator().manual_seed(seed)
+    cap = sum(chunks) + int(torch.randint(0, 9, (1,), generator=gen))
+    cache = _static(B, Hkv, cap, 8, _cfg(block_size=C, branching=g, beam=beam, top_k=1))
+    for n in chunks:
+        cache.append(torch.randn(B, Hkv, n, 8, generator=gen),
+                     torch.randn(B, Hkv, n, 8, generator=gen))
+        assert_pyramid_is_scratch(_as_grown(cache))
+    assert int(cache.length) == sum(chunks)
+
+
+def test_append_writes_at_the_device_length():
+    cache = _static(1, 2, 20, 4, _cfg())
+    k = torch.randn(1, 2, 20, 4)
+    cache.append(k[:, :, :7], -k[:, :, :7])
+    cache.append(k[:, :, 7:8], -k[:, :, 7:8])
+    assert int(cache.length) == 8
+    assert torch.equal(cache.keys[:, :, :8], k[:, :, :8])
+    assert torch.equal(cache.values[:, :, :8], -k[:, :, :8])
+    assert not cache.keys[:, :, 8:].any()
+
+
+@pytest.mark.parametrize("flat_leaves", [0, 512])
+def test_decode_selects_and_attends_as_the_growing_cache(flat_leaves):
+    """The static step (whole buffer, live keys masked, offset read on the device) picks the
+    growing cache's blocks (filled view, host offset), through the walk and the flat ranking,
+    and attends what the reference attends under them."""
+    gen = torch.Generator().manual_seed(3)
+    B, Hkv, G, D, n0, steps, cap = 2, 2, 3, 16, 61, 5, 80
+    cfg = _cfg(flat_leaves=flat_leaves)
+    grown = PisaKVCache(B, Hkv, cap, D, dtype=torch.float32, device="cpu", config=cfg,
+                        sparse_from=0)
+    static = _static(B, Hkv, cap, D, cfg)
+    k, v = torch.randn(B, Hkv, cap, D, generator=gen), torch.randn(B, Hkv, cap, D, generator=gen)
+    q = torch.randn(B, Hkv * G, cap, D, generator=gen)
+    for s in range(steps):
+        n = n0 + s
+        lo = 0 if s == 0 else n - 1
+        grown.append(k[:, :, lo:n], v[:, :, lo:n])
+        static.append(k[:, :, lo:n], v[:, :, lo:n])
+        qs = q[:, :, n - 1:n]
+        want_idx, want_cnt = grown.select(qs, scale=0.25)
+        out = static.decode(qs, static.keys, static.values, None, 0, 0.25)
+        assert out is not None
+        live = torch.arange(cap) < n
+        from pisa_compile.kernels import triton_select
+        idx, cnt = triton_select.select_blocks(
+            qs, static.keys, True, 0.25, key_mask=live.expand(B, cap), pyramid=static.pyramid,
+            key_length=static.length, **static.decode_config.selection_options())
+        assert torch.equal(cnt, want_cnt), f"step {s}"
+        for b in range(B):
+            for h in range(Hkv):
+                c = int(cnt[b, h, 0])
+                assert torch.equal(idx[b, h, 0, :c], want_idx[b, h, 0, :c]), f"step {s}"
+        ref_out, _ = ref.sparse_attention(qs, k[:, :, :n], v[:, :, :n], None, True, 0.25,
+                                          want_idx, want_cnt, block_size=4, query_tile=1,
+                                          causal_offset=n - 1)
+        torch.testing.assert_close(out, ref_out, atol=2e-5, rtol=2e-5)
+
+
+def test_no_pyramid_where_dense_is_cheaper():
+    keys = torch.zeros(1, 2, 64, 8)
+    cache = PisaStaticKVCache(keys, torch.zeros_like(keys), torch.zeros((), dtype=torch.long),
+                              config=_cfg(), sparse_from=65)
+    assert cache.pyramid is None
+    cache.append(torch.ones(1, 2, 3, 8), torch.ones(1, 2, 3, 8))
+    assert int(cache.length) == 3 and cache.keys[:, :, :3].eq(1).all()
+    q = torch.randn(1, 4, 1, 8)
+    assert cache.decode(q, keys, cache.values, None, 0, 0.3) is None  # the caller runs dense
+
+
+def test_bad_input_names_the_argument():
+    keys = torch.zeros(1, 2, 16, 8)
+    with pytest.raises(ValueError, match="length must be one int32/int64"):
+        PisaStaticKVCache(keys, keys.clone(), torch.zeros(2, dtype=torch.long))
+    with pytest.raises(ValueError, match="keys and values"):
+        PisaStaticKVCache(keys, torch.zeros(1, 2, 15, 8), torch.zeros((), dtype=torch.long))
+    with pytest.raises(TypeError, match="PisaConfig"):
+        PisaStaticKVCache(keys, keys.clone(), torch.zeros((), dtype=torch.long), config={})
+    from pisa_compile.kernels.triton_pyramid import append_boxes_at
+    cache = _static(1, 2, 16, 8, _cfg())
+    with pytest.raises(ValueError, match="n_new"):
+        append_boxes_at(cache.pyramid, cache.keys, cache.length, 0)
+
+
+# -- generate() --
+
+transformers = pytest.importorskip("transformers")
+
+
+def _model():
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=16,
+                                   max_position_embeddings=512, pad_token_id=0, bos_token_id=1,
+                                   eos_token_id=2)
+    cfg._attn_implementation = "sdpa"
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_generate_with_a_static_cache_decodes_from_the_pyramid(fresh_dynamo, padded):
+    """Every decode step of both layers reads the pyramid, the greedy tokens are dense's
+    (``top_k`` covers every leaf: the exact regime), and the cache serves a second call
+    after ``reset()`` with the same tokens."""
+    from torch._dynamo.utils import counters
+
+    from pisa_compile.hf_cache import PisaStaticCache, PisaStaticLayer
+    m = _model()
+    ids = torch.randint(3, 128, (2, 40), generator=torch.Generator().manual_seed(1))
+    am = torch.ones_like(ids)
+    if padded:
+        am[1, :7] = 0  # left padding
+    new = 5
+    kw = dict(input_ids=ids, attention_mask=am, max_new_tokens=new, do_sample=False)
+    dense = m.generate(**kw)
+    pc = PisaConfig(block_size=4, top_k=64, kernel="triton", min_seq_len=0)
+    m.forward = torch.compile(m.forward, backend="pisa",
+                              options=dict(min_seq_len=0, kernel="triton"))
+    cache = PisaStaticCache(m.config, 40 + new + 3, pisa_config=pc, sparse_from=0)
+    assert all(type(layer) is PisaStaticLayer for layer in cache.layers)
+    out = m.generate(**kw, past_key_values=cache)
+    assert torch.equal(out, dense)
+    assert counters["pisa"]["sparse_decode"] == (new - 1) * 2
+    assert int(cache.get_seq_length()) == 40 + new - 1
+    cache.reset()
+    assert int(cache.get_seq_length()) == 0
+    assert torch.equal(m.generate(**kw, past_key_values=cache), dense)
+
+
+def test_static_cache_bad_input():
+    from pisa_compile.hf_cache import PisaStaticCache
+    m = _model()
+    with pytest.raises(ValueError, match="max_cache_len"):
+        PisaStaticCache(m.config, 0)
+    with pytest.raises(TypeError, match="PisaConfig"):
+        PisaStaticCache(m.config, 8, pisa_config={"top_k": 2})
+    with pytest.raises(ValueError, match="sparse_from"):
+        PisaStaticCache(m.config, 8, sparse_from=-1)
+    with pytest.raises(NotImplementedError, match="beam search"):
+        PisaStaticCache(m.config, 8).layers[0].reorder_cache(torch.tensor([0]))

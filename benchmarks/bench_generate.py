@@ -128,6 +128,8 @@ def run(model, backend: str, n: int, batch: int, pad: int, new_tokens: int, reps
                 new_tokens=new_tokens, ttft_ms=round(first, 2),
                 per_token_ms=round((full - first) / (new_tokens - 1), 3),
                 reference_stages=ref_stages, graphs=int(counters["stats"]["unique_graphs"]),
+                graph_breaks=int(sum(counters["graph_break"].values())),
+                cudagraph_skips=int(counters["inductor"]["cudagraph_skips"]),
                 sites={k: v for k, v in counters["pisa"].items()
                        if k in ("rewritten", "left_dense")},
                 counters={k: v for k, v in counters["pisa"].items()

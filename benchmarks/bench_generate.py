@@ -21,13 +21,15 @@ reaches the attention as a graph input and is read at run time). ``counters`` gi
 plans and run-time paths the row took (``sparse_decode``, ``runtime_mask_structured``).
 
 ``--static`` runs static caches instead, the way transformers serves them: one cache per
-row, ``reset()`` before each call, and the decode steps compiled by ``generate`` itself with
-``compile_config=CompileConfig(backend=..., mode="reduce-overhead")`` (CUDA graphs; on the
-CPU transformers does not compile them and the steps run through the compiled forward).
-Rows: ``inductor+static`` (``StaticCache``, dense) and ``pisa+static``
-(:class:`~pisa_compile.hf_cache.PisaStaticCache`, steps decoded from its pyramid where its
-cost model says so: ``counters["sparse_decode"]`` counts the steps that were traced or
-captured that way, not the replays).
+row, ``reset()`` before each call, and ``model.forward`` compiled with CUDA graphs
+(``mode="reduce-overhead"``; for ``pisa`` its Inductor option ``triton.cudagraphs``) and
+static shapes, so that the prefill and the decode steps each replay one graph (a forward
+compiled this way also serves the steps ``generate`` compiles itself: its wrapper breaks
+into the compiled forward; ``experiments/static_graph_probe.py`` shows the steps lose
+their graphs when the forward is compiled without them). Rows: ``inductor+static``
+(``StaticCache``, dense) and ``pisa+static`` (:class:`~pisa_compile.hf_cache.PisaStaticCache`,
+steps decoded from its pyramid where its cost model says so: ``counters["sparse_decode"]``
+counts the op's Python runs, i.e. warm-up and recording, not the replays).
 
 ``--device cpu --tiny`` runs a 2-layer toy model (the CPU smoke test).
 """
@@ -88,22 +90,22 @@ def run(model, backend: str, n: int, batch: int, pad: int, new_tokens: int, reps
     am[1:, :pad] = 0
     ids[1:, :pad] = 0
     eager_forward = model.forward
-    model.forward = (torch.compile(eager_forward, backend=pisa_backend, options=options,
-                                   dynamic=True) if backend.startswith("pisa")
-                     else torch.compile(eager_forward, dynamic=True))
+    static = backend.endswith("+static")
+    if static:  # CUDA graphs, static shapes
+        model.forward = (torch.compile(eager_forward, backend=pisa_backend, options={
+            **(options or {}), "triton.cudagraphs": device == "cuda"})
+            if backend.startswith("pisa") else
+            torch.compile(eager_forward, mode="reduce-overhead" if device == "cuda" else None))
+    else:
+        model.forward = (torch.compile(eager_forward, backend=pisa_backend, options=options,
+                                       dynamic=True) if backend.startswith("pisa")
+                         else torch.compile(eager_forward, dynamic=True))
     kw = dict(attention_mask=am, do_sample=False, pad_token_id=0)
-    if backend.endswith("+static"):
-        from transformers import CompileConfig, StaticCache
+    if static:
+        from transformers import StaticCache
         from pisa_compile.hf_cache import PisaStaticCache
-        pisa = backend.startswith("pisa")
-        cache = (PisaStaticCache(model.config, n + new_tokens) if pisa
+        cache = (PisaStaticCache(model.config, n + new_tokens) if backend.startswith("pisa")
                  else StaticCache(model.config, n + new_tokens))
-        # The steps: compiled by generate (CUDA only), as its default config but the backend.
-        # pisa_backend by function (no entry point where the package is not installed); it
-        # takes options, so CUDA graphs as Inductor's option (mode and options exclude).
-        kw["compile_config"] = (CompileConfig(backend=pisa_backend, mode=None, options={
-            **(options or {}), "triton.cudagraphs": True}) if pisa
-            else CompileConfig(backend="inductor", mode="reduce-overhead"))
 
         def gen(ids, **k):  # one cache, emptied per call (a new one would recompile)
             cache.reset()

@@ -32,16 +32,25 @@ def main(argv=None):
     from pisa_compile.backend import pisa_backend
     from pisa_compile.hf_cache import PisaStaticCache
     rows = []
-    for prefill in ("pisa", "eager"):
+    # "pisa": the forward compiled without CUDA graphs, the steps by generate's compile_config;
+    # "pisa+graphs": the forward compiled with them (generate's own compile breaks into it);
+    # "eager": the forward not compiled, the steps by generate's compile_config.
+    for prefill in ("pisa", "pisa+graphs", "eager"):
         torch._dynamo.reset()
         counters.clear()
         m = _model(False, "cuda")
+        opts = dict(min_seq_len=0)
         if prefill == "pisa":
-            m.forward = torch.compile(m.forward, backend=pisa_backend, dynamic=True)
+            m.forward = torch.compile(m.forward, backend=pisa_backend, dynamic=True,
+                                      options=opts)
+        elif prefill == "pisa+graphs":
+            m.forward = torch.compile(m.forward, backend=pisa_backend,
+                                      options={**opts, "triton.cudagraphs": True})
         ids = torch.randint(3, 32000, (args.batch, args.n), device="cuda")
         cache = PisaStaticCache(m.config, args.n + args.new_tokens, sparse_from=0,
                                 pisa_config=PisaConfig())
-        cc = CompileConfig(backend=pisa_backend, mode=None, options={"triton.cudagraphs": True})
+        cc = CompileConfig(backend=pisa_backend, mode=None,
+                           options={**opts, "triton.cudagraphs": True})
         kw = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
                   do_sample=False, past_key_values=cache, compile_config=cc, pad_token_id=0)
         with torch.no_grad():

@@ -125,7 +125,14 @@ def _(q, n_keys, window, causal_offset, block_size, query_tile):
     return (q.new_empty((T, M), dtype=torch.int32), q.new_empty((T,), dtype=torch.int32))
 
 
-@torch.library.custom_op("pisa::structured_from_mask", mutates_args=())
+# Reading a mask syncs with the host: Inductor's CUDA graphs (mode="reduce-overhead") leave
+# these ops out of the captured partitions (a captured prefill then failed in cuDNN's
+# allocation, profiles/static_graph_probe.json) and replay the rest of the graph.
+_HOST_SYNC = {"tags": (torch.Tag.cudagraph_unsafe,)} if hasattr(torch.Tag, "cudagraph_unsafe") \
+    else {}
+
+
+@torch.library.custom_op("pisa::structured_from_mask", mutates_args=(), **_HOST_SYNC)
 def _structured_from_mask_op(
     q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor, scale: float, block_size: int,
     top_k: int, branching: int, beam: Optional[int], sink_blocks: int, local_blocks: int,
@@ -184,7 +191,7 @@ if _CONFIG_FIELDS != PisaConfig.field_names():  # the op's schema lists them one
                       f"{PisaConfig.field_names()}")
 
 
-@torch.library.custom_op("pisa::structured_from_mask_backward", mutates_args=())
+@torch.library.custom_op("pisa::structured_from_mask_backward", mutates_args=(), **_HOST_SYNC)
 def _structured_from_mask_backward_op(
     grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor, scale: float,
     block_size: int, top_k: int, branching: int, beam: Optional[int], sink_blocks: int,

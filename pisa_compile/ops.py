@@ -610,6 +610,8 @@ def pisa_attention(
 
     Raises:
         TypeError, ValueError: a bad argument; the message names it and what was expected.
+        ValueError: on the Triton selection, a ``top_k``, ``beam`` or ``shortlist`` that
+            makes a tile rank more than 1024 leaves at once (only past 1024 leaves).
     """
     config = _config(config)
     if dropout_p != 0.0:
@@ -1117,6 +1119,8 @@ def select_blocks(
 
     Raises:
         TypeError, ValueError: a bad argument; the message names it and what was expected.
+        ValueError: on the Triton selection, a ``top_k``, ``beam`` or ``shortlist`` that
+            makes a tile rank more than 1024 leaves at once (only past 1024 leaves).
     """
     config = _config(config).replace(min_seq_len=0)
     _check_inputs(q, k, None, attn_mask, is_causal, enable_gqa, config, v_optional=True)

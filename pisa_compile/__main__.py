@@ -1,4 +1,5 @@
-"""``python -m pisa_compile profile ...``: the package's command line.
+"""``python -m pisa_compile profile ...``: the package's command line
+(``python -m pisa_compile --version`` prints the version).
 
 The demo (``make demo``) and the studies live outside the package, in ``experiments/``.
 """
@@ -8,6 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 from typing import Optional
+
+from ._version import __version__
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -20,6 +23,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         prog="python -m pisa_compile",
         description="PISA sparse attention for torch.compile (backend='pisa').",
         epilog="The demo is `make demo`; the studies are in experiments/ (see its README).")
+    parser.add_argument("--version", action="version", version=f"pisa_compile {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("profile", add_help=False,
                    help="profile PISA against Inductor dense per stage: tables, summary.json, "

@@ -481,6 +481,9 @@ def _check_scale(scale, q: Tensor):
             isinstance(scale, (numbers.Real, torch.SymFloat, torch.SymInt))
             or (isinstance(scale, Tensor) and scale.dim() == 0)):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__} {scale!r}")
+    if isinstance(scale, Tensor) and scale.is_meta:  # its value is read on the host
+        raise ValueError("scale must be a float or None (or a 0-d tensor holding a value), got "
+                         "a 0-d tensor on the meta device, which holds none")
     return scale
 
 
@@ -614,6 +617,8 @@ def pisa_attention(
 
     Raises:
         TypeError, ValueError: a bad argument; the message names it and what was expected.
+        ValueError: on the Triton selection, a ``top_k``, ``beam`` or ``shortlist`` that
+            makes a tile rank more than 1024 leaves at once (only past 1024 leaves).
     """
     config = _config(config)
     if dropout_p != 0.0:
@@ -1121,6 +1126,8 @@ def select_blocks(
 
     Raises:
         TypeError, ValueError: a bad argument; the message names it and what was expected.
+        ValueError: on the Triton selection, a ``top_k``, ``beam`` or ``shortlist`` that
+            makes a tile rank more than 1024 leaves at once (only past 1024 leaves).
     """
     config = _config(config).replace(min_seq_len=0)
     _check_inputs(q, k, None, attn_mask, is_causal, enable_gqa, config, v_optional=True)

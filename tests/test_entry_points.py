@@ -21,6 +21,14 @@ def test_module_runs_as_script(module):
     assert "usage:" in res.stdout
 
 
+def test_version_flag_prints_the_package_version():
+    from pisa_compile._version import __version__
+    res = subprocess.run([sys.executable, "-m", "pisa_compile", "--version"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip() == f"pisa_compile {__version__}"
+
+
 @pytest.mark.parametrize("path", sorted((ROOT / "experiments").glob("*.py"))
                          + sorted((ROOT / "benchmarks").glob("*.py")),
                          ids=lambda p: f"{p.parent.name}/{p.name}")

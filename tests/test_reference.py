@@ -243,6 +243,7 @@ def test_gradients_match_masked_dense(p: Problem, cfg: PisaConfig):
     ("v_len", "v must be"),
     ("config", "config must be a PisaConfig"),
     ("scale", "scale must be a float or None"),
+    ("scale_meta", "scale must be a float or None .*meta device"),
     ("causal_int", "is_causal must be a bool"),
     ("k_none", "k must be a torch.Tensor, got NoneType"),
     ("v_none", "v must be a torch.Tensor, got NoneType"),
@@ -280,6 +281,8 @@ def test_bad_inputs_name_the_argument(case, match):
         kwargs["config"] = {"top_k": 3}
     elif case == "scale":
         kwargs["scale"] = "x"
+    elif case == "scale_meta":  # no value to read (was: "Tensor.item() cannot be called ...")
+        kwargs["scale"] = torch.tensor(0.25, device="meta")
     elif case == "causal_int":
         kwargs["is_causal"] = 1
     for cfg in (PisaConfig(), PisaConfig(min_seq_len=0)):  # the dense and the sparse path
@@ -325,6 +328,19 @@ def test_device_mix_is_rejected():
     q, k, v = torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16)
     with pytest.raises(ValueError, match="k must be on q's device"):
         pisa_attention(q, k.to("meta"), v)
+
+
+def test_meta_inputs_give_meta_outputs():
+    """q, k and v all on the meta device: shapes only, on the dense and the sparse path."""
+    q = torch.randn(1, 4, 64, 16, device="meta")
+    k = torch.randn(1, 2, 64, 16, device="meta")
+    for cfg in (PisaConfig(), PisaConfig(min_seq_len=0, block_size=16)):
+        out = pisa_attention(q, k, k, is_causal=True, enable_gqa=True, config=cfg)
+        assert out.is_meta and out.shape == (1, 4, 64, 16)
+    idx, cnt = select_blocks(q, k, enable_gqa=True, config=PisaConfig(block_size=16))
+    assert idx.is_meta and cnt.shape == (1, 2, 4)
+    with pytest.raises(ValueError, match="scale must be .*meta device"):
+        select_blocks(q, k, scale=torch.tensor(0.25, device="meta"), enable_gqa=True)
 
 
 @pytest.mark.parametrize("field, value, match", [

@@ -209,6 +209,26 @@ def test_nan_and_inf_reach_the_rows_that_see_them(p, exact):
         assert torch.equal(torch.isnan(out), want), cfg.kernel
 
 
+@pytest.mark.parametrize("kernel", ["reference", "triton"])
+def test_nan_value_reaches_its_tile_and_the_tiles_that_select_its_block(kernel):
+    """README "Limits": under ``is_causal`` a NaN value (key 100, leaf 6) reaches every row
+    of its query tile, the 4 before it too (``0 * NaN`` in the block's product), no earlier
+    tile, and a later tile exactly where its selection holds leaf 6 (keys rank it, not
+    values)."""
+    if kernel == "triton" and not INTERPRET:
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    q, k, v = _qkv(256, d=16, h=1)
+    v[0, 0, 100, 0] = float("nan")
+    cfg = PisaConfig(kernel=kernel, min_seq_len=0, dense_tail=0, block_size=16, query_tile=16,
+                     top_k=2)
+    nan = torch.isnan(pisa_attention(q, k, v, is_causal=True, config=cfg)[0, 0]).any(-1)
+    tiles = nan.view(16, 16)
+    assert tiles[6].all() and not tiles[:6].any()
+    holds = (select_blocks(q, k, is_causal=True, config=cfg)[0][0, 0] == 6).any(-1)
+    assert torch.equal(tiles[7:].all(-1), holds[7:]) and torch.equal(tiles[7:].any(-1), holds[7:])
+    assert not holds[7:].all()  # some tile that sees key 100 misses it
+
+
 def test_nan_scale_gives_nan():
     q, k, v = _qkv(64)
     for cfg in _configs(False):

@@ -57,6 +57,31 @@ def test_triton_path_matches_reference(G, Nq, Nk, causal, dtype):
                                    rtol=1e-2 if dtype == torch.float16 else 1e-4)
 
 
+@pytest.mark.parametrize("top_k", [16, 17, 2048, 10**9])
+def test_top_k_past_the_leaf_count_matches_reference(top_k):
+    """``top_k`` at or past the call's L = 256 / 16 = 16 leaves: the reference's selection
+    (every visible leaf) and output, which is dense attention. The Triton launch is planned
+    for L leaves; it sized its pool from the beam (>= top_k): 2048 overflowed Triton's
+    tensor size, 10**9 asked for 137 GB."""
+    torch.manual_seed(0)
+    q = torch.randn(1, 4, 256, 32, device=DEV)
+    k, v = torch.randn(1, 2, 256, 32, device=DEV), torch.randn(1, 2, 256, 32, device=DEV)
+    tri, ref = _cfg("triton", top_k=top_k), _cfg("reference", top_k=top_k)
+    for causal in (False, True):
+        bi_t, bc_t = select_blocks(q, k, is_causal=causal, enable_gqa=True, config=tri)
+        bi_r, bc_r = select_blocks(q, k, is_causal=causal, enable_gqa=True, config=ref)
+        assert torch.equal(bi_t, bi_r) and torch.equal(bc_t, bc_r)
+        visible = torch.arange(16, device=DEV) + 1 if causal else torch.full((16,), 16)
+        assert torch.equal(bc_t[0, 0].cpu(), visible.cpu())  # every visible leaf
+        out = pisa_attention(q, k, v, is_causal=causal, enable_gqa=True, config=tri)
+        torch.testing.assert_close(out, pisa_attention(q, k, v, is_causal=causal,
+                                                       enable_gqa=True, config=ref),
+                                   atol=2e-5, rtol=2e-5)
+        dense = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=causal, enable_gqa=True)
+        torch.testing.assert_close(out, dense, atol=2e-5, rtol=2e-5)
+
+
 def test_masked_triton_path_uses_reference_selection():
     torch.manual_seed(1)
     q, k, v = (torch.randn(1, 2, 64, 16, device=DEV) for _ in range(3))

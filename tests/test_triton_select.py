@@ -451,6 +451,36 @@ def test_flat_kernel_matches_reference(case, monkeypatch):
     assert ts._flat_kernel in launched and ts._select_kernel not in launched
 
 
+def test_top_k_past_the_leaf_count_plans_for_the_leaves():
+    """With top_k >= L the launch is planned for the L leaves: top_k, beam and shortlist at
+    most L, a one-level walk's pool ``pow2(L)`` (pooled leaves: a [512, 512] rank, not
+    [2048, 2048], which Triton refused), the reference's selection; a tile that would rank
+    more than 1024 leaves at once is a clear error, not one from inside Triton."""
+    from pisa_compile.kernels.geometry import flat_beam
+    opts = dict(leaf_scoring="exact", shortlist=128, bound_block=16)
+    assert flat_beam(16 * 64, 64, 2, 2048, 512, **opts) == 16
+    assert flat_beam(16 * 64, 64, 2, 2048, 0, **{**opts, "shortlist": 0}) == 16
+    cfg = _fast(block_size=16, top_k=2048, min_seq_len=0)
+    meta, _ = ts.select_launch(1, 16, 512 * 16, 16, **cfg.selection_options())
+    assert (meta["TOPK"], meta["BEAM"], meta["P"], meta["FLAT"]) == (512, 512, 512, False)
+    q, k = _qk(1, 1, 1, 16, 512 * 16, 16, torch.float32, seed=5)
+    for causal in (False, True):  # causal: a KV cache, the 16 queries see every key
+        kw = dict(cfg.selection_options(), causal_offset=512 * 16 - 16 if causal else 0)
+        want = ref.select_blocks(q, k, None, causal, 0.25, **kw)
+        got = ts.select_blocks(q, k, causal, 0.25, **kw)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert got[1].min() == 512  # every leaf
+    exact = PisaConfig(block_size=16, top_k=10**9).selection_options()
+    meta, _ = ts.select_launch(1, 16, 600 * 16, 16, **exact)
+    assert (meta["TOPK"], meta["BEAM"], meta["SHORT"], meta["W"], meta["FLAT"]) == (
+        600, 600, 600, 1024, True)
+    q, k = _qk(1, 1, 1, 16, 2048 * 4, 16, torch.float32)
+    for kw in (dict(top_k=4096), dict(top_k=4096, leaf_scoring="pooled", shortlist=None)):
+        with pytest.raises(ValueError, match="at most 1024 nodes per tile .* 2048 leaves"):
+            ts.select_blocks(q, k, False, 0.25,
+                             **PisaConfig(block_size=4, **kw).selection_options())
+
+
 def test_flat_leaves_bounds_the_flat_scan():
     """Past ``flat_leaves`` leaves the walk keeps its beam (O(N log N)); up to it the beam is
     raised to one level; options without exact leaves, a shortlist and bounds never flatten."""

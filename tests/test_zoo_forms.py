@@ -8,6 +8,7 @@ docstring): the attention shapes Inductor's ``fuse_attention.py`` matches (its
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -194,6 +195,27 @@ def test_multihead_attention(kw):
         return mha(x, x, x, **kw)[0]
 
     check(fn, x)
+
+
+def test_multihead_attention_masks_of_mixed_dtypes_are_not_captured():
+    """README "Limits": a float ``attn_mask`` beside a bool ``key_padding_mask`` (or the
+    reverse) makes PyTorch warn in the module's forward, where Dynamo breaks the graph: no
+    attention graph is captured. One dtype for both masks is captured."""
+    from pisa_compile import explain
+    mha = nn.MultiheadAttention(32, 4, batch_first=True).eval()
+    x = torch.randn(2, 24, 32)
+    kpm_float = torch.zeros(2, 24).masked_fill(_KPM, NEG)
+    bool_mask = torch.ones(24, 24, dtype=torch.bool).triu(1)
+
+    def sites(mask, kpm):
+        fn = lambda x: mha(x, x, x, need_weights=False, attn_mask=mask,  # noqa: E731
+                           key_padding_mask=kpm)[0]
+        return len(explain(fn, x, options={"min_seq_len": 0}))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # PyTorch's deprecation of mixed mask dtypes
+        assert (sites(_CAUSAL_F, _KPM), sites(bool_mask, kpm_float)) == (0, 0)
+        assert (sites(_CAUSAL_F, kpm_float), sites(bool_mask, _KPM)) == (1, 1)
 
 
 def test_multihead_attention_weights_returned_left_dense():

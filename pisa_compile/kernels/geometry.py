@@ -99,12 +99,13 @@ def flat_beam(n_keys: int, block_size: int, branching: int, beam: int, flat_leav
     has ``L = ceil(n_keys / block_size)`` leaves, at most ``flat_leaves``, and
     :func:`flat_applies`. The pyramid then has one level (:func:`level_sizes`), so the first
     pool is every leaf: the flat scan of the ``flat_leaves`` option (DESIGN.md "Flat
-    leaves")."""
+    leaves"). Capped at ``L``: a wider beam keeps the same one level, and the Triton pool
+    (``branching * beam`` wide) would be sized by a ``beam`` as large as ``top_k``."""
     L = cdiv(n_keys, block_size)
     if (flat_applies(leaf_scoring, shortlist, bound_block) and L <= flat_leaves
             and L > branching * beam):
         return cdiv(L, branching)
-    return beam
+    return min(beam, L)
 
 
 def level_sizes(n_keys: int, block_size: int, branching: int, beam: int) -> list[int]:

@@ -1107,21 +1107,29 @@ def select_launch(G: int, Nq: int, Nk: int, D: int, *, block_size: int, top_k: i
     """
     tune = {**SELECT_TUNING, **(tuning or {})}
     C, Tq = block_size, query_tile
+    L = cdiv(Nk, C)
+    # At most L leaves to pick or shortlist: a larger top_k (beam, shortlist) would only size
+    # the pool, shortlist and scratch buffers past every limit, for the same selection.
+    top_k = min(top_k, L)
     beam = flat_beam(Nk, block_size, branching, beam, flat_leaves, leaf_scoring=leaf_scoring,
                      shortlist=shortlist, bound_block=bound_block)
     M = block_width(Nk, block_size, top_k, sink_blocks, local_blocks, query_tile)
-    P = pool_size(branching, beam, min(sink_blocks, cdiv(Nk, C))
+    P = pool_size(branching, beam, min(sink_blocks, L)
                   + local_bound(local_blocks, query_tile, block_size))
     R = G * Tq
     RB = min(tune["row_block"], max(16, triton.next_power_of_2(min(R, G * Nq))))
     exact = leaf_scoring == "exact"
     # One level wider than the walk's registers hold: the flat kernel (exact leaves with a
     # shortlist and box bounds; other one-level pools stay on the walk kernel).
-    flat = (exact and int(shortlist) > 0 and bool(bound_block) and P > WALK_MAX_POOL
-            and len(level_sizes(Nk, C, branching, beam)) == 1)
+    one_level = len(level_sizes(Nk, C, branching, beam)) == 1
+    flat = exact and int(shortlist) > 0 and bool(bound_block) and P > WALK_MAX_POOL and one_level
+    if one_level and not flat:
+        # The pool is the L leaves (no expanded nodes): its [P, P] rank fits Triton's tensor
+        # size limit up to 1024 leaves, also where top_k >= L made beam = L.
+        P = min(P, max(16, triton.next_power_of_2(L)))
     # A shortlist as wide as the pool is the whole pool: no rough pass (on the walk kernel;
     # the flat kernel always ranks, its candidates can be fewer than the shortlist).
-    short = int(shortlist) if exact and (flat or int(shortlist) < P) else 0
+    short = min(int(shortlist), L) if exact and (flat or int(shortlist) < P) else 0
     unroll = 16 if tune["unroll"] is True else int(tune["unroll"])
     meta = dict(D=D, G=G, TQ=Tq, C=C, BD=max(16, triton.next_power_of_2(D)), GB=branching,
                 BEAM=beam, TOPK=top_k, P=P, RB=RB, MP=max(16, triton.next_power_of_2(M)),
@@ -1203,7 +1211,13 @@ def select_blocks(q: Tensor, k: Tensor, is_causal: bool, scale: float, *, block_
 
     Returns:
         ``block_indices`` int32 ``[B, Hkv, T, M]`` (ascending, -1 padded, forced leaves
-        included) and ``block_counts`` int32 ``[B, Hkv, T]``.
+        included) and ``block_counts`` int32 ``[B, Hkv, T]``. ``top_k``, ``beam`` and
+        ``shortlist`` past the ``L = ceil(Nk / block_size)`` leaves select as if ``L``.
+
+    Raises:
+        ValueError: a ``pyramid`` laid out for other options, dtype, device, head dim or
+            keys; a pool (the walk), shortlist or block list (exact scores) wider than 1024
+            nodes per tile (a Triton tensor holds at most 2**20 elements).
     """
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
@@ -1268,15 +1282,19 @@ def select_blocks(q: Tensor, k: Tensor, is_causal: bool, scale: float, *, block_
                                  leaf_scoring=leaf_scoring, shortlist=shortlist,
                                  bound_block=bound_block, tuning=tuning)
 
-    # A persistent pyramid's leaf level is the flat kernel's sub-block level (one per leaf).
-    # Its walk takes any pool (past WALK_MAX_POOL with more registers than it likes) up to
-    # its [P, P] rank.
+    # The walk takes any pool (past WALK_MAX_POOL with more registers than it likes) up to
+    # its [P, P] rank; the rescoring ranks its shortlist ([W, W]) and merges it into the
+    # block list ([W, MP]). A Triton tensor holds at most 2**20 elements.
     flat = meta.pop("FLAT")
-    if pyramid is not None and not flat and meta["P"] > 1024:
-        raise ValueError(f"a pyramid's walk holds at most 1024 nodes per level: branching * "
-                         f"(beam + forced leaves) = {meta['P']} (top_k={top_k}, beam={beam}); "
-                         f"use a smaller top_k or beam")
     P, W, TW, exact = meta["P"], meta["W"], meta["TW"], meta["EXACT"]
+    if (not flat and P > 1024) or (exact and W * max(W, meta["MP"]) > 2 ** 20):
+        widths = ([] if flat else [f"a pool of {P}"]) + (
+            [f"a shortlist of {W}", f"a block list of {meta['MP']}"] if exact else [])
+        raise ValueError(
+            f"the Triton selection ranks at most 1024 nodes per tile at once; at {L} leaves, "
+            f"top_k={top_k}, beam={beam} and shortlist={shortlist} give "
+            f"{', '.join(widths)}: use a smaller top_k, beam or shortlist, or a larger "
+            f"block_size")
     idx = torch.empty(B, Hkv, T, M, dtype=torch.int32, device=q.device)
     counts = torch.empty(B, Hkv, T, dtype=torch.int32, device=q.device)
     if trace is not None:

@@ -23,20 +23,10 @@ if int(transformers.__version__.split(".")[0]) < 5:
 
 from pisa_compile import PisaConfig  # noqa: E402
 from pisa_compile.hf_cache import PisaCache  # noqa: E402
+from tests.hf_models import tiny_generation_llama  # noqa: E402
 
 pytestmark = [pytest.mark.filterwarnings("ignore::RuntimeWarning"),
               pytest.mark.filterwarnings("ignore::FutureWarning")]
-
-
-def _model():
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
-                                   num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, head_dim=16,
-                                   max_position_embeddings=512, pad_token_id=0, bos_token_id=1,
-                                   eos_token_id=2)
-    cfg._attn_implementation = "sdpa"
-    return transformers.LlamaForCausalLM(cfg).eval()
 
 
 @pytest.mark.parametrize("dense_tail", [64, 0])
@@ -44,7 +34,7 @@ def test_generate_with_pisa_cache_decodes_sparsely_and_exactly(fresh_dynamo, den
     """Also with ``dense_tail=0`` (a new user's finding: the steps then read their mask at
     run time and selected from scratch, the pyramid unused)."""
     from torch._dynamo.utils import counters
-    m = _model()
+    m = tiny_generation_llama()
     ids = torch.randint(3, 128, (2, 40), generator=torch.Generator().manual_seed(1))
     am = torch.ones_like(ids)
     am[1, :7] = 0  # left padding
@@ -71,7 +61,7 @@ def test_every_decode_step_reads_the_pyramid(fresh_dynamo, padded):
     """Unpadded (transformers passes no mask for one query) and left-padded batches, B equal
     to the KV heads (a symbol of its own would hide the GQA ratio): every step sparse."""
     from torch._dynamo.utils import counters
-    m = _model()
+    m = tiny_generation_llama()
     ids = torch.randint(3, 128, (2, 33), generator=torch.Generator().manual_seed(2))
     am = torch.ones_like(ids)
     if padded:

@@ -147,17 +147,7 @@ def test_bad_input_names_the_argument():
 # -- generate() --
 
 transformers = pytest.importorskip("transformers")
-
-
-def _model():
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
-                                   num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, head_dim=16,
-                                   max_position_embeddings=512, pad_token_id=0, bos_token_id=1,
-                                   eos_token_id=2)
-    cfg._attn_implementation = "sdpa"
-    return transformers.LlamaForCausalLM(cfg).eval()
+from tests.hf_models import tiny_generation_llama  # noqa: E402
 
 
 @pytest.mark.parametrize("padded", [False, True])
@@ -168,7 +158,7 @@ def test_generate_with_a_static_cache_decodes_from_the_pyramid(fresh_dynamo, pad
     from torch._dynamo.utils import counters
 
     from pisa_compile.hf_cache import PisaStaticCache, PisaStaticLayer
-    m = _model()
+    m = tiny_generation_llama()
     ids = torch.randint(3, 128, (2, 40), generator=torch.Generator().manual_seed(1))
     am = torch.ones_like(ids)
     if padded:
@@ -192,7 +182,7 @@ def test_generate_with_a_static_cache_decodes_from_the_pyramid(fresh_dynamo, pad
 
 def test_static_cache_bad_input():
     from pisa_compile.hf_cache import PisaStaticCache
-    m = _model()
+    m = tiny_generation_llama()
     with pytest.raises(ValueError, match="max_cache_len"):
         PisaStaticCache(m.config, 0)
     with pytest.raises(TypeError, match="PisaConfig"):

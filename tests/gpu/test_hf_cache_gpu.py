@@ -14,6 +14,7 @@ transformers = pytest.importorskip("transformers")
 from pisa_compile import PisaConfig  # noqa: E402
 from pisa_compile.backend import pisa_backend  # noqa: E402
 from pisa_compile.hf_cache import PisaCache  # noqa: E402
+from tests.hf_models import padded_prompt  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -28,12 +29,8 @@ def test_generate_exact_regime_on_gpu(fresh_dynamo):
 
     from pisa_compile.samples import tiny_llama
     m = tiny_llama(8192, num_layers=2).cuda()
-    ids = torch.randint(3, 256, (2, 3000), device="cuda")
-    am = torch.ones_like(ids)
-    am[1, :300] = 0
     new = 8
-    kw = dict(input_ids=ids, attention_mask=am, max_new_tokens=new, do_sample=False,
-              output_scores=True, return_dict_in_generate=True, pad_token_id=0)
+    kw = padded_prompt("cuda", new=new)
     dense = m.generate(**kw)
     pc = PisaConfig(top_k=64, kernel="triton", min_seq_len=0)  # 47 leaves: all selected
     # The backend by function: on a machine where the package is not installed, the name
@@ -63,12 +60,8 @@ def test_static_cache_generate_in_cuda_graphs(fresh_dynamo):
     from pisa_compile.hf_cache import PisaStaticCache
     from pisa_compile.samples import tiny_llama
     m = tiny_llama(8192, num_layers=2).cuda()
-    ids = torch.randint(3, 256, (2, 3000), device="cuda")
-    am = torch.ones_like(ids)
-    am[1, :300] = 0
     new = 8
-    kw = dict(input_ids=ids, attention_mask=am, max_new_tokens=new, do_sample=False,
-              output_scores=True, return_dict_in_generate=True, pad_token_id=0)
+    kw = padded_prompt("cuda", new=new)
     dense = m.generate(**kw)
     opts = dict(min_seq_len=0, kernel="triton", top_k=64)  # 47 leaves: all selected
     cache = PisaStaticCache(m.config, 3000 + new, pisa_config=PisaConfig(**opts),

@@ -29,7 +29,10 @@ into the compiled forward; ``experiments/static_graph_probe.py`` shows the steps
 their graphs when the forward is compiled without them). Rows: ``inductor+static``
 (``StaticCache``, dense) and ``pisa+static`` (:class:`~pisa_compile.hf_cache.PisaStaticCache`,
 steps decoded from its pyramid where its cost model says so: ``counters["sparse_decode"]``
-counts the op's Python runs, i.e. warm-up and recording, not the replays).
+counts the op's Python runs, i.e. warm-up and recording, not the replays). On the H200
+(4 December 2026) this recipe failed: cudagraphs skipped for mutated inputs, then a read of
+a CUDA-graph output that a later run overwrote (``profiles/generate_static.json``, recipe
+B); the figures there came from the forward compiled without graphs (``1bdbe71``).
 
 ``--device cpu --tiny`` runs a 2-layer toy model (the CPU smoke test).
 """

@@ -10,6 +10,10 @@ under ``torch.compile``: the append launches the pyramid kernels) and returns vi
 sparse is faster. Without ``backend="pisa"`` the cache behaves as a ``DynamicCache`` (dense
 attention reads the views).
 
+:class:`PisaStaticCache` is the static counterpart (transformers' ``StaticCache``): its
+length stays on the device and its update is one custom op, so a decode step is one graph
+with no host length (DESIGN.md "A static cache: the length on the device").
+
 Needs transformers >= 5 (``transformers.cache_utils.Cache`` with layer classes).
 """
 
@@ -246,12 +250,19 @@ class PisaStaticLayer(StaticLayer):
         raise NotImplementedError("PisaStaticCache does not reorder its batch (beam search); "
                                   "use PisaCache or a StaticCache for it")
 
+    def crop(self, *args, **kwargs) -> None:
+        """``StaticLayer.crop`` (assisted decoding), then the pyramid rebuilt over the kept
+        keys (eager, ``O(length)``): boxes of cut keys would otherwise stay."""
+        super().crop(*args, **kwargs)
+        if self.pisa is not None:
+            self.pisa.rebuild()
+
 
 class PisaStaticCache(StaticCache):
     """transformers' ``StaticCache`` whose full-attention layers keep PISA's persistent
-    pyramid: ``generate()`` decodes sparsely with a static cache, compiled and replayed from
-    CUDA graphs (``mode="reduce-overhead"``, transformers' ``CompileConfig``), with no host
-    synchronisation per step (DESIGN.md "Persistent pyramid").
+    pyramid: ``generate()`` decodes sparsely with a static cache, each step one compiled
+    graph with no host length, so that CUDA graphs can capture it (DESIGN.md "A static
+    cache: the length on the device"). Replays inside ``generate()`` are not yet measured.
 
     Args:
         config: the model's config (as ``StaticCache``: it gives the layers and their kinds;
@@ -262,22 +273,26 @@ class PisaStaticCache(StaticCache):
         sparse_from: a ``max_cache_len`` from which decode steps are sparse; None: the cost
             model of :class:`~pisa_compile.PisaKVCache` at ``max_cache_len`` (dense SDPA over
             a static cache reads every slot each step), for CUDA-graph replays.
-        **kwargs: passed to ``StaticCache`` (e.g. ``offloading``).
+        **kwargs: passed to ``StaticCache`` (not ``offloading``).
 
     Example::
 
         from transformers import CompileConfig
-        model.forward = torch.compile(model.forward, backend="pisa")  # the prefill
-        model.generation_config.compile_config = CompileConfig(backend="pisa")  # the steps
         cache = PisaStaticCache(model.config, max_cache_len=prompt_len + 64)
-        out = model.generate(**inputs, max_new_tokens=64, past_key_values=cache)
+        out = model.generate(**inputs, max_new_tokens=64, past_key_values=cache,
+                             compile_config=CompileConfig(backend="pisa"))
 
     transformers compiles the decode steps itself when the cache is static (on CUDA), with
-    ``generation_config.compile_config`` (``mode="reduce-overhead"`` by default: CUDA
-    graphs); with its default backend (Inductor) the steps run dense attention.
+    ``compile_config`` (``mode="reduce-overhead"`` by default: CUDA graphs; with its default
+    backend, Inductor, the steps run dense attention). Leave ``model.forward`` uncompiled:
+    a forward compiled without CUDA graphs takes the steps over and runs them without
+    graphs (``experiments/static_graph_probe.py``); the prefill is then eager and dense.
+    The steps' sites are rewritten from ``min_seq_len`` keys (the capacity; 32768 by
+    default). Beam search is not supported (``reorder_cache`` raises NotImplementedError).
 
     Raises:
-        ValueError: ``max_cache_len`` < 1 or ``sparse_from`` < 0.
+        ValueError: ``max_cache_len`` < 1, ``sparse_from`` < 0, or ``offloading`` (its
+            prefetch swaps the layers' buffers for copies the pyramid does not see).
         TypeError: ``pisa_config`` is not a PisaConfig.
     """
 
@@ -288,6 +303,10 @@ class PisaStaticCache(StaticCache):
             raise ValueError(f"PisaStaticCache: max_cache_len must be an int >= 1, got "
                              f"{max_cache_len!r}")
         check_options(pisa_config, sparse_from, "PisaStaticCache")
+        if kwargs.get("offloading"):
+            raise ValueError("PisaStaticCache: offloading is not supported (its prefetch "
+                             "replaces the layers' key buffers, which the pyramid and the "
+                             "decode lookup are tied to); use StaticCache(offloading=True)")
         super().__init__(config, max_cache_len, **kwargs)
         # Full-attention layers only: a sliding window's cache is small, dense is cheap.
         self.layers = [PisaStaticLayer(max_cache_len, pisa_config, sparse_from)

@@ -52,6 +52,23 @@ def decode_config(config: PisaConfig) -> PisaConfig:
                           min_seq_len=0)
 
 
+def sparse_worthy(keys: Tensor, values: Tensor, n_keys: int, config: PisaConfig,
+                  sparse_from: Optional[int], cuda_graph: bool) -> bool:
+    """The cost model: whether a decode step over ``n_keys`` cached keys (of the buffers
+    ``keys`` ``[B, Hkv, cap, D]`` and ``values``) is sparse: from ``sparse_from`` keys if
+    given, else once a dense step would read :data:`SPARSE_DECODE_BYTES` of K/V
+    (:data:`SPARSE_DECODE_BYTES_FLAT` while the step ranks every leaf box), the ``"graph"``
+    or ``"eager"`` row."""
+    if sparse_from is not None:
+        return n_keys >= sparse_from
+    B, Hkv, _, D = keys.shape
+    dense_bytes = B * Hkv * n_keys * (D + values.shape[3]) * keys.element_size()
+    from .kernels.triton_select import runs_flat
+    flat = runs_flat(n_keys, **decode_config(config).selection_options())
+    table = SPARSE_DECODE_BYTES_FLAT if flat else SPARSE_DECODE_BYTES
+    return dense_bytes >= table["graph" if cuda_graph else "eager"]
+
+
 def check_options(config: Optional[PisaConfig], sparse_from: Optional[int],
                   where: str) -> PisaConfig:
     """``config`` (default ``PisaConfig()``) once ``config`` and ``sparse_from`` are checked;
@@ -160,10 +177,7 @@ class PisaKVCache:
         """Empty the cache (the buffers are kept)."""
         self.length = self.pyramid_length = 0
         self.key_mask = None
-        self.pyramid.cnt.zero_()
-        self.pyramid.lc.fill_(float("-inf"))
-        self.pyramid.hi.zero_()
-        self.pyramid.lo.zero_()
+        self.pyramid.clear()
 
     def nbytes(self) -> dict:
         """``{"kv": bytes of K and V, "pyramid": bytes of the pyramid}`` (allocated)."""
@@ -241,14 +255,8 @@ class PisaKVCache:
         t = self.keys if t is None else t
         if n_queries > DECODE_MAX_QUERIES or self._triton_refusal(t) is not None:
             return False
-        if self.sparse_from is not None:
-            return self.length >= self.sparse_from
-        B, Hkv, _, D = self.keys.shape
-        dense_bytes = B * Hkv * self.length * (D + self.values.shape[3]) * t.element_size()
-        from .kernels.triton_select import runs_flat
-        flat = runs_flat(self.length, **self.decode_config.selection_options())
-        table = SPARSE_DECODE_BYTES_FLAT if flat else SPARSE_DECODE_BYTES
-        return dense_bytes >= table["graph" if self.cuda_graph else "eager"]
+        return sparse_worthy(self.keys, self.values, self.length, self.config,
+                             self.sparse_from, self.cuda_graph)
 
     def attend(self, query: Tensor, *, scale: Optional[float] = None) -> Tensor:
         """Causal attention of the newest ``Nq`` queries over the cache's ``length`` tokens.
@@ -373,16 +381,26 @@ def _static_append_op(keys: Tensor, values: Tensor, length: Tensor, hi: Tensor, 
                       cnt: Tensor, lc: Tensor, key_states: Tensor, value_states: Tensor,
                       block_size: int, branching: int, beam: int) -> None:
     # One op for the write, the length and the boxes: the decode op that reads the boxes
-    # takes ``keys`` as an input, so it is ordered after this op's mutation of them.
+    # (through the registry, not as inputs) takes ``keys`` as an input, so it is ordered
+    # after this op's mutation of them. That holds while Inductor runs the op in place on
+    # the cache's buffers (it re-inplaces mutated graph inputs); a decode on copies would
+    # miss the registry and run dense, never on stale boxes.
     n = key_states.shape[2]
-    pos = length + torch.arange(n, device=keys.device, dtype=length.dtype)
-    keys.index_copy_(2, pos, key_states)
-    values.index_copy_(2, pos, value_states)
-    length.add_(n)
+    _write_at(keys, values, length, key_states, value_states)
     from .kernels.triton_pyramid import append_boxes_at  # Triton: only where it runs
     with stage_range("pisa.pyramid", keys):
         append_boxes_at(BoxPyramid(hi, lo, cnt, lc, keys.shape[2], block_size, branching,
                                    beam), keys, length, n)
+
+
+def _write_at(keys: Tensor, values: Tensor, length: Tensor, key: Tensor, value: Tensor
+              ) -> None:
+    """Write ``key``/``value`` ``[B, Hkv, n, D]`` at positions ``[length, length + n)`` of the
+    buffers and advance ``length`` (int64, on their device), all on the device."""
+    pos = length + torch.arange(key.shape[2], device=keys.device, dtype=length.dtype)
+    keys.index_copy_(2, pos, key)
+    values.index_copy_(2, pos, value)
+    length.add_(key.shape[2])
 
 
 @_static_append_op.register_fake
@@ -410,7 +428,8 @@ class PisaStaticKVCache:
     Args:
         keys, values: the cache's preallocated ``[B, Hkv, capacity, D]`` / ``[..., Dv]``
             buffers (written only through :meth:`append` from now on).
-        length: int64 tensor of one element on their device: the keys held (updated in place).
+        length: int64 tensor of one element on their device: the keys held (updated in place;
+            ``index_copy_`` takes int64 positions).
         config: :class:`~pisa_compile.PisaConfig` of the selection (as :class:`PisaKVCache`).
         sparse_from: a capacity from which decode is sparse; None: the cost model of
             :class:`PisaKVCache` at the capacity.
@@ -421,6 +440,13 @@ class PisaStaticKVCache:
     of the shortlist, where their exact score, under the call's mask, drops them) and never
     reach the output. Prefill calls run through :func:`pisa_compile.pisa_attention` or
     dense SDPA as the compiled graph planned them; only one-query calls read the pyramid.
+
+    The choice between ranking every leaf box and walking the pyramid is made from the
+    capacity too (``flat_leaves``, 512 leaves of 64 keys by default): with a capacity above
+    it every step walks, even while the cache holds fewer keys (on Qwen2.5-Coder at 30K the
+    walk kept 0.822 of the needles against 0.933 for the flat ranking; for the flat
+    ranking keep ``max_cache_len`` at most ``flat_leaves * block_size``). With
+    ``leaf_scoring="pooled"`` (no exact scores) a padded leaf can take a ``top_k`` slot.
 
     Raises:
         ValueError: buffers or length of the wrong shape, dtype or device.
@@ -434,9 +460,9 @@ class PisaStaticKVCache:
             raise ValueError(f"PisaStaticKVCache: keys and values must be [B, Hkv, capacity, "
                              f"D] buffers of one B, Hkv, capacity; got {tuple(keys.shape)} and "
                              f"{tuple(values.shape)}")
-        if (length.numel() != 1 or length.dtype not in (torch.int32, torch.int64)
+        if (length.numel() != 1 or length.dtype != torch.int64
                 or length.device != keys.device):
-            raise ValueError(f"PisaStaticKVCache: length must be one int32/int64 on "
+            raise ValueError(f"PisaStaticKVCache: length must be one int64 on "
                              f"{keys.device}, got {tuple(length.shape)} {length.dtype} on "
                              f"{length.device}")
         config = check_options(config, sparse_from, "PisaStaticKVCache")
@@ -462,31 +488,36 @@ class PisaStaticKVCache:
 
     def _sparse_worthy(self) -> bool:
         """Whether a one-query step is sparse (the Triton path, and the cost model at the
-        capacity)."""
+        capacity: dense SDPA over a static cache reads every slot)."""
         if dispatch.triton_refusal(self.keys, self.values, self.config.kernel) is not None:
             return False
-        cap = self.keys.shape[2]
-        if self.sparse_from is not None:
-            return cap >= self.sparse_from
-        B, Hkv, _, D = self.keys.shape
-        dense_bytes = B * Hkv * cap * (D + self.values.shape[3]) * self.keys.element_size()
-        from .kernels.triton_select import runs_flat
-        flat = runs_flat(cap, **self.decode_config.selection_options())
-        table = SPARSE_DECODE_BYTES_FLAT if flat else SPARSE_DECODE_BYTES
-        return dense_bytes >= table["graph" if self.cuda_graph else "eager"]
+        return sparse_worthy(self.keys, self.values, self.keys.shape[2], self.config,
+                             self.sparse_from, self.cuda_graph)
 
     def append(self, key: Tensor, value: Tensor) -> None:
         """Write ``[B, Hkv, n, D]`` keys and values at positions ``[length, length + n)``,
         advance ``length`` and update the pyramid: all on the device (traceable by
         ``torch.compile``, capturable in a CUDA graph). Writing past the capacity is an
         index error of ``index_copy_`` (on CUDA a device-side assert): the length is not
-        read on the host to check it."""
+        read on the host to check it.
+
+        Raises:
+            ValueError: ``key``/``value`` not ``[B, Hkv, n, D]``/``[B, Hkv, n, Dv]`` of the
+                cache's batch, heads, head dims, dtype and device.
+        """
+        B, Hkv, _, D = self.keys.shape
+        n = key.shape[2] if key.dim() == 4 else -1
+        for name, t, last, buf in (("key", key, D, self.keys),
+                                   ("value", value, self.values.shape[3], self.values)):
+            if (t.dim() != 4 or tuple(t.shape) != (B, Hkv, n, last) or t.dtype != buf.dtype
+                    or t.device != buf.device):
+                raise ValueError(f"PisaStaticKVCache.append: {name} must be [B={B}, Hkv={Hkv},"
+                                 f" n, {last}] {buf.dtype} on {buf.device} (n as key's), got "
+                                 f"{tuple(t.shape)} {t.dtype} on {t.device}")
+        if n == 0:
+            return
         if self.pyramid is None:
-            pos = self.length + torch.arange(key.shape[2], device=key.device,
-                                             dtype=self.length.dtype)
-            self.keys.index_copy_(2, pos, key)
-            self.values.index_copy_(2, pos, value)
-            self.length.add_(key.shape[2])
+            _write_at(self.keys, self.values, self.length, key, value)
             return
         p = self.pyramid
         torch.ops.pisa.static_append(self.keys, self.values, self.length, p.hi, p.lo, p.cnt,
@@ -495,18 +526,35 @@ class PisaStaticKVCache:
     def reset(self) -> None:
         """Empty the pyramid (the caller zeroes the buffers and the length)."""
         if self.pyramid is not None:
-            self.pyramid.cnt.zero_()
-            self.pyramid.lc.fill_(float("-inf"))
-            self.pyramid.hi.zero_()
-            self.pyramid.lo.zero_()
+            self.pyramid.clear()
+
+    def rebuild(self) -> None:
+        """Rebuild the pyramid over the first ``length`` keys (after the length was cut:
+        transformers' ``crop``). Eager: reads the length on the host, ``O(length)``."""
+        if self.pyramid is None:
+            return
+        self.pyramid.clear()
+        n = int(self.length)
+        if n > 0:
+            from .kernels.triton_pyramid import append_boxes
+            append_boxes(self.pyramid, self.keys, 0, n)
 
     def decode(self, query: Tensor, key: Tensor, value: Tensor, key_mask: Optional[Tensor],
                causal_offset: int, scale: float) -> Optional[Tensor]:
         """A compiled model's one-query step over the whole buffers: the sparse decode where
-        a pyramid is kept, else None (the caller runs dense attention). ``key_mask``: bool
-        ``[B, capacity]`` (transformers' mask of the step) or None; keys at or past
-        ``length`` are masked in any case. ``causal_offset`` is ignored (it is the device
-        length's)."""
+        a pyramid is kept, else None (the caller runs dense attention).
+
+        Args:
+            query: ``[B, Hq, 1, D]`` in the cache's dtype (``Hq`` a multiple of ``Hkv``).
+            key, value: this cache's whole ``keys`` and ``values`` (found by
+                :func:`pisa_compile.kernels.persistent.lookup`).
+            key_mask: bool ``[B, capacity]`` (transformers' mask of the step) or None; keys
+                at or past ``length`` are masked in any case.
+            causal_offset: ignored (the device length gives it); scale: softmax scale.
+
+        Returns:
+            ``[B, Hq, 1, Dv]`` in the cache's dtype, or None.
+        """
         from torch._dynamo.utils import counters
         from .kernels import triton_select
         from .kernels.triton_decode import decode_attention

@@ -87,6 +87,8 @@ def _(q, k, v, attn_mask, key_mask, block_indices, block_counts, is_causal, caus
 def _cached_decode_op(q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor],
                       causal_offset: int, scale: float, kernel: str) -> Tensor:
     # At run time: keys that are a PisaKVCache's decode from its pyramid, the rest densely.
+    from torch._dynamo.utils import counters
+    counters["pisa"]["cached_decode_calls"] += 1  # tests: 0 while CUDA graphs replay the op
     owner = persistent.lookup(k)
     if owner is not None:
         km = None if key_mask is None else key_mask != 0

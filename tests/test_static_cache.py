@@ -47,6 +47,21 @@ def _static(B, Hkv, cap, D, config):
                              config=config, sparse_from=0)
 
 
+def _assert_capacity_counts(cache: PisaStaticKVCache):
+    """Every node of every capacity level counts the keys it holds below the length, and a
+    node past it holds none (the static decode walks the capacity's levels)."""
+    from pisa_compile.kernels.geometry import level_sizes
+    p, n = cache.pyramid, int(cache.length)
+    span = p.block_size
+    for lev, (off, size) in enumerate(zip(p.level_offsets(), level_sizes(
+            p.capacity, p.block_size, p.branching, p.beam))):
+        start = torch.arange(size) * span
+        want = (n - start).clamp(0, span).float()
+        got = p.cnt[:, :, off:off + size]
+        assert torch.equal(got, want.expand_as(got)), f"level {lev} after {n} keys"
+        span *= p.branching
+
+
 def _as_grown(cache: PisaStaticKVCache):
     """What ``assert_pyramid_is_scratch`` reads, with the device length read back."""
     return SimpleNamespace(pyramid=cache.pyramid, length=int(cache.length), key_mask=None,
@@ -67,6 +82,7 @@ def test_pyramid_after_device_length_appends_equals_scratch(B, Hkv, C, g, beam, 
         cache.append(torch.randn(B, Hkv, n, 8, generator=gen),
                      torch.randn(B, Hkv, n, 8, generator=gen))
         assert_pyramid_is_scratch(_as_grown(cache))
+        _assert_capacity_counts(cache)
     assert int(cache.length) == sum(chunks)
 
 
@@ -119,6 +135,18 @@ def test_decode_selects_and_attends_as_the_growing_cache(flat_leaves):
         torch.testing.assert_close(out, ref_out, atol=2e-5, rtol=2e-5)
 
 
+def test_rebuild_after_a_crop_forgets_the_cut_keys():
+    gen = torch.Generator().manual_seed(5)
+    cache = _static(1, 2, 48, 8, _cfg(block_size=4, branching=2, beam=1))
+    cache.append(torch.randn(1, 2, 40, 8, generator=gen), torch.randn(1, 2, 40, 8))
+    cache.length.sub_(6)  # transformers' StaticLayer.crop(-6)
+    cache.rebuild()
+    _assert_capacity_counts(cache)
+    cache.append(torch.randn(1, 2, 3, 8, generator=gen), torch.randn(1, 2, 3, 8))
+    assert_pyramid_is_scratch(_as_grown(cache))
+    _assert_capacity_counts(cache)
+
+
 def test_no_pyramid_where_dense_is_cheaper():
     keys = torch.zeros(1, 2, 64, 8)
     cache = PisaStaticKVCache(keys, torch.zeros_like(keys), torch.zeros((), dtype=torch.long),
@@ -132,16 +160,24 @@ def test_no_pyramid_where_dense_is_cheaper():
 
 def test_bad_input_names_the_argument():
     keys = torch.zeros(1, 2, 16, 8)
-    with pytest.raises(ValueError, match="length must be one int32/int64"):
+    with pytest.raises(ValueError, match="length must be one int64"):
         PisaStaticKVCache(keys, keys.clone(), torch.zeros(2, dtype=torch.long))
     with pytest.raises(ValueError, match="keys and values"):
         PisaStaticKVCache(keys, torch.zeros(1, 2, 15, 8), torch.zeros((), dtype=torch.long))
     with pytest.raises(TypeError, match="PisaConfig"):
         PisaStaticKVCache(keys, keys.clone(), torch.zeros((), dtype=torch.long), config={})
+    with pytest.raises(ValueError, match="length must be one int64"):
+        PisaStaticKVCache(keys, keys.clone(), torch.zeros((), dtype=torch.int32))
     from pisa_compile.kernels.triton_pyramid import append_boxes_at
     cache = _static(1, 2, 16, 8, _cfg())
     with pytest.raises(ValueError, match="n_new"):
         append_boxes_at(cache.pyramid, cache.keys, cache.length, 0)
+    with pytest.raises(ValueError, match=r"key must be \[B=1, Hkv=2, n, 8\]"):
+        cache.append(torch.zeros(1, 3, 2, 8), torch.zeros(1, 3, 2, 8))
+    with pytest.raises(ValueError, match="value must be"):
+        cache.append(torch.zeros(1, 2, 2, 8), torch.zeros(1, 2, 2, 8, dtype=torch.float16))
+    cache.append(torch.zeros(1, 2, 0, 8), torch.zeros(1, 2, 0, 8))  # nothing to write
+    assert int(cache.length) == 0
 
 
 # -- generate() --
@@ -191,3 +227,18 @@ def test_static_cache_bad_input():
         PisaStaticCache(m.config, 8, sparse_from=-1)
     with pytest.raises(NotImplementedError, match="beam search"):
         PisaStaticCache(m.config, 8).layers[0].reorder_cache(torch.tensor([0]))
+    with pytest.raises(ValueError, match="offloading"):
+        PisaStaticCache(m.config, 8, offloading=True)
+
+
+def test_static_layer_crop_rebuilds_the_pyramid():
+    from pisa_compile.hf_cache import PisaStaticCache
+    cache = PisaStaticCache(tiny_generation_llama().config, 48, sparse_from=0,
+                            pisa_config=_cfg())
+    layer = cache.layers[0]
+    k = torch.randn(1, 2, 40, 16)
+    layer.update(k, k)
+    layer.crop(-6)
+    assert int(layer.cumulative_length) == 34
+    _assert_capacity_counts(layer.pisa)
+    assert_pyramid_is_scratch(_as_grown(layer.pisa))

@@ -69,6 +69,13 @@ class BoxPyramid(NamedTuple):
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.hi, self.lo, self.cnt, self.lc))
 
+    def clear(self) -> None:
+        """Empty every node, in place (the buffers are kept)."""
+        self.cnt.zero_()
+        self.lc.fill_(float("-inf"))
+        self.hi.zero_()
+        self.lo.zero_()
+
 
 def box_pyramid(batch: int, kv_heads: int, capacity: int, head_dim: int, dtype: torch.dtype,
                 device, *, block_size: int, branching: int, beam: int) -> BoxPyramid:

@@ -1209,6 +1209,12 @@ def select_blocks(q: Tensor, k: Tensor, is_causal: bool, scale: float, *, block_
             ``key_length - Nq`` (``causal_offset`` is ignored), and keys past it must be
             masked by ``key_mask``, which the exact scores read.
 
+    Raises:
+        ValueError: a ``pyramid`` laid out for other options, dtype, device or shape; a
+            causal ``pyramid`` call whose keys outrun its queries; ``key_length`` without a
+            causal ``pyramid`` call and a ``key_mask``, or not one int32/int64 on ``q``'s
+            device; a walk pool wider than 1024 nodes per level.
+
     Returns:
         ``block_indices`` int32 ``[B, Hkv, T, M]`` (ascending, -1 padded, forced leaves
         included) and ``block_counts`` int32 ``[B, Hkv, T]``. ``top_k``, ``beam`` and
@@ -1239,9 +1245,10 @@ def select_blocks(q: Tensor, k: Tensor, is_causal: bool, scale: float, *, block_
                              f"head dim {D}")
         if key_length is not None:
             if not is_causal or key_mask is None or key_length.numel() != 1 or (
-                    key_length.device != q.device):
+                    key_length.device != q.device) or key_length.dtype not in (torch.int32,
+                                                                             torch.int64):
                 raise ValueError("key_length needs a causal call with a key_mask, as one "
-                                 f"integer on {q.device}")
+                                 f"int32/int64 on {q.device}")
             causal_offset = Nk - Nq  # host-side sizes only; the kernels read key_length
         elif is_causal and Nq + causal_offset < Nk:
             raise ValueError(f"a pyramid holds every key: a causal call needs Nq + "

@@ -71,12 +71,15 @@ def test_static_cache_generate_in_cuda_graphs(fresh_dynamo):
     runs = []
     for _ in range(2):  # the second call replays the graphs the first one recorded
         cache.reset()
-        before = counters["pisa"]["sparse_decode"]
+        before = counters["pisa"]["sparse_decode"], counters["pisa"]["cached_decode_calls"]
         out = m.generate(**kw, past_key_values=cache, compile_config=cc)
-        runs.append(counters["pisa"]["sparse_decode"] - before)
+        runs.append((counters["pisa"]["sparse_decode"] - before[0],
+                     counters["pisa"]["cached_decode_calls"] - before[1]))
         for a, b in zip(out.scores, dense.scores):
             torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-3)
         assert torch.equal(out.sequences, dense.sequences)
-    assert runs[0] >= 2 and runs[1] == 0, (runs, dict(counters["pisa"]))
+    # Recorded from the pyramid (every call of the op sparse), then replayed (no call).
+    assert runs[0][0] >= 2 and runs[0][0] == runs[0][1], (runs, dict(counters["pisa"]))
+    assert runs[1] == (0, 0), (runs, dict(counters["pisa"]))
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
     assert not any(k.startswith("reference_") for k in counters["pisa"]), dict(counters["pisa"])

@@ -236,6 +236,10 @@ class PisaStaticLayer(StaticLayer):
         """Write ``[B, Hkv, n, D]`` keys and values at the layer's length and update its
         pyramid; returns the whole buffers (as ``StaticLayer``). Writing past
         ``max_cache_len`` fails in ``index_copy_`` (a device-side assert on CUDA)."""
+        if key_states.shape[2] > self.max_cache_len:  # a shape: checked without a sync
+            raise ValueError(f"PisaStaticCache: max_cache_len={self.max_cache_len} is too small "
+                             f"for {key_states.shape[2]} tokens at once (build it with at "
+                             f"least the prompt length plus max_new_tokens)")
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.pisa.append(key_states, value_states)
@@ -279,21 +283,36 @@ class PisaStaticCache(StaticCache):
 
         from transformers import CompileConfig
         cache = PisaStaticCache(model.config, max_cache_len=prompt_len + 64)
+        # CompileConfig's default mode excludes options: CUDA graphs as Inductor's option.
+        steps = CompileConfig(backend="pisa", mode=None,
+                              options={"triton.cudagraphs": True, "min_seq_len": 0})
         out = model.generate(**inputs, max_new_tokens=64, past_key_values=cache,
-                             compile_config=CompileConfig(backend="pisa"))
+                             compile_config=steps)
 
     transformers compiles the decode steps itself when the cache is static (on CUDA), with
     ``compile_config`` (``mode="reduce-overhead"`` by default: CUDA graphs; with its default
     backend, Inductor, the steps run dense attention). Leave ``model.forward`` uncompiled:
     a forward compiled without CUDA graphs takes the steps over and runs them without
     graphs (``experiments/static_graph_probe.py``); the prefill is then eager and dense.
-    The steps' sites are rewritten from ``min_seq_len`` keys (the capacity; 32768 by
-    default). Beam search is not supported (``reorder_cache`` raises NotImplementedError).
+    The steps' sites are rewritten from the compile options' ``min_seq_len`` keys of
+    capacity (32768 by default); ``pisa_config`` sets the decode selection only.
+    ``sparse_from`` counts capacity (``PisaCache``'s counts keys held). transformers compiles
+    the steps on CUDA only; elsewhere they run through whatever forward you compiled. As
+    with ``StaticCache``, the batch is fixed at first use and a new prompt needs
+    ``reset()``. A ``copy.deepcopy`` registers its own buffers. Beam search is not
+    supported (``reorder_cache`` raises NotImplementedError).
 
     Raises:
         ValueError: ``max_cache_len`` < 1, ``sparse_from`` < 0, or ``offloading`` (its
-            prefetch swaps the layers' buffers for copies the pyramid does not see).
-        TypeError: ``pisa_config`` is not a PisaConfig.
+            prefetch swaps the layers' buffers for copies the pyramid does not see); at an
+            update, more tokens at once than ``max_cache_len`` (a later overflow is an
+            index error of ``index_copy_``: the length is on the device).
+        TypeError: ``config`` is not a model config, ``pisa_config`` is not a PisaConfig, or
+            a PisaConfig option is passed as a keyword.
+
+    Warns:
+        UserWarning: when it raises ``torch._dynamo.config.recompile_limit`` (as
+            :class:`PisaCache`).
     """
 
     def __init__(self, config, max_cache_len: int, pisa_config: Optional[PisaConfig] = None,
@@ -303,11 +322,22 @@ class PisaStaticCache(StaticCache):
             raise ValueError(f"PisaStaticCache: max_cache_len must be an int >= 1, got "
                              f"{max_cache_len!r}")
         check_options(pisa_config, sparse_from, "PisaStaticCache")
+        if not hasattr(config, "get_text_config"):
+            raise TypeError(f"PisaStaticCache: config must be the model's config (a "
+                            f"transformers PretrainedConfig, model.config), got "
+                            f"{type(config).__name__}")
+        misplaced = sorted(set(kwargs) & set(PisaConfig.field_names()))
+        if misplaced:
+            raise TypeError(f"PisaStaticCache: {misplaced} are PisaConfig options: pass "
+                            f"pisa_config=PisaConfig({misplaced[0]}=...)")
         if kwargs.get("offloading"):
             raise ValueError("PisaStaticCache: offloading is not supported (its prefetch "
                              "replaces the layers' key buffers, which the pyramid and the "
                              "decode lookup are tied to); use StaticCache(offloading=True)")
         super().__init__(config, max_cache_len, **kwargs)
+        # Each new batch, capacity or mask form compiles graphs of its own; past Dynamo's
+        # default limit of 8 the steps would run eagerly and densely, silently.
+        _raise_recompile_limit(_MIN_RECOMPILES)
         # Full-attention layers only: a sliding window's cache is small, dense is cheap.
         self.layers = [PisaStaticLayer(max_cache_len, pisa_config, sparse_from)
                        if type(layer) is StaticLayer else layer for layer in self.layers]

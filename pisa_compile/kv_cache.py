@@ -52,19 +52,19 @@ def decode_config(config: PisaConfig) -> PisaConfig:
                           min_seq_len=0)
 
 
-def sparse_worthy(keys: Tensor, values: Tensor, n_keys: int, config: PisaConfig,
+def sparse_worthy(keys: Tensor, values: Tensor, n_keys: int, step_config: PisaConfig,
                   sparse_from: Optional[int], cuda_graph: bool) -> bool:
     """The cost model: whether a decode step over ``n_keys`` cached keys (of the buffers
-    ``keys`` ``[B, Hkv, cap, D]`` and ``values``) is sparse: from ``sparse_from`` keys if
-    given, else once a dense step would read :data:`SPARSE_DECODE_BYTES` of K/V
-    (:data:`SPARSE_DECODE_BYTES_FLAT` while the step ranks every leaf box), the ``"graph"``
-    or ``"eager"`` row."""
+    ``keys`` ``[B, Hkv, cap, D]`` and ``values``, selecting with ``step_config``, a
+    :func:`decode_config`) is sparse: from ``sparse_from`` keys if given, else once a dense
+    step would read :data:`SPARSE_DECODE_BYTES` of K/V (:data:`SPARSE_DECODE_BYTES_FLAT`
+    while the step ranks every leaf box), the ``"graph"`` or ``"eager"`` row."""
     if sparse_from is not None:
         return n_keys >= sparse_from
     B, Hkv, _, D = keys.shape
     dense_bytes = B * Hkv * n_keys * (D + values.shape[3]) * keys.element_size()
     from .kernels.triton_select import runs_flat
-    flat = runs_flat(n_keys, **decode_config(config).selection_options())
+    flat = runs_flat(n_keys, **step_config.selection_options())
     table = SPARSE_DECODE_BYTES_FLAT if flat else SPARSE_DECODE_BYTES
     return dense_bytes >= table["graph" if cuda_graph else "eager"]
 
@@ -255,7 +255,7 @@ class PisaKVCache:
         t = self.keys if t is None else t
         if n_queries > DECODE_MAX_QUERIES or self._triton_refusal(t) is not None:
             return False
-        return sparse_worthy(self.keys, self.values, self.length, self.config,
+        return sparse_worthy(self.keys, self.values, self.length, self.decode_config,
                              self.sparse_from, self.cuda_graph)
 
     def attend(self, query: Tensor, *, scale: Optional[float] = None) -> Tensor:
@@ -486,12 +486,23 @@ class PisaStaticKVCache:
         """The keys a compiled step is handed: the whole buffer."""
         return self.keys.shape[2]
 
+    def __deepcopy__(self, memo):
+        # A copy (transformers' prompt reuse deep-copies a prefilled cache) holds buffers of
+        # its own: registered, or its steps would miss the registry and run dense.
+        import copy
+        new = object.__new__(type(self))
+        memo[id(self)] = new
+        for name, val in self.__dict__.items():
+            setattr(new, name, copy.deepcopy(val, memo))
+        persistent.register(new.keys, new)
+        return new
+
     def _sparse_worthy(self) -> bool:
         """Whether a one-query step is sparse (the Triton path, and the cost model at the
         capacity: dense SDPA over a static cache reads every slot)."""
         if dispatch.triton_refusal(self.keys, self.values, self.config.kernel) is not None:
             return False
-        return sparse_worthy(self.keys, self.values, self.keys.shape[2], self.config,
+        return sparse_worthy(self.keys, self.values, self.keys.shape[2], self.decode_config,
                              self.sparse_from, self.cuda_graph)
 
     def append(self, key: Tensor, value: Tensor) -> None:

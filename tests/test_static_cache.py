@@ -242,3 +242,36 @@ def test_static_layer_crop_rebuilds_the_pyramid():
     assert int(layer.cumulative_length) == 34
     _assert_capacity_counts(layer.pisa)
     assert_pyramid_is_scratch(_as_grown(layer.pisa))
+
+
+def test_static_cache_refuses_misplaced_arguments_and_a_long_prompt():
+    from pisa_compile.hf_cache import PisaStaticCache
+    m = tiny_generation_llama()
+    with pytest.raises(TypeError, match="model's config"):
+        PisaStaticCache(PisaConfig(), 48)
+    with pytest.raises(TypeError, match="PisaConfig options"):
+        PisaStaticCache(m.config, 48, top_k=4)
+    cache = PisaStaticCache(m.config, 8)
+    k = torch.zeros(1, 2, 9, 16)
+    with pytest.raises(ValueError, match="max_cache_len=8 is too small"):
+        cache.layers[0].update(k, k)
+
+
+def test_a_deep_copy_registers_its_own_buffers():
+    """transformers' prompt reuse deep-copies a prefilled cache: the copy's steps must find
+    their own pyramid."""
+    import copy
+
+    from pisa_compile.hf_cache import PisaStaticCache
+    from pisa_compile.kernels import persistent
+    cache = PisaStaticCache(tiny_generation_llama().config, 48, sparse_from=0,
+                            pisa_config=_cfg())
+    k = torch.randn(1, 2, 20, 16)
+    for layer in cache.layers:
+        layer.update(k, k)
+    dup = copy.deepcopy(cache)
+    for old, new in zip(cache.layers, dup.layers):
+        assert new.keys.data_ptr() != old.keys.data_ptr()
+        assert new.pisa.keys is new.keys and new.pisa.length is new.cumulative_length
+        assert persistent.lookup(new.keys) is new.pisa
+        assert persistent.lookup(old.keys) is old.pisa

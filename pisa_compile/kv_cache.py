@@ -412,7 +412,8 @@ def _(keys, values, length, hi, lo, cnt, lc, key_states, value_states, block_siz
 class PisaStaticKVCache:
     """PISA's persistent pyramid beside a static KV cache whose length lives on the device
     (transformers' ``StaticLayer``: ``cumulative_length``), so that decode steps compile
-    into one graph and replay from CUDA graphs (DESIGN.md "Persistent pyramid").
+    into one graph and replay from CUDA graphs (DESIGN.md "A static cache: the length on the
+    device").
 
     :meth:`append` writes new keys and values at the device length, advances it and updates
     the pyramid's boxes in one custom op (``pisa::static_append``), without reading anything

@@ -196,17 +196,16 @@ def build_pyramid(k: Tensor, key_live: Tensor, block_size: int, branching: int,
 @triton.jit
 def _box_leaf_kernel(k_ptr, km_ptr, hi_ptr, lo_ptr, cnt_ptr, lc_ptr, len_ptr,
                      skb, skh, skn, skd, smb, smn,
-                     Hkv, n_keys, leaf0, total, D,
+                     Hkv, n_keys, leaf0, n_new, total, D,
                      C: tl.constexpr, KC: tl.constexpr, BD: tl.constexpr,
                      HAS_KEY_MASK: tl.constexpr, DEV_LEN: tl.constexpr):
     """Leaf ``leaf0 + program_id(0)`` of head ``program_id(1)``: its box over the live keys
     (positions ``< n_keys`` that ``key_mask`` lets through), recomputed whole. ``DEV_LEN``:
-    ``n_keys`` is read from ``len_ptr`` and ``leaf0`` is the new keys' count, ``[n_keys -
-    leaf0, n_keys)`` (a static cache under a CUDA graph: no host length); programs past the
-    last leaf store nothing."""
+    ``n_keys`` is read from ``len_ptr``, the new keys are ``[n_keys - n_new, n_keys)`` and
+    ``leaf0`` is the first leaf holding one (a static cache under a CUDA graph: no host
+    length); programs past the last leaf store nothing."""
     last = leaf0 + tl.program_id(0)
     if DEV_LEN:
-        n_new = leaf0
         n_keys = tl.load(len_ptr).to(tl.int32)
         leaf0 = (n_keys - n_new) // C
         last = (n_keys - 1) // C
@@ -239,30 +238,31 @@ def _box_leaf_kernel(k_ptr, km_ptr, hi_ptr, lo_ptr, cnt_ptr, lc_ptr, len_ptr,
     zero = not_ok | (cnt == 0.0)
     out = bh.to(tl.int64) * total + leaf
     sm = dm & ((d * 0 + leaf) <= last)  # DEV_LEN: a program past the last leaf stores nothing
-    one = tl.zeros([1], tl.int32)
+    # One-element blocks: the interpreter refuses a scalar store mask.
+    at = tl.zeros([1], tl.int32)
     tl.store(hi_ptr + out * D + d, tl.where(zero, 0.0, mx).to(hi_ptr.dtype.element_ty), mask=sm)
     tl.store(lo_ptr + out * D + d, tl.where(zero, 0.0, mn).to(lo_ptr.dtype.element_ty), mask=sm)
-    tl.store(cnt_ptr + out + one, cnt + tl.zeros([1], tl.float32), mask=leaf + one <= last)
-    tl.store(lc_ptr + out + one, tl.where(not_ok, float("inf"), tl.log2(cnt))
-             + tl.zeros([1], tl.float32), mask=leaf + one <= last)
+    tl.store(cnt_ptr + out + at, cnt + tl.zeros([1], tl.float32), mask=leaf + at <= last)
+    tl.store(lc_ptr + out + at, tl.where(not_ok, float("inf"), tl.log2(cnt))
+             + tl.zeros([1], tl.float32), mask=leaf + at <= last)
 
 
 @triton.jit
-def _box_node_kernel(hi_ptr, lo_ptr, cnt_ptr, lc_ptr, len_ptr, node0, node1, off_prev, n_prev,
-                     off_cur, total, D, GB: tl.constexpr, GP: tl.constexpr, NB: tl.constexpr,
-                     BD: tl.constexpr, DEV_LEN: tl.constexpr, SPAN: tl.constexpr):
+def _box_node_kernel(hi_ptr, lo_ptr, cnt_ptr, lc_ptr, len_ptr, node0, node1, n_new, off_prev,
+                     n_prev, off_cur, total, D, GB: tl.constexpr, GP: tl.constexpr,
+                     NB: tl.constexpr, BD: tl.constexpr, DEV_LEN: tl.constexpr,
+                     SPAN: tl.constexpr):
     """Nodes ``[node0, node1]`` of one level (rows from ``off_cur``) of head
     ``program_id(1)``, ``NB`` per program: the union of their children's boxes (the level
     below, ``n_prev`` nodes from ``off_prev``), counts summed; a node over a non-finite box is
     not finite. One launch per level: a level reads only what earlier launches wrote (a
     single launch walking the levels with CTA barriers lost upper-level writes on the H200).
-    ``DEV_LEN``: the keys ``[n - node0, n)`` are new, ``n`` read from ``len_ptr``; a node of
-    this level spans ``SPAN`` keys."""
+    ``DEV_LEN``: the nodes over the new keys ``[n - n_new, n)``, ``n`` read from ``len_ptr``;
+    a node of this level spans ``SPAN`` keys."""
     if DEV_LEN:
         n_keys = tl.load(len_ptr).to(tl.int32)
-        first = (n_keys - node0) // SPAN
+        node0 = (n_keys - n_new) // SPAN
         node1 = (n_keys - 1) // SPAN
-        node0 = first
     bh = tl.program_id(1)
     node = node0 + tl.program_id(0) * NB + tl.arange(0, NB)
     nm = node <= node1
@@ -312,7 +312,7 @@ def append_boxes(pyramid: BoxPyramid, k: Tensor, start: int, end: int,
         raise ValueError(f"append_boxes: need 0 <= start < end <= capacity "
                          f"({pyramid.capacity}), got start={start}, end={end}")
     _check(pyramid, k, end, key_mask, "append_boxes")
-    _launch(pyramid, k, key_mask, None, start, end)
+    _launch(pyramid, k, key_mask, start=start, end=end)
 
 
 def append_boxes_at(pyramid: BoxPyramid, k: Tensor, length: Tensor, n_new: int,
@@ -343,7 +343,7 @@ def append_boxes_at(pyramid: BoxPyramid, k: Tensor, length: Tensor, n_new: int,
         raise ValueError(f"append_boxes_at: length must be one int32/int64 on {k.device}, got "
                          f"{tuple(length.shape)} {length.dtype} on {length.device}")
     _check(pyramid, k, pyramid.capacity, key_mask, "append_boxes_at")
-    _launch(pyramid, k, key_mask, length, n_new, None)
+    _launch(pyramid, k, key_mask, length=length, n_new=n_new)
 
 
 def _check(pyramid: BoxPyramid, k: Tensor, end: int, key_mask: Optional[Tensor],
@@ -361,18 +361,17 @@ def _check(pyramid: BoxPyramid, k: Tensor, end: int, key_mask: Optional[Tensor],
                          f"{pyramid.hi.dtype} on {pyramid.hi.device}")
 
 
-def _launch(pyramid: BoxPyramid, k: Tensor, key_mask: Optional[Tensor],
-            length: Optional[Tensor], start: int, end: Optional[int]) -> None:
-    """The launches of :func:`append_boxes` (``length`` None: keys ``[start, end)``) and of
-    :func:`append_boxes_at` (``start`` the new keys' count, the range read from ``length``)."""
+def _launch(pyramid: BoxPyramid, k: Tensor, key_mask: Optional[Tensor], *, start: int = 0,
+            end: int = 0, length: Optional[Tensor] = None, n_new: int = 0) -> None:
+    """The launches of :func:`append_boxes` (keys ``[start, end)``) and of
+    :func:`append_boxes_at` (``length`` given: ``n_new`` keys up to it, read on the device)."""
     B, Hkv, total, D = pyramid.hi.shape
     C, g = pyramid.block_size, pyramid.branching
     dev = length is not None
     if dev:
         # The most leaves n new keys can touch; each level's span below shrinks from it.
-        n_leaves = cdiv(start, C) + 1
-        leaf0, len_arg = start, length
-        a, z = 0, n_leaves - 1
+        leaf0, len_arg = 0, length  # leaf0: read on the device
+        a, z = 0, cdiv(n_new, C)
     else:
         leaf0, len_arg = start // C, pyramid.cnt  # unused
         a, z = leaf0, (end - 1) // C
@@ -385,7 +384,7 @@ def _launch(pyramid: BoxPyramid, k: Tensor, key_mask: Optional[Tensor],
         km_arg, sm = pyramid.cnt, (0, 0)  # unused
     launcher(_box_leaf_kernel, k)[(z - a + 1, B * Hkv)](
         k, km_arg, pyramid.hi, pyramid.lo, pyramid.cnt, pyramid.lc, len_arg, *k.stride(), *sm,
-        Hkv, 0 if dev else end, leaf0, total, D, C=C, KC=KC, BD=BD,
+        Hkv, end, leaf0, n_new, total, D, C=C, KC=KC, BD=BD,
         HAS_KEY_MASK=key_mask is not None, DEV_LEN=dev, num_warps=4)
     sizes = level_sizes(pyramid.capacity, C, g, pyramid.beam)
     offs = pyramid.level_offsets()
@@ -398,6 +397,6 @@ def _launch(pyramid: BoxPyramid, k: Tensor, key_mask: Optional[Tensor],
         NB = 16 if z - a < 16 else 64
         launcher(_box_node_kernel, k)[(triton.cdiv(z - a + 1, NB), B * Hkv)](
             pyramid.hi, pyramid.lo, pyramid.cnt, pyramid.lc, len_arg,
-            start if dev else a, z, offs[lev - 1], sizes[lev - 1], offs[lev], total, D,
+            a, z, n_new, offs[lev - 1], sizes[lev - 1], offs[lev], total, D,
             GB=g, GP=triton.next_power_of_2(g), NB=NB, BD=BD, DEV_LEN=dev,
             SPAN=span if dev else 1, num_warps=4)

@@ -81,6 +81,13 @@ from .triton_util import LOG2E
 
 
 @triton.jit
+def _device_offset(len_ptr, Nq):
+    """``DEV_LEN``'s causal offset: the live key count at ``len_ptr`` minus ``Nq`` (a static
+    cache's decode: no host length)."""
+    return tl.load(len_ptr).to(tl.int32) - Nq
+
+
+@triton.jit
 def _level_size(L, GB: tl.constexpr, lev):
     n = L
     for _ in range(lev):
@@ -514,7 +521,7 @@ def _select_kernel(
     cache's decode: no host length)."""
     scale = tl.cast(scale, tl.float32)  # Inductor may pass Python floats as fp64 scalars
     if DEV_LEN:
-        offset = tl.load(len_ptr).to(tl.int32) - Nq
+        offset = _device_offset(len_ptr, Nq)
     t = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // Hkv
@@ -685,7 +692,7 @@ def _rescore_kernel(
     """
     scale = tl.cast(scale, tl.float32)
     if DEV_LEN:
-        offset = tl.load(len_ptr).to(tl.int32) - Nq
+        offset = _device_offset(len_ptr, Nq)
     scr = scr_ptr + tl.program_id(0).to(tl.int64) * (W * RB)
     perm = perm_ptr + tl.program_id(0).to(tl.int64) * (2 * W)
     for tid in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
@@ -713,7 +720,7 @@ def _rescore_split_kernel(
     ``DEV_LEN``: as :func:`_select_kernel`."""
     scale = tl.cast(scale, tl.float32)
     if DEV_LEN:
-        offset = tl.load(len_ptr).to(tl.int32) - Nq
+        offset = _device_offset(len_ptr, Nq)
     tile = tl.program_id(0)
     t = tile % T
     bh = tile // T
@@ -906,7 +913,7 @@ def _flat_kernel(
     """
     scale = tl.cast(scale, tl.float32)
     if DEV_LEN:
-        offset = tl.load(len_ptr).to(tl.int32) - Nq
+        offset = _device_offset(len_ptr, Nq)
     qk_scale = scale * LOG2E
     rr = tl.arange(0, RB)
     d = tl.arange(0, BD)
@@ -1209,12 +1216,6 @@ def select_blocks(q: Tensor, k: Tensor, is_causal: bool, scale: float, *, block_
             ``key_length - Nq`` (``causal_offset`` is ignored), and keys past it must be
             masked by ``key_mask``, which the exact scores read.
 
-    Raises:
-        ValueError: a ``pyramid`` laid out for other options, dtype, device or shape; a
-            causal ``pyramid`` call whose keys outrun its queries; ``key_length`` without a
-            causal ``pyramid`` call and a ``key_mask``, or not one int32/int64 on ``q``'s
-            device; a walk pool wider than 1024 nodes per level.
-
     Returns:
         ``block_indices`` int32 ``[B, Hkv, T, M]`` (ascending, -1 padded, forced leaves
         included) and ``block_counts`` int32 ``[B, Hkv, T]``. ``top_k``, ``beam`` and
@@ -1222,8 +1223,10 @@ def select_blocks(q: Tensor, k: Tensor, is_causal: bool, scale: float, *, block_
 
     Raises:
         ValueError: a ``pyramid`` laid out for other options, dtype, device, head dim or
-            keys; a pool (the walk), shortlist or block list (exact scores) wider than 1024
-            nodes per tile (a Triton tensor holds at most 2**20 elements).
+            keys; a causal ``pyramid`` call whose keys outrun its queries; ``key_length``
+            without a causal ``pyramid`` call and a ``key_mask``, or not one int32/int64 on
+            ``q``'s device; a pool (the walk), shortlist or block list (exact scores) wider
+            than 1024 nodes per tile (a Triton tensor holds at most 2**20 elements).
     """
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]

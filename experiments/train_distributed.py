@@ -232,6 +232,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         # No site lost: every SDPA/softmax node of every graph became a rewritten site.
         ok = all(rep["rewritten"] == rep["attention_nodes"] > 0 and not rep["left_dense"]
                  for rep in reports)
+        # Every rank past its last collective before any tears the group down: a rank still
+        # in all_gather_object while rank 0 saves must not see its peer's socket close.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
     return 0 if ok else 1

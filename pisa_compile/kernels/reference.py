@@ -224,6 +224,56 @@ def leaf_states(p: _Problem) -> tuple[Tensor, Tensor]:
     return states, key_live
 
 
+def leaf_sums(k: Tensor, key_live: Tensor, block_size: int) -> tuple[Tensor, Tensor]:
+    """Per leaf block, the float32 sum of its live keys and their count.
+
+    Args:
+        k: ``[B, Hkv, Nk, D]``. key_live: bool ``[B, Hkv or 1, Nk]``.
+        block_size: keys per leaf ``C``; the last leaf may be short.
+
+    Returns:
+        ``sums`` ``[B, Hkv, ceil(Nk / C), D]`` and ``counts`` ``[B, Hkv, ceil(Nk / C)]``, both
+        float32. A leaf's sums are over its own keys only, so a shard of whole leaves gives
+        the same values as the whole sequence (context parallelism gathers them).
+    """
+    B, Hkv, Nk, D = k.shape
+    C = block_size
+    L = cdiv(Nk, C)
+    w = key_live.expand(B, Hkv, Nk).to(torch.float32)
+    pad = L * C - Nk
+    # where, not k * w: a NaN in a key no query sees must not reach a summary (0 * NaN).
+    kw = torch.nn.functional.pad(torch.where(w[..., None] > 0, k.float(), 0.0), (0, 0, 0, pad))
+    sums = kw.view(B, Hkv, L, C, D).sum(3)
+    n = torch.nn.functional.pad(w, (0, pad)).view(B, Hkv, L, C).sum(3)
+    return sums, n
+
+
+def pyramid_levels(sums: Tensor, counts: Tensor, n_keys: int, block_size: int, branching: int,
+                   beam: int) -> tuple[list[Tensor], list[Tensor]]:
+    """The pyramid over given leaf summaries (DESIGN.md "Leaves and pyramid").
+
+    Args:
+        sums, counts: float32 ``[B, Hkv, L, D]`` and ``[B, Hkv, L]``, as :func:`leaf_sums`
+            returns them for ``n_keys`` keys (``L = ceil(n_keys / block_size)``).
+        block_size, branching, beam: the PISA options of those names (``beam`` resolved).
+
+    Returns:
+        As :func:`build_pyramid`.
+    """
+    g = branching
+    mus, counts = [sums / counts.clamp(min=1)[..., None]], [counts]
+    B, Hkv, _, D = sums.shape
+    for _ in level_sizes(n_keys, block_size, g, beam)[1:]:
+        m = counts[-1].shape[-1]
+        pad = cdiv(m, g) * g - m
+        s = torch.nn.functional.pad(mus[-1] * counts[-1][..., None], (0, 0, 0, pad))
+        s = s.view(B, Hkv, -1, g, D).sum(3)
+        c = torch.nn.functional.pad(counts[-1], (0, pad)).view(B, Hkv, -1, g).sum(3)
+        mus.append(s / c.clamp(min=1)[..., None])
+        counts.append(c)
+    return mus, counts
+
+
 def build_pyramid(k: Tensor, key_live: Tensor, block_size: int, branching: int,
                   beam: int) -> tuple[list[Tensor], list[Tensor]]:
     """Leaf summaries and every level above, in float32 (DESIGN.md "Leaves and pyramid").
@@ -237,25 +287,8 @@ def build_pyramid(k: Tensor, key_live: Tensor, block_size: int, branching: int,
         ``counts[l]``: ``[B, Hkv, n_l]`` live keys under each node. The last level is the
         finest one with at most ``branching * beam`` nodes.
     """
-    B, Hkv, Nk, D = k.shape
-    C, g = block_size, branching
-    L = cdiv(Nk, C)
-    w = key_live.expand(B, Hkv, Nk).to(torch.float32)
-    pad = L * C - Nk
-    # where, not k * w: a NaN in a key no query sees must not reach a summary (0 * NaN).
-    kw = torch.nn.functional.pad(torch.where(w[..., None] > 0, k.float(), 0.0), (0, 0, 0, pad))
-    sums = kw.view(B, Hkv, L, C, D).sum(3)
-    n = torch.nn.functional.pad(w, (0, pad)).view(B, Hkv, L, C).sum(3)
-    mus, counts = [sums / n.clamp(min=1)[..., None]], [n]
-    for _ in level_sizes(Nk, C, g, beam)[1:]:
-        m = counts[-1].shape[-1]
-        pad = cdiv(m, g) * g - m
-        s = torch.nn.functional.pad(mus[-1] * counts[-1][..., None], (0, 0, 0, pad))
-        s = s.view(B, Hkv, -1, g, D).sum(3)
-        c = torch.nn.functional.pad(counts[-1], (0, pad)).view(B, Hkv, -1, g).sum(3)
-        mus.append(s / c.clamp(min=1)[..., None])
-        counts.append(c)
-    return mus, counts
+    sums, n = leaf_sums(k, key_live, block_size)
+    return pyramid_levels(sums, n, k.shape[2], block_size, branching, beam)
 
 
 class Boxes(NamedTuple):
@@ -431,7 +464,9 @@ def select_blocks(q: Tensor, k: Tensor, attn_mask: Optional[Tensor], is_causal: 
                   *, block_size: int, top_k: int, branching: int, beam: int, sink_blocks: int,
                   local_blocks: int, query_tile: int, leaf_scoring: str, shortlist: int = 0,
                   bound_block: int = 0, flat_leaves: int = 0, key_mask: Optional[Tensor] = None,
-                  causal_offset: int = 0) -> tuple[Tensor, Tensor]:
+                  causal_offset: int = 0,
+                  pyramid: Optional[tuple[list[Tensor], list[Tensor]]] = None
+                  ) -> tuple[Tensor, Tensor]:
     """Coarse-to-fine top-K leaf selection per query tile (DESIGN.md "Coarse-to-fine selection").
 
     Args:
@@ -444,11 +479,21 @@ def select_blocks(q: Tensor, k: Tensor, attn_mask: Optional[Tensor], is_causal: 
         (``beam`` resolved, never None; ``shortlist`` and ``bound_block`` 0 for None); a
         call with at most ``flat_leaves`` leaves raises its beam to one level
         (:func:`geometry.flat_beam`).
+        pyramid: ``(mus, counts)`` as :func:`build_pyramid` returns them for these keys (with
+            the raised beam), or None to build it from ``k``. Given one, pooled scores read
+            no key: context parallelism selects over gathered summaries this way, with ``k``
+            standing for the keys' shape only.
 
     Returns:
         ``block_indices`` int32 ``[B, Hkv, T, M]`` (ascending, -1 padded; forced leaves
         included) and ``block_counts`` int32 ``[B, Hkv, T]``.
+
+    Raises:
+        ValueError: a ``pyramid`` with ``bound_block`` (its boxes are built from the keys).
     """
+    if pyramid is not None and bound_block:
+        raise ValueError("select_blocks: a given pyramid needs bound_block=0 (box bounds are "
+                         "built from the keys)")
     p = _Problem.make(q, k, attn_mask, is_causal, block_size, query_tile, key_mask, causal_offset)
     beam = flat_beam(p.Nk, block_size, branching, beam, flat_leaves, leaf_scoring=leaf_scoring,
                      shortlist=shortlist, bound_block=bound_block)
@@ -458,8 +503,11 @@ def select_blocks(q: Tensor, k: Tensor, attn_mask: Optional[Tensor], is_causal: 
     dev = q.device
     states, key_live = leaf_states(p)
     states = states.to(dev)
-    with stage_range("pisa.pyramid", k):
-        mus, counts = build_pyramid(k, key_live.to(dev), block_size, branching, beam)
+    if pyramid is None:
+        with stage_range("pisa.pyramid", k):
+            mus, counts = build_pyramid(k, key_live.to(dev), block_size, branching, beam)
+    else:
+        mus, counts = pyramid
     n_levels = len(mus)
     biases = _bias_levels(p, key_live.to(dev), n_levels, g)
     boxes = None

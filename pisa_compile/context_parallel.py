@@ -1,0 +1,355 @@
+"""Context-parallel PISA: causal attention over a sequence sharded across ranks (DESIGN.md
+"Context parallelism").
+
+Each of the ``W`` ranks of a process group holds two of the sequence's ``2W`` equal chunks,
+the zig-zag layout that balances causal work (rank ``r``: chunks ``r`` and ``2W - 1 - r``;
+:func:`zigzag_shard`). A call
+
+1. sums each local leaf block of keys and all-gathers those sums: ``N / C * D`` floats per
+   KV head instead of the ``2 * N * D`` keys and values ring attention passes around;
+2. builds the pyramid over the whole sequence from them and selects, for its own query tiles,
+   the top-K blocks coarse to fine with pooled leaf scores (no key is read to select);
+3. fetches from their owners only the K/V blocks it chose, per batch row and KV head
+   (``all_to_all_single``); the backward sends their gradients back the same way;
+4. runs PISA's block-sparse attention over them.
+
+The selection is the one single-process PISA makes with the same options, so the outputs and
+gradients equal single-process :func:`~pisa_compile.ops.pisa_attention` up to the order of
+float sums (``tests/test_context_parallel.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .config import PisaConfig
+from .kernels import dispatch, reference
+from .kernels.geometry import flat_beam
+from .ops import _Attention
+
+__all__ = ["context_parallel_attention", "zigzag_shard", "zigzag_unshard", "CP_CONFIG"]
+
+# Pooled leaves: exact leaf scores and box bounds would read the keys of candidate leaves,
+# which other ranks hold. No dense tail: its rows (the last chunk's, on rank 0) would need
+# every key.
+CP_CONFIG = PisaConfig(leaf_scoring="pooled", shortlist=None, bound_block=None, dense_tail=0,
+                       min_seq_len=0)
+
+
+def zigzag_shard(x: Tensor, rank: int, world_size: int, dim: int = 2) -> Tensor:
+    """Rank ``rank``'s part of ``x`` in the zig-zag layout: of ``x`` cut along ``dim`` into
+    ``2 * world_size`` equal chunks, chunks ``rank`` and ``2 * world_size - 1 - rank``,
+    concatenated (a copy).
+
+    Args:
+        x: any tensor; ``x.shape[dim]`` a multiple of ``2 * world_size``.
+        rank: in ``[0, world_size)``. world_size: int >= 1. dim: the sequence dimension
+            (2 for ``[B, H, N, D]``).
+
+    Raises:
+        ValueError: a ``rank`` out of range, or a length not divisible into the chunks.
+    """
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"zigzag_shard: rank must be in [0, world_size={world_size}), "
+                         f"got {rank}")
+    n = x.shape[dim]
+    if n % (2 * world_size):
+        raise ValueError(f"zigzag_shard: x.shape[{dim}]={n} must be a multiple of "
+                         f"2 * world_size = {2 * world_size}")
+    chunks = x.chunk(2 * world_size, dim)
+    return torch.cat([chunks[rank], chunks[2 * world_size - 1 - rank]], dim)
+
+
+def zigzag_unshard(shards: Sequence[Tensor], dim: int = 2) -> Tensor:
+    """The inverse of :func:`zigzag_shard`: ``shards[r]`` is rank ``r``'s part (for example
+    from ``torch.distributed.all_gather``); returns the whole sequence along ``dim``.
+
+    Raises:
+        ValueError: no shards, shards of different shapes, or of odd length along ``dim``.
+    """
+    if not shards or any(s.shape != shards[0].shape for s in shards):
+        raise ValueError("zigzag_unshard: shards must be one tensor per rank, all of one shape")
+    if shards[0].shape[dim] % 2:
+        raise ValueError(f"zigzag_unshard: each shard holds two equal chunks along dim {dim}, "
+                         f"got length {shards[0].shape[dim]}")
+    W = len(shards)
+    pieces: list = [None] * (2 * W)
+    for r, s in enumerate(shards):
+        pieces[r], pieces[2 * W - 1 - r] = s.chunk(2, dim)
+    return torch.cat(pieces, dim)
+
+
+class _Layout(NamedTuple):
+    """The zig-zag layout of one call, in leaves (blocks of ``block_size`` keys)."""
+
+    world: int
+    rank: int
+    chunk: int  # keys per chunk (S)
+    leaves: int  # leaves per chunk (S / C)
+
+    @property
+    def chunks(self) -> tuple[int, int]:
+        return self.rank, 2 * self.world - 1 - self.rank
+
+    def owner(self, leaf: Tensor) -> Tensor:
+        c = leaf // self.leaves
+        return torch.where(c < self.world, c, 2 * self.world - 1 - c)
+
+    def slot(self, leaf: Tensor) -> Tensor:
+        """A leaf's index among its owner's ``2 * leaves`` local leaves."""
+        c = leaf // self.leaves
+        return torch.where(c < self.world, 0, self.leaves) + leaf % self.leaves
+
+
+def _check(q: Tensor, k: Tensor, v: Tensor, enable_gqa: bool, config: PisaConfig,
+           world: int) -> tuple[int, int]:
+    if q.dtype != k.dtype or q.dtype != v.dtype or q.device != k.device or (
+            q.device != v.device):
+        raise ValueError(f"context_parallel_attention: q, k and v must share one dtype and "
+                         f"device, got {q.dtype}/{k.dtype}/{v.dtype} on "
+                         f"{q.device}/{k.device}/{v.device}")
+    B, Hq, N, D = q.shape
+    if k.shape[:3] != v.shape[:3] or k.shape[0] != B or k.shape[2] != N or k.shape[3] != D:
+        raise ValueError(f"context_parallel_attention: k must be [B, Hkv, N_local, D] and v "
+                         f"[B, Hkv, N_local, Dv] for q {list(q.shape)}, got k {list(k.shape)}, "
+                         f"v {list(v.shape)}")
+    Hkv = k.shape[1]
+    if Hq != Hkv and not (enable_gqa and Hq % Hkv == 0):
+        raise ValueError(f"context_parallel_attention: {Hq} query heads and {Hkv} KV heads "
+                         "need enable_gqa=True and Hq a multiple of Hkv")
+    if config.leaf_scoring != "pooled" or config.effective_bound_block:
+        raise ValueError("context_parallel_attention: config needs leaf_scoring='pooled' and "
+                         "bound_block=None (exact leaf scores and box bounds read the keys of "
+                         "candidate leaves, which other ranks hold), got "
+                         f"leaf_scoring={config.leaf_scoring!r}, "
+                         f"bound_block={config.bound_block}; start from CP_CONFIG")
+    if config.dense_tail:
+        raise ValueError("context_parallel_attention: config.dense_tail must be 0 (the tail's "
+                         f"dense rows would need every key), got {config.dense_tail}")
+    if config.local_blocks < 1:
+        raise ValueError("context_parallel_attention: config.local_blocks must be >= 1 (the "
+                         "leaves a tile's own positions touch are partly hidden from it and "
+                         "need exact scores otherwise)")
+    C, Tq = config.block_size, config.query_tile
+    if N % 2 or (N // 2) % C or (N // 2) % Tq:
+        raise ValueError(f"context_parallel_attention: the local length {N} must be two chunks "
+                         f"whose length is a multiple of block_size={C} and query_tile={Tq} "
+                         f"(a global length that is a multiple of "
+                         f"{2 * world * math.lcm(C, Tq)} for {world} ranks)")
+    return Hkv, N // 2
+
+
+def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: Optional[float] = None,
+                               enable_gqa: bool = False,
+                               group: Optional[dist.ProcessGroup] = None,
+                               config: Optional[PisaConfig] = None) -> Tensor:
+    """Causal PISA attention of a sequence sharded across the ranks of ``group``.
+
+    Every rank calls it with its zig-zag part of the same global batch (:func:`zigzag_shard`
+    along the sequence dimension of ``q``, ``k`` and ``v``). It is differentiable: the
+    gradients of the fetched K/V blocks return to their owners, so each rank gets ``dq``,
+    ``dk`` and ``dv`` of its own part. Not traceable by ``torch.compile`` (collectives with
+    data-dependent sizes): call it eagerly, or from a region Dynamo runs eagerly.
+
+    Args:
+        q: ``[B, Hq, N_local, D]`` float16, bfloat16 or float32; ``N_local = 2 * S`` with the
+            chunk length ``S`` a multiple of ``config.block_size`` and ``config.query_tile``.
+        k: ``[B, Hkv, N_local, D]``; v: ``[B, Hkv, N_local, Dv]``; same dtype and device.
+        scale: softmax scale; default ``1 / sqrt(D)``.
+        enable_gqa: allow ``Hq != Hkv`` (``Hq`` a multiple of ``Hkv``).
+        group: the process group (default: the world); every member must pass the same
+            shapes, options and ``config``.
+        config: a :class:`~pisa_compile.PisaConfig` with pooled leaves, no box bounds, no
+            dense tail and ``local_blocks >= 1``; default :data:`CP_CONFIG`.
+            ``min_seq_len`` is ignored: the call is always sparse.
+
+    Returns:
+        ``[B, Hq, N_local, Dv]``, this rank's rows of single-process PISA with ``config`` on
+        the whole sequence (query ``i`` sees keys ``j <= i``).
+
+    Raises:
+        RuntimeError: ``torch.distributed`` is not initialized.
+        ValueError: bad shapes, dtypes, options or ``config``; the message names the argument.
+            Ranks with different shapes are found by a small all-gather and refused.
+
+    Bytes per call and rank (``torch._dynamo.utils.counters["pisa"]``): ``cp_summary_bytes``
+    (the leaf sums received) and ``cp_block_bytes`` (the K/V blocks received).
+    Method: PISA's selection (DESIGN.md "The algorithm") over all-gathered leaf summaries;
+    the zig-zag layout as in ring-attention implementations of causal context parallelism.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("context_parallel_attention: torch.distributed is not initialized "
+                           "(call torch.distributed.init_process_group first)")
+    config = CP_CONFIG if config is None else config
+    if not isinstance(config, PisaConfig):
+        raise ValueError(f"context_parallel_attention: config must be a PisaConfig, got "
+                         f"{type(config).__name__}")
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if not all(isinstance(t, Tensor) and t.dim() == 4 for t in (q, k, v)):
+        raise ValueError("context_parallel_attention: q, k and v must be 4-D tensors "
+                         "[B, H, N_local, D]")
+    # First, so that every rank refuses a mismatch together instead of some waiting.
+    _check_same_shapes(q, k, v, group, world)
+    Hkv, S = _check(q, k, v, enable_gqa, config, world)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    lay = _Layout(world, rank, S, S // config.block_size)
+    if q.device.type == "cuda":
+        dispatch._warn_once("context parallelism selects in PyTorch over the gathered "
+                            "summaries (no Triton selection from summaries yet)",
+                            "the attention itself runs on PISA's kernels")
+
+    mus, counts = _gathered_pyramid(k, lay, config, group)
+    selections = [_select_chunk(q, i, lay, Hkv, mus, counts, config, scale) for i in range(2)]
+    k_ctx, v_ctx = _context(k, v, selections, lay, config, group)
+    outs = []
+    for i, (c, (block_indices, block_counts)) in enumerate(zip(lay.chunks, selections)):
+        end = (c + 1) * S  # keys the chunk's queries can see
+        qc = q[:, :, i * S:(i + 1) * S]
+        kc, vc = k_ctx[:, :, :end], v_ctx[:, :, :end]
+        how = dispatch.plan(qc, kc, vc, None, True, kernel=config.kernel,
+                            local_blocks=config.local_blocks)
+        out, _lse = _Attention.apply(qc, kc, vc, None, None, block_indices, block_counts, True,
+                                     c * S, scale, config.block_size, config.query_tile,
+                                     how.attention, 0)
+        outs.append(out)
+    return torch.cat(outs, dim=2)
+
+
+def _check_same_shapes(q: Tensor, k: Tensor, v: Tensor, group, world: int) -> None:
+    mine = torch.tensor([*q.shape, *k.shape, *v.shape], device=q.device)
+    every = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine, group=group)
+    if any(not torch.equal(s, mine) for s in every):
+        raise ValueError("context_parallel_attention: every rank must pass q, k and v of the "
+                         "same shapes (q, k, v sizes per rank: "
+                         f"{[s.view(3, 4).tolist() for s in every]})")
+
+
+def _gathered_pyramid(k: Tensor, lay: _Layout, config: PisaConfig, group):
+    """The pyramid over the whole sequence, from every rank's leaf sums."""
+    B, Hkv, _, D = k.shape
+    live = torch.ones(1, 1, k.shape[2], dtype=torch.bool, device=k.device)
+    sums, n = reference.leaf_sums(k.detach(), live, config.block_size)  # [B, Hkv, 2l, D]
+    parts = [torch.empty_like(sums) for _ in range(lay.world)]
+    dist.all_gather(parts, sums.contiguous(), group=group)
+    _count_bytes("cp_summary_bytes", sum(p.numel() * p.element_size() for r, p in
+                                         enumerate(parts) if r != lay.rank))
+    leaf_sums = zigzag_unshard(parts, dim=2)  # [B, Hkv, L, D], in sequence order
+    n_leaves = leaf_sums.shape[2]
+    counts = n.new_full((B, Hkv, n_leaves), float(config.block_size))  # every key is live
+    n_keys = n_leaves * config.block_size
+    beam = _beam(n_keys, config)
+    return reference.pyramid_levels(leaf_sums, counts, n_keys, config.block_size,
+                                    config.branching, beam)
+
+
+def _beam(n_keys: int, config: PisaConfig) -> int:
+    (_, _, branching, beam, _, _, _, leaf_scoring, shortlist, bound_block,
+     flat_leaves) = config.selection_args()
+    return flat_beam(n_keys, config.block_size, branching, beam, flat_leaves,
+                     leaf_scoring=leaf_scoring, shortlist=shortlist, bound_block=bound_block)
+
+
+def _select_chunk(q: Tensor, i: int, lay: _Layout, Hkv: int, mus, counts, config: PisaConfig,
+                  scale: float) -> tuple[Tensor, Tensor]:
+    """Local chunk ``i``'s selection over the whole sequence's pyramid (the keys stand in
+    as a meta tensor of their shape: pooled scores read none)."""
+    S, c = lay.chunk, lay.chunks[i]
+    qc = q[:, :, i * S:(i + 1) * S].detach()
+    n_keys = 2 * lay.world * S
+    k_shape = torch.empty((q.shape[0], Hkv, n_keys, q.shape[3]), device="meta", dtype=q.dtype)
+    (block_size, top_k, branching, _, sink_blocks, local_blocks, query_tile, leaf_scoring,
+     shortlist, bound_block, flat_leaves) = config.selection_args()
+    return reference.select_blocks(
+        qc, k_shape, None, True, scale, block_size=block_size, top_k=top_k,
+        branching=branching, beam=_beam(n_keys, config), sink_blocks=sink_blocks,
+        local_blocks=local_blocks, query_tile=query_tile, leaf_scoring=leaf_scoring,
+        shortlist=shortlist, bound_block=bound_block, flat_leaves=flat_leaves,
+        causal_offset=c * S, pyramid=(mus, counts))
+
+
+def _context(k: Tensor, v: Tensor, selections, lay: _Layout, config: PisaConfig, group):
+    """K and V of every key the local chunks see, ``[B, Hkv, end, D]`` and ``[..., Dv]``
+    (``end`` = the second chunk's end): the local chunks and the fetched blocks in place,
+    zeros in the blocks nobody selected (never read)."""
+    B, Hkv, _, D = k.shape
+    C, W = config.block_size, lay.world
+    n_leaves = 2 * W * lay.leaves
+    dev = k.device
+    # Blocks this rank's tiles chose, per (batch row, KV head), owned elsewhere.
+    need = torch.zeros(B, Hkv, n_leaves + 1, dtype=torch.bool, device=dev)
+    for block_indices, _ in selections:
+        idx = torch.where(block_indices < 0, n_leaves, block_indices).long().flatten(2)
+        need.scatter_(2, idx, True)
+    need = need[..., :n_leaves]
+    leaf = torch.arange(n_leaves, device=dev)
+    owner = lay.owner(leaf)
+    need &= owner != lay.rank
+    needs = [torch.empty_like(need, dtype=torch.uint8) for _ in range(W)]
+    dist.all_gather(needs, need.to(torch.uint8), group=group)
+
+    # Sends, to each rank in turn: the blocks it needs that this rank owns, in (b, h, leaf)
+    # order; receives, from each rank in turn, in the same order. Every rank derives both
+    # from the gathered needs.
+    send_idx, send_splits, recv_pos, recv_splits = [], [], [], []
+    mine = owner == lay.rank
+    for r in range(W):
+        b, h, l = torch.nonzero(needs[r].bool() & mine, as_tuple=True)
+        send_idx.append((b * Hkv + h) * 2 * lay.leaves + lay.slot(l))
+        send_splits.append(len(l))
+        b, h, l = torch.nonzero(need & (owner == r), as_tuple=True)
+        recv_pos.append(torch.stack([b, h, l]))
+        recv_splits.append(len(l))
+    kv = torch.cat([k, v], -1)  # one message for both
+    E = kv.shape[-1]
+    local_blocks = kv.view(B * Hkv * 2 * lay.leaves, C, E)
+    recv = _FetchBlocks.apply(local_blocks, torch.cat(send_idx), send_splits, recv_splits,
+                              group)
+    _count_bytes("cp_block_bytes", recv.numel() * recv.element_size())
+
+    # The local chunks' blocks and the fetched ones, placed by (b, h, leaf).
+    L_end = (lay.chunks[1] + 1) * lay.leaves
+    b, h, s = torch.meshgrid(torch.arange(B, device=dev), torch.arange(Hkv, device=dev),
+                             torch.arange(2 * lay.leaves, device=dev), indexing="ij")
+    c = torch.where(s < lay.leaves, lay.chunks[0], lay.chunks[1])
+    own = torch.stack([b.flatten(), h.flatten(), (c * lay.leaves + s % lay.leaves).flatten()])
+    pos = torch.cat([own, *recv_pos], 1)
+    values = torch.cat([local_blocks, recv], 0)
+    ctx = kv.new_zeros(B, Hkv, L_end, C, E).index_put((pos[0], pos[1], pos[2]), values)
+    ctx = ctx.view(B, Hkv, L_end * C, E)
+    return ctx[..., :D].contiguous(), ctx[..., D:].contiguous()
+
+
+class _FetchBlocks(torch.autograd.Function):
+    """The K/V blocks other ranks need, sent; the ones this rank needs, received
+    (``all_to_all_single``). Backward: their gradients back to the owners, summed there."""
+
+    @staticmethod
+    def forward(ctx, local_blocks: Tensor, send_idx: Tensor, send_splits: list,
+                recv_splits: list, group) -> Tensor:
+        send = local_blocks.index_select(0, send_idx)
+        recv = local_blocks.new_empty((sum(recv_splits), *local_blocks.shape[1:]))
+        dist.all_to_all_single(recv, send, recv_splits, send_splits, group=group)
+        ctx.save_for_backward(send_idx)
+        ctx.splits, ctx.group, ctx.n_local = (send_splits, recv_splits), group, len(local_blocks)
+        return recv
+
+    @staticmethod
+    def backward(ctx, grad_recv: Tensor):
+        (send_idx,) = ctx.saved_tensors
+        send_splits, recv_splits = ctx.splits
+        grad_send = grad_recv.new_empty((sum(send_splits), *grad_recv.shape[1:]))
+        dist.all_to_all_single(grad_send, grad_recv.contiguous(), send_splits, recv_splits,
+                               group=ctx.group)
+        grad = grad_recv.new_zeros((ctx.n_local, *grad_recv.shape[1:]))
+        return grad.index_add_(0, send_idx, grad_send), None, None, None, None
+
+
+def _count_bytes(name: str, n: int) -> None:
+    from torch._dynamo.utils import counters
+    counters["pisa"][name] += int(n)

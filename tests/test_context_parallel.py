@@ -1,0 +1,227 @@
+"""Context-parallel PISA (issue #17, ``pisa_compile.context_parallel``): 1, 2 and 4 gloo
+processes on the CPU, each with its zig-zag part of one sequence, against single-process
+``pisa_attention`` with the same options on the whole sequence: the outputs and the
+gradients of every rank's q, k and v, the selection tile by tile, and the bytes received
+(exactly the chosen blocks that other ranks own)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch
+
+if not (torch.distributed.is_available() and torch.distributed.is_gloo_available()):
+    pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
+
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+from pisa_compile import PisaConfig  # noqa: E402
+from pisa_compile import context_parallel as cp  # noqa: E402
+from pisa_compile.ops import pisa_attention, select_blocks  # noqa: E402
+
+# Small options so that a few hundred keys span several pyramid levels and the pick is
+# sparse (3 of up to 32 leaves per tile, besides the sink and local leaves).
+SMALL = cp.CP_CONFIG.replace(block_size=16, query_tile=16, top_k=3, beam=4)
+# (B, Hq, Hkv, N, D, Dv, config changes): GQA and MHA, Dv != D, query tiles narrower
+# and wider than a leaf, more local leaves and sinks, branching 4.
+CASES = [
+    (2, 4, 2, 512, 16, 16, {}),
+    (1, 2, 2, 256, 8, 12, dict(query_tile=32)),
+    (1, 6, 2, 768, 16, 8, dict(local_blocks=3, sink_blocks=2, branching=4, top_k=5)),
+    (2, 4, 1, 512, 8, 8, dict(block_size=32, query_tile=16, top_k=2)),
+]
+TOL = dict(atol=2e-5, rtol=1e-4)  # fp32; only the order of gradient sums differs
+
+
+def _inputs(case, seed):
+    B, Hq, Hkv, N, D, Dv, _ = case
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(B, Hq, N, D, generator=g), torch.randn(B, Hkv, N, D, generator=g),
+            torch.randn(B, Hkv, N, Dv, generator=g), torch.randn(B, Hq, N, Dv, generator=g))
+
+
+def _expected_block_bytes(config, q, k, v, rank, world):
+    """Bytes of the K/V blocks this rank's tiles select that other ranks own, from the
+    single-process selection (the union per batch row and KV head)."""
+    bi, _ = select_blocks(q, k, is_causal=True, enable_gqa=True, config=config)
+    T, C = bi.shape[2], config.block_size
+    tiles_per_chunk = T // (2 * world)
+    mine = torch.zeros(bi.shape[:2] + (T,), dtype=torch.bool)
+    for c in (rank, 2 * world - 1 - rank):
+        mine[:, :, c * tiles_per_chunk:(c + 1) * tiles_per_chunk] = True
+    L = k.shape[2] // C
+    need = torch.zeros(bi.shape[0], bi.shape[1], L + 1, dtype=torch.bool)
+    idx = torch.where((bi >= 0) & mine[..., None], bi, L).long().flatten(2)
+    need.scatter_(2, idx, True)
+    leaves_per_chunk = L // (2 * world)
+    chunk = torch.arange(L) // leaves_per_chunk
+    owner = torch.where(chunk < world, chunk, 2 * world - 1 - chunk)
+    n = (need[..., :L] & (owner != rank)).sum().item()
+    return n * C * (k.shape[3] + v.shape[3]) * k.element_size()
+
+
+def _worker(rank, world, path, kernel, cases):
+    from torch._dynamo.utils import counters
+
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
+    try:
+        for i, case in enumerate(cases):
+            config = SMALL.replace(kernel=kernel, **case[-1])
+            q, k, v, go = _inputs(case, seed=i)
+            ql, kl, vl = (cp.zigzag_shard(x, rank, world).requires_grad_() for x in (q, k, v))
+            counters.clear()
+            out = cp.context_parallel_attention(ql, kl, vl, enable_gqa=True, config=config)
+            out.backward(cp.zigzag_shard(go, rank, world))
+            got = dict(counters["pisa"])
+
+            # Single-process PISA on the whole sequence, on every rank (small).
+            qf, kf, vf = (x.clone().requires_grad_() for x in (q, k, v))
+            ref = pisa_attention(qf, kf, vf, is_causal=True, enable_gqa=True, config=config)
+            ref.backward(go)
+            for name, a, b in [("out", out, ref), ("dq", ql.grad, qf.grad),
+                               ("dk", kl.grad, kf.grad), ("dv", vl.grad, vf.grad)]:
+                torch.testing.assert_close(a, cp.zigzag_shard(b, rank, world), **TOL,
+                                           msg=lambda m: f"case {i} rank {rank} {name}: {m}")
+            expected = _expected_block_bytes(config, q, k, v, rank, world)
+            assert got.get("cp_block_bytes", 0) == expected, (i, rank, got, expected)
+            L = case[3] // config.block_size
+            summaries = (world - 1) * (L // world) * case[2] * case[0] * case[4] * 4
+            assert got.get("cp_summary_bytes", 0) == summaries, (i, rank, got, summaries)
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(fn, world, *args):
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(fn, args=(world, os.path.join(d, "store"), *args), nprocs=world)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_equals_single_process_pisa(world):
+    """Outputs, dq, dk and dv of every rank equal single-process PISA's rows (4 shapes per
+    world size: GQA and MHA, Dv != D, tiles narrower and wider than a leaf, branching 4), and
+    each rank receives exactly the bytes of the chosen blocks it does not own and the other
+    ranks' leaf sums. Equal outputs mean equal selections: with random keys, one different
+    block moves the rows far past the tolerance."""
+    _spawn(_worker, world, "reference", CASES)
+
+
+def test_equals_single_process_on_the_triton_kernels():
+    """The same with ``kernel="triton"`` (the interpreter here, as on CUDA), two ranks."""
+    _spawn(_worker, 2, "triton", CASES[:1])
+
+
+def _select_worker(rank, world, path):
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
+    try:
+        case = CASES[2]
+        config = SMALL.replace(**case[-1])
+        q, k, _, _ = _inputs(case, seed=7)
+        ql, kl = cp.zigzag_shard(q, rank, world), cp.zigzag_shard(k, rank, world)
+        lay = cp._Layout(world, rank, ql.shape[2] // 2, ql.shape[2] // 2 // config.block_size)
+        mus, counts = cp._gathered_pyramid(kl, lay, config, None)
+        whole, whole_counts = select_blocks(q, k, is_causal=True, enable_gqa=True,
+                                            config=config)
+        tiles = lay.chunk // config.query_tile
+        for i, c in enumerate(lay.chunks):
+            bi, bc = cp._select_chunk(ql, i, lay, k.shape[1], mus, counts, config,
+                                      q.shape[-1] ** -0.5)
+            assert torch.equal(bi, whole[:, :, c * tiles:(c + 1) * tiles]), (rank, c)
+            assert torch.equal(bc, whole_counts[:, :, c * tiles:(c + 1) * tiles]), (rank, c)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_selection_equals_single_process_tile_by_tile():
+    """Each rank's block lists, selected over the gathered leaf sums, are the single-process
+    selection's lists of its tiles, bit for bit (3 ranks, 6 chunks)."""
+    _spawn(_select_worker, 3)
+
+
+def _mismatch_worker(rank, world, path):
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
+    try:
+        n = 128 if rank == 0 else 256
+        x = torch.randn(1, 2, n, 8)
+        with pytest.raises(ValueError, match="same shapes"):
+            cp.context_parallel_attention(x, x, x, config=SMALL)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_with_different_shapes_are_all_refused():
+    """A rank passing another length is refused on every rank (none is left waiting in a
+    collective)."""
+    _spawn(_mismatch_worker, 2)
+
+
+def test_needs_an_initialized_process_group():
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    x = torch.randn(1, 2, 64, 8)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        cp.context_parallel_attention(x, x, x)
+
+
+@pytest.fixture
+def one_rank():
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(config=PisaConfig(min_seq_len=0)), "leaf_scoring='pooled'"),
+    (dict(config=cp.CP_CONFIG.replace(bound_block=16)), "bound_block=None"),
+    (dict(config=SMALL.replace(dense_tail=16)), "dense_tail must be 0"),
+    (dict(config=SMALL.replace(local_blocks=0)), "local_blocks must be >= 1"),
+    (dict(config={"top_k": 3}), "must be a PisaConfig"),
+])
+def test_bad_config_is_refused_by_name(one_rank, kwargs, match):
+    x = torch.randn(1, 2, 64, 8)
+    with pytest.raises(ValueError, match=match):
+        cp.context_parallel_attention(x, x, x, **kwargs)
+
+
+@pytest.mark.parametrize("q, k, v, match", [
+    ((1, 2, 64, 8), (1, 2, 64), (1, 2, 64, 8), "4-D"),
+    ((1, 4, 64, 8), (1, 2, 64, 8), (1, 2, 64, 8), "enable_gqa=True"),
+    ((1, 2, 64, 8), (1, 2, 64, 4), (1, 2, 64, 8), r"k must be \[B, Hkv, N_local, D\]"),
+    ((1, 2, 48, 8), (1, 2, 48, 8), (1, 2, 48, 8), "multiple of block_size=16"),
+])
+def test_bad_shapes_are_refused_by_name(one_rank, q, k, v, match):
+    with pytest.raises(ValueError, match=match):
+        cp.context_parallel_attention(torch.randn(q), torch.randn(k), torch.randn(v),
+                                      config=SMALL)
+
+
+def test_mixed_dtypes_are_refused(one_rank):
+    x = torch.randn(1, 2, 64, 8)
+    with pytest.raises(ValueError, match="one dtype and device"):
+        cp.context_parallel_attention(x, x.double(), x, config=SMALL)
+
+
+@pytest.mark.parametrize("world, rank", [(w, r) for w in (1, 2, 3) for r in range(w)])
+def test_zigzag_unshard_inverts_shard(world, rank):
+    x = torch.arange(2 * 3 * 12).view(2, 3, 12)
+    shards = [cp.zigzag_shard(x, r, world, dim=2) for r in range(world)]
+    assert torch.equal(cp.zigzag_unshard(shards, dim=2), x)
+    # Rank r holds chunks r and 2W-1-r: its first element is chunk r's start.
+    chunk = 12 // (2 * world)
+    assert shards[rank][0, 0, 0].item() == rank * chunk
+    assert shards[rank][0, 0, chunk].item() == (2 * world - 1 - rank) * chunk
+
+
+def test_zigzag_bad_arguments():
+    x = torch.zeros(1, 1, 10, 1)
+    with pytest.raises(ValueError, match="multiple of 2 \\* world_size = 4"):
+        cp.zigzag_shard(x, 0, 2)
+    with pytest.raises(ValueError, match="rank must be in"):
+        cp.zigzag_shard(torch.zeros(1, 1, 8, 1), 2, 2)
+    with pytest.raises(ValueError, match="one tensor per rank"):
+        cp.zigzag_unshard([torch.zeros(2), torch.zeros(4)], dim=0)

@@ -1,0 +1,87 @@
+"""Context-parallel PISA inside a transformers model: an attention implementation that
+routes every attention layer to :func:`~pisa_compile.context_parallel.context_parallel_attention`
+(DESIGN.md "Context parallelism").
+
+Each rank runs the model on its zig-zag part of the sequence, with the global positions of
+those tokens as ``position_ids`` (RoPE) and its part of the labels::
+
+    name = hf_context_parallel.register(group=None, config=CP_CONFIG)
+    model.set_attn_implementation(name)
+    ids, pos = (zigzag_shard(t, rank, world, dim=1) for t in (input_ids, position_ids))
+    logits = model(input_ids=ids, position_ids=pos).logits
+
+The model's own mask is not built (the layout is causal by construction); padding
+(``attention_mask``) is refused.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .config import PisaConfig
+from .context_parallel import CP_CONFIG, context_parallel_attention
+
+__all__ = ["ATTN_IMPLEMENTATION", "register"]
+
+ATTN_IMPLEMENTATION = "pisa_context_parallel"
+_settings: dict = {"group": None, "config": CP_CONFIG}
+
+
+def register(group: Optional[dist.ProcessGroup] = None,
+             config: Optional[PisaConfig] = None) -> str:
+    """Register the ``"pisa_context_parallel"`` attention implementation with transformers
+    (its ``AttentionInterface`` and ``AttentionMaskInterface``) and set the process group and
+    options every such layer uses; call again to change them.
+
+    Args:
+        group: the process group over which the sequence is sharded (default: the world).
+        config: options for :func:`~pisa_compile.context_parallel.context_parallel_attention`;
+            default ``CP_CONFIG``.
+
+    Returns:
+        The name to pass to ``model.set_attn_implementation`` (or ``attn_implementation=``).
+
+    Raises:
+        ImportError: transformers is not installed (or too old to have both interfaces).
+        ValueError: ``config`` is not a :class:`~pisa_compile.PisaConfig`.
+    """
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    if config is not None and not isinstance(config, PisaConfig):
+        raise ValueError(f"register: config must be a PisaConfig, got {type(config).__name__}")
+    _settings.update(group=group, config=CP_CONFIG if config is None else config)
+    AttentionInterface.register(ATTN_IMPLEMENTATION, _attention)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _no_mask)
+    return ATTN_IMPLEMENTATION
+
+
+def _no_mask(*args, attention_mask: Optional[Tensor] = None, **kwargs) -> None:
+    # The zig-zag layout is causal by construction; the model's [N, N] mask would be built
+    # from the local positions, which are not contiguous.
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise ValueError(f"{ATTN_IMPLEMENTATION}: padding (an attention_mask with zeros) is "
+                         "not supported; pass unpadded sequences of one length")
+    return None
+
+
+def _attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,
+               attention_mask: Optional[Tensor], scaling: Optional[float] = None,
+               dropout: float = 0.0, **kwargs) -> tuple[Tensor, None]:
+    """transformers' attention-function contract: ``query`` ``[B, Hq, N_local, D]``,
+    ``key``/``value`` ``[B, Hkv, N_local, D]``; returns ``[B, N_local, Hq, Dv]`` and no
+    weights."""
+    if not getattr(module, "is_causal", True):
+        raise ValueError(f"{ATTN_IMPLEMENTATION}: only causal self-attention is supported "
+                         f"({type(module).__name__} is not causal)")
+    if dropout:
+        raise ValueError(f"{ATTN_IMPLEMENTATION}: attention dropout must be 0 (set the "
+                         f"model's attention_dropout to 0 or call model.eval()), got {dropout}")
+    out = context_parallel_attention(query, key, value, scale=scaling,
+                                     enable_gqa=query.shape[1] != key.shape[1],
+                                     group=_settings["group"], config=_settings["config"])
+    return out.transpose(1, 2).contiguous(), None

@@ -8,6 +8,12 @@ others own (per batch row and KV head, the union over its tiles) and the other r
 sums. ``tests/test_context_parallel.py`` checks that ``context_parallel_attention`` receives
 exactly these bytes. Ring attention receives the ``W - 1`` other shards of K and V.
 
+``--budgets F ...`` asks what a cap on the fetch would cost: each rank fetches only the
+``F`` fraction of the remote leaves (per batch row and KV head) that most of its tiles chose
+(plus the forced ones: sinks, and the local leaves before each chunk), and its tiles drop
+the other remote blocks they chose. The attention mass the rows keep (``metrics``, against
+dense attention) is reported beside the unconstrained selection's.
+
     python -m experiments.cp_bytes --lengths 16384 32768 65536 --worlds 2 4 8 \\
         --out profiles/cp_bytes.json
 """
@@ -47,14 +53,57 @@ def received_leaves(block_indices: torch.Tensor, n_leaves: int, world: int) -> l
     return out
 
 
+def budgeted(block_indices: torch.Tensor, n_leaves: int, world: int, budget: float,
+             config) -> tuple[torch.Tensor, list[int]]:
+    """The selection with each rank's fetch capped (see the module docstring): the new
+    ``block_indices`` (dropped blocks -1, ascending, -1 last) and per rank the remote leaves
+    fetched (summed over batch rows and KV heads)."""
+    B, H, T, M = block_indices.shape
+    tiles, leaves = T // (2 * world), n_leaves // (2 * world)
+    chunk = torch.arange(n_leaves) // leaves
+    owner = torch.where(chunk < world, chunk, 2 * world - 1 - chunk)
+    out = block_indices.clone()
+    fetched = []
+    for r in range(world):
+        cs = (r, 2 * world - 1 - r)
+        rows = torch.cat([torch.arange(c * tiles, (c + 1) * tiles) for c in cs])
+        bi = block_indices[:, :, rows]  # [B, H, t, M]
+        remote = owner != r
+        demand = torch.zeros(B, H, n_leaves + 1)
+        demand.scatter_add_(2, torch.where(bi < 0, n_leaves, bi).long().flatten(2),
+                            torch.ones(bi[..., :].flatten(2).shape))
+        demand = demand[..., :n_leaves] * remote
+        forced = torch.zeros(n_leaves, dtype=torch.bool)
+        forced[:config.sink_blocks] = True
+        for c in cs:
+            forced[max(0, c * leaves - (config.local_blocks - 1)):c * leaves] = True
+        forced &= remote
+        n_keep = int(budget * int(remote.sum()))
+        top = torch.topk(demand.masked_fill(forced, -1), min(n_keep, n_leaves), -1).indices
+        keep = torch.zeros(B, H, n_leaves, dtype=torch.bool)
+        keep.scatter_(2, top, True)
+        keep = (keep & (demand > 0)) | (forced & (demand > 0))
+        ok = ~remote | keep  # [B, H, L]
+        allowed = torch.gather(ok[:, :, None, :].expand(B, H, len(rows), n_leaves), 3,
+                               bi.clamp(min=0).long())
+        bi = torch.where((bi >= 0) & allowed, bi, n_leaves)
+        bi = torch.sort(bi, -1).values
+        out[:, :, rows] = torch.where(bi >= n_leaves, -1, bi).to(block_indices.dtype)
+        fetched.append(int(keep.sum()))
+    return out, fetched
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--lengths", type=int, nargs="+", default=[16384, 32768])
     p.add_argument("--worlds", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--layers", type=int, nargs="*", default=None,
                    help="layer indices (default: every layer)")
+    p.add_argument("--budgets", type=float, nargs="*", default=[],
+                   help="fetch caps to study, as fractions of the remote leaves")
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args(argv)
+    from pisa_compile.metrics import selection_recall
     from .selection_study import code_model_qk
 
     config = CP_CONFIG
@@ -65,9 +114,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         for li, (q, k) in enumerate(layers):
             if a.layers is not None and li not in a.layers:
                 continue
-            bi, _ = select_blocks(q, k, is_causal=True, enable_gqa=True, config=config)
+            bi, bc = select_blocks(q, k, is_causal=True, enable_gqa=True, config=config)
             B, Hkv, _, D = k.shape
             L = n // C
+            mass = None
+            if a.budgets:
+                mass = selection_recall(q, k, config, is_causal=True, block_indices=bi,
+                                        block_counts=bc).mass_ratio
             for w in a.worlds:
                 per_rank = received_leaves(bi, L, w)
                 block = [x * C * 2 * D * value_bytes for x in per_rank]  # K and V
@@ -78,7 +131,18 @@ def main(argv: Optional[list[str]] = None) -> int:
                                  block_bytes_mean=sum(block) / w,
                                  ratio_max=(max(block) + summary) / ring))
                 print(f"N={n} layer {li} W={w}: PISA max {max(block) + summary:,} B per rank "
-                      f"({rows[-1]['ratio_max']:.1%} of ring's {ring:,})", flush=True)
+                      f"({rows[-1]['ratio_max']:.1%} of ring's {ring:,})"
+                      + (f", mass {mass:.4f}" if mass is not None else ""), flush=True)
+                rows[-1]["mass_ratio"] = mass
+                for f in a.budgets:
+                    capped, fetched = budgeted(bi, L, w, f, config)
+                    m = selection_recall(q, k, config, is_causal=True, block_indices=capped,
+                                         block_counts=bc).mass_ratio
+                    fb = max(fetched) * C * 2 * D * value_bytes + summary
+                    rows.append(dict(length=n, layer=li, world=w, budget=f, ring_bytes=ring,
+                                     bytes_max=fb, ratio_max=fb / ring, mass_ratio=m))
+                    print(f"    budget {f:.0%}: {fb / ring:.1%} of ring, mass {m:.4f}",
+                          flush=True)
     if a.out:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                 text=True).stdout.strip()

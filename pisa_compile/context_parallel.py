@@ -198,13 +198,14 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: Option
     Hkv, S = _check(q, k, v, enable_gqa, config, world)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     lay = _Layout(world, rank, S, S // config.block_size)
-    if q.device.type == "cuda":
-        dispatch._warn_once("context parallelism selects in PyTorch over the gathered "
-                            "summaries (no Triton selection from summaries yet)",
-                            "the attention itself runs on PISA's kernels")
-
-    mus, counts = _gathered_pyramid(k, lay, config, group)
-    selections = [_select_chunk(q, i, lay, Hkv, mus, counts, config, scale) for i in range(2)]
+    # The Triton selection where the kernels take the inputs (CUDA, or the interpreter with
+    # kernel="triton"), else the reference: each rank builds its leaves as the single-process
+    # selection of that implementation would, so the gathered pyramid is the same.
+    impl = dispatch.plan(q, k, v, None, True, kernel=config.kernel,
+                         local_blocks=config.local_blocks, selection_only=True).select
+    pyramid = _gathered_pyramid(k, lay, config, impl, group)
+    selections = [_select_chunk(q, i, lay, Hkv, pyramid, config, scale, impl)
+                  for i in range(2)]
     k_ctx, v_ctx = _context(k, v, selections, lay, config, group)
     outs = []
     for i, (c, (block_indices, block_counts)) in enumerate(zip(lay.chunks, selections)):
@@ -230,22 +231,35 @@ def _check_same_shapes(q: Tensor, k: Tensor, v: Tensor, group, world: int) -> No
                          f"{[s.view(3, 4).tolist() for s in every]})")
 
 
-def _gathered_pyramid(k: Tensor, lay: _Layout, config: PisaConfig, group):
-    """The pyramid over the whole sequence, from every rank's leaf sums."""
-    B, Hkv, _, D = k.shape
-    live = torch.ones(1, 1, k.shape[2], dtype=torch.bool, device=k.device)
-    sums, n = reference.leaf_sums(k.detach(), live, config.block_size)  # [B, Hkv, 2l, D]
-    parts = [torch.empty_like(sums) for _ in range(lay.world)]
-    dist.all_gather(parts, sums.contiguous(), group=group)
-    _count_bytes("cp_summary_bytes", sum(p.numel() * p.element_size() for r, p in
-                                         enumerate(parts) if r != lay.rank))
-    leaf_sums = zigzag_unshard(parts, dim=2)  # [B, Hkv, L, D], in sequence order
-    n_leaves = leaf_sums.shape[2]
-    counts = n.new_full((B, Hkv, n_leaves), float(config.block_size))  # every key is live
-    n_keys = n_leaves * config.block_size
+def _gathered_pyramid(k: Tensor, lay: _Layout, config: PisaConfig, impl: str, group):
+    """The whole sequence's pyramid, from every rank's leaves: the reference's ``(mus,
+    counts)`` per level, or the Triton selection's ``summaries``. Each rank builds its
+    leaves as that implementation's single-process selection would, so the pyramid is the
+    same; every key is live, so only the means (and the Triton leaves' log counts, which flag
+    a non-finite key) are gathered."""
+    B, Hkv = k.shape[:2]
+    n_keys, C = 2 * lay.world * lay.chunk, config.block_size
     beam = _beam(n_keys, config)
-    return reference.pyramid_levels(leaf_sums, counts, n_keys, config.block_size,
-                                    config.branching, beam)
+    if impl == dispatch.TRITON:
+        from .kernels import triton_pyramid
+        mu, _, lcnt, _ = triton_pyramid.pyramid_buffers(k.detach(), C, config.branching, beam)
+        mu, lcnt = (_gather(t[:, :, :2 * lay.leaves].contiguous(), lay, group)
+                    for t in (mu, lcnt))
+        cnt = torch.full_like(lcnt, float(C))
+        return triton_pyramid.pyramid_from_leaves(mu, cnt, lcnt, config.branching, beam)
+    live = torch.ones(1, 1, k.shape[2], dtype=torch.bool, device=k.device)
+    sums, n = reference.leaf_sums(k.detach(), live, C)
+    means = _gather(sums / n.clamp(min=1)[..., None], lay, group)
+    counts = means.new_full(means.shape[:3], float(C))
+    return reference.pyramid_levels(means, counts, n_keys, C, config.branching, beam)
+
+
+def _gather(t: Tensor, lay: _Layout, group) -> Tensor:
+    """Every rank's ``t`` (leaves along dim 2), in sequence order."""
+    parts = [torch.empty_like(t) for _ in range(lay.world)]
+    dist.all_gather(parts, t, group=group)
+    _count_bytes("cp_summary_bytes", (lay.world - 1) * t.numel() * t.element_size())
+    return zigzag_unshard(parts, dim=2)
 
 
 def _beam(n_keys: int, config: PisaConfig) -> int:
@@ -255,8 +269,8 @@ def _beam(n_keys: int, config: PisaConfig) -> int:
                      leaf_scoring=leaf_scoring, shortlist=shortlist, bound_block=bound_block)
 
 
-def _select_chunk(q: Tensor, i: int, lay: _Layout, Hkv: int, mus, counts, config: PisaConfig,
-                  scale: float) -> tuple[Tensor, Tensor]:
+def _select_chunk(q: Tensor, i: int, lay: _Layout, Hkv: int, pyramid, config: PisaConfig,
+                  scale: float, impl: str) -> tuple[Tensor, Tensor]:
     """Local chunk ``i``'s selection over the whole sequence's pyramid (the keys stand in
     as a meta tensor of their shape: pooled scores read none)."""
     S, c = lay.chunk, lay.chunks[i]
@@ -265,12 +279,16 @@ def _select_chunk(q: Tensor, i: int, lay: _Layout, Hkv: int, mus, counts, config
     k_shape = torch.empty((q.shape[0], Hkv, n_keys, q.shape[3]), device="meta", dtype=q.dtype)
     (block_size, top_k, branching, _, sink_blocks, local_blocks, query_tile, leaf_scoring,
      shortlist, bound_block, flat_leaves) = config.selection_args()
-    return reference.select_blocks(
-        qc, k_shape, None, True, scale, block_size=block_size, top_k=top_k,
-        branching=branching, beam=_beam(n_keys, config), sink_blocks=sink_blocks,
-        local_blocks=local_blocks, query_tile=query_tile, leaf_scoring=leaf_scoring,
-        shortlist=shortlist, bound_block=bound_block, flat_leaves=flat_leaves,
-        causal_offset=c * S, pyramid=(mus, counts))
+    options = dict(block_size=block_size, top_k=top_k, branching=branching,
+                   beam=_beam(n_keys, config), sink_blocks=sink_blocks,
+                   local_blocks=local_blocks, query_tile=query_tile, leaf_scoring=leaf_scoring,
+                   shortlist=shortlist, bound_block=bound_block, flat_leaves=flat_leaves,
+                   causal_offset=c * S)
+    if impl == dispatch.TRITON:
+        from .kernels import triton_select
+        return triton_select.select_blocks(qc, k_shape, True, scale, summaries=pyramid,
+                                           **options)
+    return reference.select_blocks(qc, k_shape, None, True, scale, pyramid=pyramid, **options)
 
 
 def _context(k: Tensor, v: Tensor, selections, lay: _Layout, config: PisaConfig, group):

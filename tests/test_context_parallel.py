@@ -88,7 +88,9 @@ def _worker(rank, world, path, kernel, cases):
             expected = _expected_block_bytes(config, q, k, v, rank, world)
             assert got.get("cp_block_bytes", 0) == expected, (i, rank, got, expected)
             L = case[3] // config.block_size
-            summaries = (world - 1) * (L // world) * case[2] * case[0] * case[4] * 4
+            # Leaf means, and on the Triton path their log counts (non-finite flags).
+            per_leaf = case[4] + (kernel == "triton")
+            summaries = (world - 1) * (L // world) * case[2] * case[0] * per_leaf * 4
             assert got.get("cp_summary_bytes", 0) == summaries, (i, rank, got, summaries)
     finally:
         dist.destroy_process_group()
@@ -114,31 +116,34 @@ def test_equals_single_process_on_the_triton_kernels():
     _spawn(_worker, 2, "triton", CASES[:1])
 
 
-def _select_worker(rank, world, path):
+def _select_worker(rank, world, path, kernel):
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
     try:
         case = CASES[2]
-        config = SMALL.replace(**case[-1])
+        config = SMALL.replace(kernel=kernel, **case[-1])
         q, k, _, _ = _inputs(case, seed=7)
         ql, kl = cp.zigzag_shard(q, rank, world), cp.zigzag_shard(k, rank, world)
         lay = cp._Layout(world, rank, ql.shape[2] // 2, ql.shape[2] // 2 // config.block_size)
-        mus, counts = cp._gathered_pyramid(kl, lay, config, None)
+        impl = "triton" if kernel == "triton" else "reference"
+        pyramid = cp._gathered_pyramid(kl, lay, config, impl, None)
         whole, whole_counts = select_blocks(q, k, is_causal=True, enable_gqa=True,
                                             config=config)
         tiles = lay.chunk // config.query_tile
         for i, c in enumerate(lay.chunks):
-            bi, bc = cp._select_chunk(ql, i, lay, k.shape[1], mus, counts, config,
-                                      q.shape[-1] ** -0.5)
+            bi, bc = cp._select_chunk(ql, i, lay, k.shape[1], pyramid, config,
+                                      q.shape[-1] ** -0.5, impl)
             assert torch.equal(bi, whole[:, :, c * tiles:(c + 1) * tiles]), (rank, c)
             assert torch.equal(bc, whole_counts[:, :, c * tiles:(c + 1) * tiles]), (rank, c)
     finally:
         dist.destroy_process_group()
 
 
-def test_selection_equals_single_process_tile_by_tile():
-    """Each rank's block lists, selected over the gathered leaf sums, are the single-process
-    selection's lists of its tiles, bit for bit (3 ranks, 6 chunks)."""
-    _spawn(_select_worker, 3)
+@pytest.mark.parametrize("kernel", ["reference", "triton"])
+def test_selection_equals_single_process_tile_by_tile(kernel):
+    """Each rank's block lists, selected over the gathered leaf summaries, are the
+    single-process selection's lists of its tiles, bit for bit (3 ranks, 6 chunks), on the
+    reference and on the Triton selection (the interpreter here)."""
+    _spawn(_select_worker, 3, kernel)
 
 
 def _mismatch_worker(rank, world, path):
@@ -299,3 +304,37 @@ def test_hf_attention_refuses_padding_and_dropout(one_rank):
         model.train()(input_ids=ids)
     with pytest.raises(ValueError, match="must be a PisaConfig"):
         hcp.register(config={"top_k": 2})
+
+
+# -- the Triton pyramid from a gathered leaf level -----------------------------------------
+
+@pytest.mark.parametrize("n_keys, branching, beam", [(16 * 40, 2, 4), (16 * 37, 4, 2)])
+def test_triton_pyramid_from_leaves_equals_the_one_from_keys(n_keys, branching, beam):
+    """``pyramid_from_leaves`` over the leaf rows of ``pyramid_buffers`` gives every level's
+    rows bit for bit (fp32, the interpreter), a NaN key's flag included."""
+    from pisa_compile.kernels import triton_pyramid
+    from pisa_compile.kernels.geometry import level_sizes
+
+    k = torch.randn(2, 3, n_keys, 8)
+    k[1, 2, 100, 3] = float("nan")
+    mu, cnt, lcnt, total = triton_pyramid.pyramid_buffers(k, 16, branching, beam)
+    L = n_keys // 16
+    got = triton_pyramid.pyramid_from_leaves(mu[:, :, :L], cnt[:, :, :L], lcnt[:, :, :L],
+                                             branching, beam)
+    rows = sum(level_sizes(n_keys, 16, branching, beam))
+    assert got[3] == total
+    for a, b in zip(got[:3], (mu, cnt, lcnt)):
+        assert torch.equal(a[:, :, :rows], b[:, :, :rows])
+    assert torch.isinf(lcnt[1, 2, 100 // 16]) and not torch.isinf(lcnt[0, 0, 0])
+
+
+def test_triton_selection_from_summaries_refuses_what_reads_keys():
+    from pisa_compile.kernels import triton_pyramid, triton_select
+
+    q, k = torch.randn(1, 2, 64, 8), torch.randn(1, 2, 64, 8)
+    summaries = triton_pyramid.pyramid_buffers(k, 16, 2, 4)
+    opts = dict(block_size=16, top_k=2, branching=2, beam=4, sink_blocks=1, local_blocks=1,
+                query_tile=16, summaries=summaries)
+    for bad in (dict(leaf_scoring="exact"), dict(leaf_scoring="pooled", bound_block=16)):
+        with pytest.raises(ValueError, match="summaries need leaf_scoring='pooled'"):
+            triton_select.select_blocks(q, k, True, 0.35, **opts, **bad)

@@ -233,8 +233,8 @@ def leaf_sums(k: Tensor, key_live: Tensor, block_size: int) -> tuple[Tensor, Ten
 
     Returns:
         ``sums`` ``[B, Hkv, ceil(Nk / C), D]`` and ``counts`` ``[B, Hkv, ceil(Nk / C)]``, both
-        float32. A leaf's sums are over its own keys only, so a shard of whole leaves gives
-        the same values as the whole sequence (context parallelism gathers them).
+        float32. A leaf's values come from its own keys only, so a shard of whole leaves
+        gives the values of the whole sequence (context parallelism gathers them).
     """
     B, Hkv, Nk, D = k.shape
     C = block_size
@@ -248,21 +248,22 @@ def leaf_sums(k: Tensor, key_live: Tensor, block_size: int) -> tuple[Tensor, Ten
     return sums, n
 
 
-def pyramid_levels(sums: Tensor, counts: Tensor, n_keys: int, block_size: int, branching: int,
-                   beam: int) -> tuple[list[Tensor], list[Tensor]]:
+def pyramid_levels(means: Tensor, counts: Tensor, n_keys: int, block_size: int,
+                   branching: int, beam: int) -> tuple[list[Tensor], list[Tensor]]:
     """The pyramid over given leaf summaries (DESIGN.md "Leaves and pyramid").
 
     Args:
-        sums, counts: float32 ``[B, Hkv, L, D]`` and ``[B, Hkv, L]``, as :func:`leaf_sums`
-            returns them for ``n_keys`` keys (``L = ceil(n_keys / block_size)``).
+        means, counts: float32 ``[B, Hkv, L, D]`` mean live keys and ``[B, Hkv, L]`` live-key
+            counts of the ``L = ceil(n_keys / block_size)`` leaves (:func:`leaf_sums` gives
+            sums; ``sums / counts.clamp(min=1)`` are the means).
         block_size, branching, beam: the PISA options of those names (``beam`` resolved).
 
     Returns:
         As :func:`build_pyramid`.
     """
     g = branching
-    mus, counts = [sums / counts.clamp(min=1)[..., None]], [counts]
-    B, Hkv, _, D = sums.shape
+    mus, counts = [means], [counts]
+    B, Hkv, _, D = means.shape
     for _ in level_sizes(n_keys, block_size, g, beam)[1:]:
         m = counts[-1].shape[-1]
         pad = cdiv(m, g) * g - m
@@ -288,7 +289,8 @@ def build_pyramid(k: Tensor, key_live: Tensor, block_size: int, branching: int,
         finest one with at most ``branching * beam`` nodes.
     """
     sums, n = leaf_sums(k, key_live, block_size)
-    return pyramid_levels(sums, n, k.shape[2], block_size, branching, beam)
+    return pyramid_levels(sums / n.clamp(min=1)[..., None], n, k.shape[2], block_size,
+                          branching, beam)
 
 
 class Boxes(NamedTuple):

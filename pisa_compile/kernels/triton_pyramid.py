@@ -161,12 +161,42 @@ def pyramid_buffers(k: Tensor, block_size: int, branching: int, beam: int,
     launcher(_leaf_kernel, k)[(L, B * Hkv)](
         k, live_arg, mu, cnt, lcnt, *k.stride(), *sl, Hkv, Nk, limit, total, D,
         C=C, KC=KC, BD=BD, HAS_LIVE=key_live is not None, num_warps=4)
+    _upper_levels(mu, cnt, lcnt, L, total, branching, beam)
+    return mu, cnt, lcnt, total
+
+
+def _upper_levels(mu: Tensor, cnt: Tensor, lcnt: Tensor, L: int, total: int, branching: int,
+                  beam: int) -> None:
+    """Every level above the ``L`` leaves already in the buffers, in place."""
+    D = mu.shape[-1]
+    BD = max(16, triton.next_power_of_2(D))
     DB = min(BD, 32)
     g = branching
-    launcher(_upper_kernel, k)[(B * Hkv, triton.cdiv(BD, DB))](
+    launcher(_upper_kernel, mu)[(mu.shape[0] * mu.shape[1], triton.cdiv(BD, DB))](
         mu, cnt, lcnt, L, total, D, GB=g, TOP=g * beam,
         GP=triton.next_power_of_2(g), NB=64, DB=DB, num_warps=4)
-    return mu, cnt, lcnt, total
+
+
+def pyramid_from_leaves(mu: Tensor, cnt: Tensor, lcnt: Tensor, branching: int,
+                        beam: int) -> tuple[Tensor, Tensor, Tensor, int]:
+    """:func:`pyramid_buffers` from a leaf level computed elsewhere (context parallelism:
+    the leaf levels of every rank's keys, gathered).
+
+    Args:
+        mu: float32 ``[B, Hkv, L, D]``; cnt, lcnt: float32 ``[B, Hkv, L]``: the first ``L``
+            rows of :func:`pyramid_buffers`' outputs for the same keys (``L`` leaves).
+        branching, beam: the PISA options of those names (``beam`` resolved).
+
+    Returns:
+        As :func:`pyramid_buffers`; the same values as it gives from the keys themselves.
+    """
+    B, Hkv, L, D = mu.shape
+    total = total_bound(L, branching)
+    bufs = [t.new_empty((B, Hkv, total) + t.shape[3:]) for t in (mu, cnt, lcnt)]
+    for buf, leaves in zip(bufs, (mu, cnt, lcnt)):
+        buf[:, :, :L] = leaves
+    _upper_levels(*bufs, L, total, branching, beam)
+    return (*bufs, total)
 
 
 def build_pyramid(k: Tensor, key_live: Tensor, block_size: int, branching: int,

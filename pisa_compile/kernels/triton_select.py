@@ -1177,7 +1177,8 @@ def select_blocks(q: Tensor, k: Tensor, is_causal: bool, scale: float, *, block_
                   trace: Optional[Tensor] = None,
                   tuning: Optional[Mapping] = None,
                   pyramid: Optional[BoxPyramid] = None,
-                  key_length: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+                  key_length: Optional[Tensor] = None,
+                  summaries: Optional[tuple] = None) -> tuple[Tensor, Tensor]:
     """Triton coarse-to-fine selection; same contract as ``reference.select_blocks`` without
     an explicit ``attn_mask`` (``dispatch.plan`` sends those calls to the reference).
 
@@ -1215,6 +1216,10 @@ def select_blocks(q: Tensor, k: Tensor, is_causal: bool, scale: float, *, block_
             so that the call can be captured in a CUDA graph); the causal offset is then
             ``key_length - Nq`` (``causal_offset`` is ignored), and keys past it must be
             masked by ``key_mask``, which the exact scores read.
+        summaries: ``(mu, cnt, lcnt, total)`` as :func:`~.triton_pyramid.pyramid_buffers`
+            returns them for these ``Nk`` keys (all live), or None to build them from ``k``.
+            Only with pooled leaves and no ``bound_block``: the call then reads no key, and
+            ``k`` may be a meta tensor of the keys' shape (context parallelism).
 
     Returns:
         ``block_indices`` int32 ``[B, Hkv, T, M]`` (ascending, -1 padded, forced leaves
@@ -1226,13 +1231,19 @@ def select_blocks(q: Tensor, k: Tensor, is_causal: bool, scale: float, *, block_
             keys; a causal ``pyramid`` call whose keys outrun its queries; ``key_length``
             without a causal ``pyramid`` call and a ``key_mask``, or not one int32/int64 on
             ``q``'s device; a pool (the walk), shortlist or block list (exact scores) wider
-            than 1024 nodes per tile (a Triton tensor holds at most 2**20 elements).
+            than 1024 nodes per tile (a Triton tensor holds at most 2**20 elements);
+            ``summaries`` with other than pooled leaves, or with a ``bound_block``,
+            ``pyramid`` or ``key_mask``.
     """
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     G = Hq // Hkv
     C, Tq = block_size, query_tile
     T = cdiv(Nq, Tq)
+    if summaries is not None and (leaf_scoring != "pooled" or bound_block or pyramid is not None
+                                  or key_mask is not None):
+        raise ValueError("summaries need leaf_scoring='pooled', bound_block=0, no pyramid and "
+                         "no key_mask (the call then reads no key)")
     if pyramid is not None:
         bound_block = block_size
         if (pyramid.block_size, pyramid.branching, pyramid.beam) != (block_size, branching,
@@ -1274,6 +1285,9 @@ def select_blocks(q: Tensor, k: Tensor, is_causal: bool, scale: float, *, block_
         total, Lcap = pyramid.total, pyramid.leaf_capacity
         boxes = (pyramid.hi, pyramid.lo, pyramid.lc, pyramid.hi, pyramid.lo, pyramid.lc)
         sub_stride = total
+    elif summaries is not None:
+        Lcap, sub_stride = L, L
+        mu, cnt, lcnt, total = summaries
     else:
         Lcap = L
         sub_stride = L * (block_size // bound_block if bound_block else 1)

@@ -144,6 +144,9 @@ def _check(q: Tensor, k: Tensor, v: Tensor, enable_gqa: bool, config: PisaConfig
     return Hkv, N // 2
 
 
+# Dynamo runs it eagerly (the exchange's sizes depend on the selection): a compiled model
+# breaks its graph around each call instead of failing to trace the collectives.
+@torch.compiler.disable
 def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: Optional[float] = None,
                                enable_gqa: bool = False,
                                group: Optional[dist.ProcessGroup] = None,
@@ -153,8 +156,8 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: Option
     Every rank calls it with its zig-zag part of the same global batch (:func:`zigzag_shard`
     along the sequence dimension of ``q``, ``k`` and ``v``). It is differentiable: the
     gradients of the fetched K/V blocks return to their owners, so each rank gets ``dq``,
-    ``dk`` and ``dv`` of its own part. Not traceable by ``torch.compile`` (collectives with
-    data-dependent sizes): call it eagerly, or from a region Dynamo runs eagerly.
+    ``dk`` and ``dv`` of its own part. Under ``torch.compile`` it runs eagerly (collectives
+    with data-dependent sizes; ``torch.compiler.disable``), between the compiled graphs.
 
     Args:
         q: ``[B, Hq, N_local, D]`` float16, bfloat16 or float32; ``N_local = 2 * S`` with the

@@ -338,3 +338,36 @@ def test_triton_selection_from_summaries_refuses_what_reads_keys():
     for bad in (dict(leaf_scoring="exact"), dict(leaf_scoring="pooled", bound_block=16)):
         with pytest.raises(ValueError, match="summaries need leaf_scoring='pooled'"):
             triton_select.select_blocks(q, k, True, 0.35, **opts, **bad)
+
+
+def _compiled_worker(rank, world, path):
+    from pisa_compile import hf_context_parallel
+    from pisa_compile.samples import tiny_llama
+
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
+    try:
+        g = torch.Generator().manual_seed(0)
+        ids = cp.zigzag_shard(torch.randint(0, 256, (1, 256), generator=g), rank, world, dim=1)
+        pos = cp.zigzag_shard(torch.arange(256)[None], rank, world, dim=1)
+        outs = []
+        for compiled in (False, True):
+            torch._dynamo.reset()
+            model = tiny_llama(max_positions=256, num_layers=2).train()
+            model.set_attn_implementation(hf_context_parallel.register(None, SMALL))
+            fn = torch.compile(model, backend="pisa") if compiled else model
+            logits = fn(input_ids=ids, position_ids=pos, use_cache=False).logits
+            logits.float().square().mean().backward()
+            outs.append((logits.detach(), {n: p.grad for n, p in model.named_parameters()}))
+        torch.testing.assert_close(outs[1][0], outs[0][0], atol=1e-5, rtol=1e-4)
+        for n, g_eager in outs[0][1].items():
+            torch.testing.assert_close(outs[1][1][n], g_eager, atol=1e-6, rtol=1e-3,
+                                       msg=lambda m: f"rank {rank} {n}: {m}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_model_compiled_with_pisa_runs_the_exchange_eagerly():
+    """``torch.compile(model, backend="pisa")`` on a model with the context-parallel
+    attention: Dynamo runs each attention call eagerly between compiled graphs, and logits
+    and gradients equal the eager model's (2 ranks)."""
+    _spawn(_compiled_worker, 2)

@@ -5,8 +5,9 @@ Each of the ``W`` ranks of a process group holds two of the sequence's ``2W`` eq
 the zig-zag layout that balances causal work (rank ``r``: chunks ``r`` and ``2W - 1 - r``;
 :func:`zigzag_shard`). A call
 
-1. sums each local leaf block of keys and all-gathers those sums: ``N / C * D`` floats per
-   KV head instead of the ``2 * N * D`` keys and values ring attention passes around;
+1. computes the mean key of each local leaf block and all-gathers those means: ``N / C * D``
+   floats per KV head, where ring attention receives ``2 (W-1)/W * N * D`` keys and values
+   per rank;
 2. builds the pyramid over the whole sequence from them and selects, for its own query tiles,
    the top-K blocks coarse to fine with pooled leaf scores (no key is read to select);
 3. fetches from their owners only the K/V blocks it chose, per batch row and KV head
@@ -21,6 +22,7 @@ float sums (``tests/test_context_parallel.py``).
 from __future__ import annotations
 
 import math
+import zlib
 from typing import NamedTuple, Optional, Sequence
 
 import torch
@@ -108,6 +110,17 @@ class _Layout(NamedTuple):
 
 def _check(q: Tensor, k: Tensor, v: Tensor, enable_gqa: bool, config: PisaConfig,
            world: int) -> tuple[int, int]:
+    if not isinstance(config, PisaConfig):
+        raise TypeError(f"context_parallel_attention: config must be a PisaConfig, got "
+                        f"{type(config).__name__}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor) or t.dim() != 4:
+            raise ValueError(f"context_parallel_attention: {name} must be a 4-D tensor "
+                             f"[B, H, N_local, D], got "
+                             f"{list(t.shape) if isinstance(t, Tensor) else type(t).__name__}")
+    if q.dtype not in _DTYPES:
+        raise ValueError(f"context_parallel_attention: q must be float16, bfloat16 or float32, "
+                         f"got {q.dtype}")
     if q.dtype != k.dtype or q.dtype != v.dtype or q.device != k.device or (
             q.device != v.device):
         raise ValueError(f"context_parallel_attention: q, k and v must share one dtype and "
@@ -177,11 +190,18 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: Option
 
     Raises:
         RuntimeError: ``torch.distributed`` is not initialized.
-        ValueError: bad shapes, dtypes, options or ``config``; the message names the argument.
-            Ranks with different shapes are found by a small all-gather and refused.
+        TypeError: ``config`` is not a :class:`~pisa_compile.PisaConfig`.
+        ValueError: bad shapes, dtypes or options in ``config``; the message names the
+            argument. A small all-gather first compares every rank's shapes, dtypes, ``config``
+            and ``enable_gqa``: a mismatch is refused by every rank.
 
-    Bytes per call and rank (``torch._dynamo.utils.counters["pisa"]``): ``cp_summary_bytes``
-    (the leaf sums received) and ``cp_block_bytes`` (the K/V blocks received).
+    The backward is a collective too: every rank that ran the forward with gradients must
+    run its backward (a rank that skips it leaves the others waiting).
+
+    Bytes received per call and rank (``torch._dynamo.utils.counters["pisa"]``):
+    ``cp_summary_bytes`` (the other ranks' leaf means, and on the Triton path their log
+    counts), ``cp_index_bytes`` (which blocks each rank chose) and ``cp_block_bytes`` (the
+    K/V blocks); the backward sends back as many bytes of gradients as ``cp_block_bytes``.
     Method: PISA's selection (DESIGN.md "The algorithm") over all-gathered leaf summaries;
     the zig-zag layout as in ring-attention implementations of causal context parallelism.
     """
@@ -189,15 +209,10 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: Option
         raise RuntimeError("context_parallel_attention: torch.distributed is not initialized "
                            "(call torch.distributed.init_process_group first)")
     config = CP_CONFIG if config is None else config
-    if not isinstance(config, PisaConfig):
-        raise ValueError(f"context_parallel_attention: config must be a PisaConfig, got "
-                         f"{type(config).__name__}")
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    if not all(isinstance(t, Tensor) and t.dim() == 4 for t in (q, k, v)):
-        raise ValueError("context_parallel_attention: q, k and v must be 4-D tensors "
-                         "[B, H, N_local, D]")
-    # First, so that every rank refuses a mismatch together instead of some waiting.
-    _check_same_shapes(q, k, v, group, world)
+    # First, so that a call some rank makes differently is refused by every rank together,
+    # instead of some raising while the others wait in a collective.
+    _agree(q, k, v, enable_gqa, config, group, world)
     Hkv, S = _check(q, k, v, enable_gqa, config, world)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     lay = _Layout(world, rank, S, S // config.block_size)
@@ -224,14 +239,33 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: Option
     return torch.cat(outs, dim=2)
 
 
-def _check_same_shapes(q: Tensor, k: Tensor, v: Tensor, group, world: int) -> None:
-    mine = torch.tensor([*q.shape, *k.shape, *v.shape], device=q.device)
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _signature(q, k, v, enable_gqa: bool, config) -> list[int]:
+    """What every rank's call must share: ranks, dtypes and sizes of q, k, v, the options."""
+    sig = []
+    for t in (q, k, v):
+        if not isinstance(t, Tensor):
+            sig += [-1] * 6
+            continue
+        dims = list(t.shape[:4]) + [-1] * (4 - min(t.dim(), 4))
+        sig += [t.dim(), _DTYPES.index(t.dtype) if t.dtype in _DTYPES else -1, *dims]
+    options = zlib.crc32(repr(config).encode()) if isinstance(config, PisaConfig) else -1
+    return sig + [options, int(bool(enable_gqa))]
+
+
+def _agree(q, k, v, enable_gqa: bool, config, group, world: int) -> None:
+    dev = q.device if isinstance(q, Tensor) else torch.device("cpu")
+    mine = torch.tensor(_signature(q, k, v, enable_gqa, config), device=dev)
     every = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(every, mine, group=group)
     if any(not torch.equal(s, mine) for s in every):
-        raise ValueError("context_parallel_attention: every rank must pass q, k and v of the "
-                         "same shapes (q, k, v sizes per rank: "
-                         f"{[s.view(3, 4).tolist() for s in every]})")
+        raise ValueError(
+            "context_parallel_attention: every rank must pass q, k and v of the same shapes "
+            "and dtypes, and the same config and enable_gqa; per rank (q, k, v as [dims, "
+            f"dtype, sizes...], then a hash of config, enable_gqa): "
+            f"{[s.tolist() for s in every]}")
 
 
 def _gathered_pyramid(k: Tensor, lay: _Layout, config: PisaConfig, impl: str, group):
@@ -295,24 +329,28 @@ def _select_chunk(q: Tensor, i: int, lay: _Layout, Hkv: int, pyramid, config: Pi
 
 
 def _context(k: Tensor, v: Tensor, selections, lay: _Layout, config: PisaConfig, group):
-    """K and V of every key the local chunks see, ``[B, Hkv, end, D]`` and ``[..., Dv]``
-    (``end`` = the second chunk's end): the local chunks and the fetched blocks in place,
-    zeros in the blocks nobody selected (never read)."""
+    """K and V of the keys up to the end of the rank's second chunk, ``[B, Hkv, end, D]``
+    and ``[..., Dv]``: the local chunks and the fetched blocks in place, zeros in the blocks
+    nobody selected (never read); each chunk attends a prefix of it."""
     B, Hkv, _, D = k.shape
     C, W = config.block_size, lay.world
     n_leaves = 2 * W * lay.leaves
     dev = k.device
     # Blocks this rank's tiles chose, per (batch row, KV head), owned elsewhere.
     need = torch.zeros(B, Hkv, n_leaves + 1, dtype=torch.bool, device=dev)
-    for block_indices, _ in selections:
-        idx = torch.where(block_indices < 0, n_leaves, block_indices).long().flatten(2)
-        need.scatter_(2, idx, True)
+    for c, (block_indices, _) in zip(lay.chunks, selections):
+        # Forced sinks may lie past the chunk, where its queries see nothing: not fetched
+        # (the attention masks keys past its buffer, as a causal call does).
+        end = (c + 1) * lay.leaves
+        idx = torch.where((block_indices < 0) | (block_indices >= end), n_leaves, block_indices)
+        need.scatter_(2, idx.long().flatten(2), True)
     need = need[..., :n_leaves]
     leaf = torch.arange(n_leaves, device=dev)
     owner = lay.owner(leaf)
     need &= owner != lay.rank
     needs = [torch.empty_like(need, dtype=torch.uint8) for _ in range(W)]
     dist.all_gather(needs, need.to(torch.uint8), group=group)
+    _count_bytes("cp_index_bytes", (W - 1) * need.numel())
 
     # Sends, to each rank in turn: the blocks it needs that this rank owns, in (b, h, leaf)
     # order; receives, from each rank in turn, in the same order. Every rank derives both
@@ -367,8 +405,11 @@ class _FetchBlocks(torch.autograd.Function):
         grad_send = grad_recv.new_empty((sum(send_splits), *grad_recv.shape[1:]))
         dist.all_to_all_single(grad_send, grad_recv.contiguous(), send_splits, recv_splits,
                                group=ctx.group)
-        grad = grad_recv.new_zeros((ctx.n_local, *grad_recv.shape[1:]))
-        return grad.index_add_(0, send_idx, grad_send), None, None, None, None
+        # Summed in float32 and rounded once: a block several ranks fetched (the sinks: all
+        # of them) gets its gradient as single-process PISA's one accumulation would.
+        grad = grad_recv.new_zeros((ctx.n_local, *grad_recv.shape[1:]), dtype=torch.float32)
+        grad.index_add_(0, send_idx, grad_send.float())
+        return grad.to(grad_recv.dtype), None, None, None, None
 
 
 def _count_bytes(name: str, n: int) -> None:

@@ -10,8 +10,10 @@ those tokens as ``position_ids`` (RoPE) and its part of the labels::
     ids, pos = (zigzag_shard(t, rank, world, dim=1) for t in (input_ids, position_ids))
     logits = model(input_ids=ids, position_ids=pos).logits
 
-The model's own mask is not built (the layout is causal by construction); padding
-(``attention_mask``) is refused.
+The model's own mask is not built (the layout is causal by construction). Padding (zeros in
+``attention_mask`` on any rank), sliding windows, logit soft-capping, attention sinks,
+packed sequences and dropout are refused by name; a model's other mask functions (Gemma 3's
+bidirectional image tokens) are not applied.
 """
 
 from __future__ import annotations
@@ -62,11 +64,30 @@ def register(group: Optional[dist.ProcessGroup] = None,
 
 def _no_mask(*args, attention_mask: Optional[Tensor] = None, **kwargs) -> None:
     # The zig-zag layout is causal by construction; the model's [N, N] mask would be built
-    # from the local positions, which are not contiguous.
-    if attention_mask is not None and not bool(attention_mask.all()):
-        raise ValueError(f"{ATTN_IMPLEMENTATION}: padding (an attention_mask with zeros) is "
-                         "not supported; pass unpadded sequences of one length")
+    # from the local positions, which are not contiguous (transformers even reads their jump
+    # as a packed sequence). So a model's own mask function is not applied: windows,
+    # soft-capping and sinks reach the attention, which refuses them; a mask function beyond
+    # those (Gemma 3's bidirectional image tokens) is not seen.
+    if attention_mask is not None and attention_mask.dim() != 2:
+        raise ValueError(f"{ATTN_IMPLEMENTATION}: attention_mask must be the tokenizer's "
+                         f"[B, N_local] mask of ones, got {attention_mask.dim()}-D")
+    # Padding lands on some ranks only (right padding: rank 0's last chunk): every rank
+    # learns whether any has it and refuses together, instead of one raising while the others
+    # wait in the first attention call.
+    has_pad = attention_mask is not None and bool((attention_mask == 0).any())
+    pad = torch.tensor([int(has_pad)])
+    if dist.is_initialized():
+        group = _settings["group"]
+        if dist.get_backend(group) == "nccl":  # NCCL reduces CUDA tensors only
+            pad = pad.cuda()
+        dist.all_reduce(pad, op=dist.ReduceOp.MAX, group=group)
+    if pad.item():
+        raise ValueError(f"{ATTN_IMPLEMENTATION}: padding (an attention_mask with zeros, on "
+                         "some rank) is not supported; pass unpadded sequences of one length")
     return None
+
+
+_UNSUPPORTED = ("sliding_window", "softcap", "s_aux", "cu_seq_lens_q", "cu_seq_lens_k")
 
 
 def _attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,
@@ -78,6 +99,11 @@ def _attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tenso
     if not getattr(module, "is_causal", True):
         raise ValueError(f"{ATTN_IMPLEMENTATION}: only causal self-attention is supported "
                          f"({type(module).__name__} is not causal)")
+    for name in _UNSUPPORTED:
+        if kwargs.get(name) is not None:
+            raise ValueError(f"{ATTN_IMPLEMENTATION}: {type(module).__name__} passes {name}="
+                             f"{kwargs[name]!r}, which context-parallel PISA does not support "
+                             "(plain causal attention only)")
     if dropout:
         raise ValueError(f"{ATTN_IMPLEMENTATION}: attention dropout must be 0 (set the "
                          f"model's attention_dropout to 0 or call model.eval()), got {dropout}")

@@ -32,31 +32,45 @@ CASES = [
     (1, 2, 2, 256, 8, 12, dict(query_tile=32)),
     (1, 6, 2, 768, 16, 8, dict(local_blocks=3, sink_blocks=2, branching=4, top_k=5)),
     (2, 4, 1, 512, 8, 8, dict(block_size=32, query_tile=16, top_k=2)),
+    # Sinks past a rank's last chunk (forced, seen by none of its queries): not fetched.
+    (1, 2, 1, 128, 8, 8, dict(sink_blocks=7)),
+]
+# Three ranks: lengths that are multiples of 2 * 3 * 16; bfloat16 with a looser tolerance.
+CASES3 = [
+    (1, 4, 2, 192, 16, 12, {}),
+    (2, 6, 2, 384, 8, 8, dict(query_tile=32, sink_blocks=3, local_blocks=2)),
+    (1, 4, 2, 192, 16, 16, dict(dtype=torch.bfloat16)),
 ]
 TOL = dict(atol=2e-5, rtol=1e-4)  # fp32; only the order of gradient sums differs
 
 
 def _inputs(case, seed):
-    B, Hq, Hkv, N, D, Dv, _ = case
+    B, Hq, Hkv, N, D, Dv, opts = case
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(B, Hq, N, D, generator=g), torch.randn(B, Hkv, N, D, generator=g),
-            torch.randn(B, Hkv, N, Dv, generator=g), torch.randn(B, Hq, N, Dv, generator=g))
+    dt = opts.get("dtype", torch.float32)
+    return tuple(torch.randn(*shape, generator=g).to(dt) for shape in
+                 ((B, Hq, N, D), (B, Hkv, N, D), (B, Hkv, N, Dv), (B, Hq, N, Dv)))
+
+
+def _config(case, **extra):
+    return SMALL.replace(**{k: v for k, v in case[-1].items() if k != "dtype"}, **extra)
 
 
 def _expected_block_bytes(config, q, k, v, rank, world):
-    """Bytes of the K/V blocks this rank's tiles select that other ranks own, from the
-    single-process selection (the union per batch row and KV head)."""
+    """Bytes of the K/V blocks this rank's tiles select that other ranks own and that their
+    queries can see, from the single-process selection (the union per batch row and KV
+    head; a forced sink past the tile's chunk is seen by none of its queries)."""
     bi, _ = select_blocks(q, k, is_causal=True, enable_gqa=True, config=config)
     T, C = bi.shape[2], config.block_size
-    tiles_per_chunk = T // (2 * world)
-    mine = torch.zeros(bi.shape[:2] + (T,), dtype=torch.bool)
-    for c in (rank, 2 * world - 1 - rank):
-        mine[:, :, c * tiles_per_chunk:(c + 1) * tiles_per_chunk] = True
     L = k.shape[2] // C
+    tiles_per_chunk, leaves_per_chunk = T // (2 * world), L // (2 * world)
+    # Per tile, the first leaf past its chunk (0 for other ranks' tiles: nothing counts).
+    end = torch.zeros(T, dtype=torch.long)
+    for c in (rank, 2 * world - 1 - rank):
+        end[c * tiles_per_chunk:(c + 1) * tiles_per_chunk] = (c + 1) * leaves_per_chunk
     need = torch.zeros(bi.shape[0], bi.shape[1], L + 1, dtype=torch.bool)
-    idx = torch.where((bi >= 0) & mine[..., None], bi, L).long().flatten(2)
+    idx = torch.where((bi >= 0) & (bi < end[:, None]), bi, L).long().flatten(2)
     need.scatter_(2, idx, True)
-    leaves_per_chunk = L // (2 * world)
     chunk = torch.arange(L) // leaves_per_chunk
     owner = torch.where(chunk < world, chunk, 2 * world - 1 - chunk)
     n = (need[..., :L] & (owner != rank)).sum().item()
@@ -69,8 +83,10 @@ def _worker(rank, world, path, kernel, cases):
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
     try:
         for i, case in enumerate(cases):
-            config = SMALL.replace(kernel=kernel, **case[-1])
+            config = _config(case, kernel=kernel)
             q, k, v, go = _inputs(case, seed=i)
+            # bf16: each side rounds its outputs and gradients once, not at the same sums.
+            tol = TOL if q.dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
             ql, kl, vl = (cp.zigzag_shard(x, rank, world).requires_grad_() for x in (q, k, v))
             counters.clear()
             out = cp.context_parallel_attention(ql, kl, vl, enable_gqa=True, config=config)
@@ -83,7 +99,7 @@ def _worker(rank, world, path, kernel, cases):
             ref.backward(go)
             for name, a, b in [("out", out, ref), ("dq", ql.grad, qf.grad),
                                ("dk", kl.grad, kf.grad), ("dv", vl.grad, vf.grad)]:
-                torch.testing.assert_close(a, cp.zigzag_shard(b, rank, world), **TOL,
+                torch.testing.assert_close(a, cp.zigzag_shard(b, rank, world), **tol,
                                            msg=lambda m: f"case {i} rank {rank} {name}: {m}")
             expected = _expected_block_bytes(config, q, k, v, rank, world)
             assert got.get("cp_block_bytes", 0) == expected, (i, rank, got, expected)
@@ -92,6 +108,8 @@ def _worker(rank, world, path, kernel, cases):
             per_leaf = case[4] + (kernel == "triton")
             summaries = (world - 1) * (L // world) * case[2] * case[0] * per_leaf * 4
             assert got.get("cp_summary_bytes", 0) == summaries, (i, rank, got, summaries)
+            index = (world - 1) * L * case[2] * case[0]  # one byte per (b, h, leaf)
+            assert got.get("cp_index_bytes", 0) == index, (i, rank, got, index)
     finally:
         dist.destroy_process_group()
 
@@ -101,26 +119,28 @@ def _spawn(fn, world, *args):
         mp.spawn(fn, args=(world, os.path.join(d, "store"), *args), nprocs=world)
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
-def test_equals_single_process_pisa(world):
-    """Outputs, dq, dk and dv of every rank equal single-process PISA's rows (4 shapes per
-    world size: GQA and MHA, Dv != D, tiles narrower and wider than a leaf, branching 4), and
-    each rank receives exactly the bytes of the chosen blocks it does not own and the other
-    ranks' leaf sums. Equal outputs mean equal selections: with random keys, one different
-    block moves the rows far past the tolerance."""
-    _spawn(_worker, world, "reference", CASES)
+@pytest.mark.parametrize("world, cases", [(1, CASES), (2, CASES), (3, CASES3), (4, CASES)])
+def test_equals_single_process_pisa(world, cases):
+    """Outputs, dq, dk and dv of every rank equal single-process PISA's rows (3 to 5 shapes
+    per world size: GQA and MHA, Dv != D, tiles narrower and wider than a leaf, branching 4,
+    sinks past a chunk, bfloat16), and each rank receives exactly the bytes of the chosen
+    blocks it does not own (counted from the single-process selection), the other ranks'
+    leaf means and their block marks. Equal outputs mean equal selections: with random keys,
+    one different block moves the rows far past the tolerance."""
+    _spawn(_worker, world, "reference", cases)
 
 
 def test_equals_single_process_on_the_triton_kernels():
-    """The same with ``kernel="triton"`` (the interpreter here, as on CUDA), two ranks."""
-    _spawn(_worker, 2, "triton", CASES[:1])
+    """The same with ``kernel="triton"`` (the interpreter here, as on CUDA), two ranks,
+    query tiles narrower and wider than a leaf, Dv != D."""
+    _spawn(_worker, 2, "triton", CASES[:2])
 
 
 def _select_worker(rank, world, path, kernel):
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
     try:
         case = CASES[2]
-        config = SMALL.replace(kernel=kernel, **case[-1])
+        config = _config(case, kernel=kernel)
         q, k, _, _ = _inputs(case, seed=7)
         ql, kl = cp.zigzag_shard(q, rank, world), cp.zigzag_shard(k, rank, world)
         lay = cp._Layout(world, rank, ql.shape[2] // 2, ql.shape[2] // 2 // config.block_size)
@@ -149,16 +169,23 @@ def test_selection_equals_single_process_tile_by_tile(kernel):
 def _mismatch_worker(rank, world, path):
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
     try:
-        n = 128 if rank == 0 else 256
-        x = torch.randn(1, 2, n, 8)
-        with pytest.raises(ValueError, match="same shapes"):
-            cp.context_parallel_attention(x, x, x, config=SMALL)
+        x = torch.randn(1, 2, 128, 8)
+        differs = [dict(q=torch.randn(1, 2, 256, 8)), dict(q=x.half(), k=x.half(), v=x.half()),
+                   dict(config=SMALL.replace(top_k=4)), dict(config={"top_k": 3}),
+                   dict(k=torch.randn(2, 128, 8))]
+        for change in differs:
+            args = dict(q=x, k=x, v=x, config=SMALL)
+            if rank == 1:
+                args.update(change)
+            with pytest.raises(ValueError, match="every rank must pass"):
+                cp.context_parallel_attention(**args)
     finally:
         dist.destroy_process_group()
 
 
-def test_ranks_with_different_shapes_are_all_refused():
-    """A rank passing another length is refused on every rank (none is left waiting in a
+def test_ranks_with_different_calls_are_all_refused():
+    """A rank passing another length, dtype, config (or a config that is not one) or a
+    tensor of another rank is refused on every rank (none is left waiting in a
     collective)."""
     _spawn(_mismatch_worker, 2)
 
@@ -185,16 +212,17 @@ def one_rank():
     (dict(config=cp.CP_CONFIG.replace(bound_block=16)), "bound_block=None"),
     (dict(config=SMALL.replace(dense_tail=16)), "dense_tail must be 0"),
     (dict(config=SMALL.replace(local_blocks=0)), "local_blocks must be >= 1"),
-    (dict(config={"top_k": 3}), "must be a PisaConfig"),
 ])
 def test_bad_config_is_refused_by_name(one_rank, kwargs, match):
     x = torch.randn(1, 2, 64, 8)
     with pytest.raises(ValueError, match=match):
         cp.context_parallel_attention(x, x, x, **kwargs)
+    with pytest.raises(TypeError, match="config must be a PisaConfig"):
+        cp.context_parallel_attention(x, x, x, config={"top_k": 3})
 
 
 @pytest.mark.parametrize("q, k, v, match", [
-    ((1, 2, 64, 8), (1, 2, 64), (1, 2, 64, 8), "4-D"),
+    ((1, 2, 64, 8), (1, 2, 64), (1, 2, 64, 8), "k must be a 4-D tensor"),
     ((1, 4, 64, 8), (1, 2, 64, 8), (1, 2, 64, 8), "enable_gqa=True"),
     ((1, 2, 64, 8), (1, 2, 64, 4), (1, 2, 64, 8), r"k must be \[B, Hkv, N_local, D\]"),
     ((1, 2, 48, 8), (1, 2, 48, 8), (1, 2, 48, 8), "multiple of block_size=16"),
@@ -205,10 +233,12 @@ def test_bad_shapes_are_refused_by_name(one_rank, q, k, v, match):
                                       config=SMALL)
 
 
-def test_mixed_dtypes_are_refused(one_rank):
+def test_mixed_and_unsupported_dtypes_are_refused(one_rank):
     x = torch.randn(1, 2, 64, 8)
     with pytest.raises(ValueError, match="one dtype and device"):
-        cp.context_parallel_attention(x, x.double(), x, config=SMALL)
+        cp.context_parallel_attention(x, x.half(), x, config=SMALL)
+    with pytest.raises(ValueError, match="q must be float16, bfloat16 or float32"):
+        cp.context_parallel_attention(x.double(), x.double(), x.double(), config=SMALL)
 
 
 @pytest.mark.parametrize("world, rank", [(w, r) for w in (1, 2, 3) for r in range(w)])
@@ -304,6 +334,40 @@ def test_hf_attention_refuses_padding_and_dropout(one_rank):
         model.train()(input_ids=ids)
     with pytest.raises(ValueError, match="must be a PisaConfig"):
         hcp.register(config={"top_k": 2})
+
+
+def test_hf_attention_refuses_a_sliding_window(one_rank):
+    import transformers
+    from pisa_compile import hf_context_parallel as hcp
+
+    cfg = transformers.MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                     num_hidden_layers=1, num_attention_heads=2,
+                                     num_key_value_heads=1, sliding_window=32)
+    model = transformers.MistralForCausalLM(cfg).eval()
+    model.set_attn_implementation(hcp.register(config=SMALL))
+    with pytest.raises(ValueError, match="sliding_window=32"):
+        model(input_ids=torch.randint(0, 64, (1, 64)))
+
+
+def _padding_worker(rank, world, path):
+    from pisa_compile import hf_context_parallel as hcp
+    from pisa_compile.samples import tiny_llama
+
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
+    try:
+        model = tiny_llama(max_positions=128, num_layers=1)
+        model.set_attn_implementation(hcp.register(config=SMALL))
+        am = torch.ones(1, 128, dtype=torch.long)
+        am[0, -8:] = 0  # right padding: in the last chunk, rank 0's
+        ids = cp.zigzag_shard(torch.randint(0, 256, (1, 128)), rank, world, dim=1)
+        with pytest.raises(ValueError, match="on some rank"):
+            model(input_ids=ids, attention_mask=cp.zigzag_shard(am, rank, world, dim=1))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_hf_padding_on_one_rank_is_refused_by_every_rank():
+    _spawn(_padding_worker, 2)
 
 
 # -- the Triton pyramid from a gathered leaf level -----------------------------------------

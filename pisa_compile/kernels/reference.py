@@ -481,10 +481,12 @@ def select_blocks(q: Tensor, k: Tensor, attn_mask: Optional[Tensor], is_causal: 
         (``beam`` resolved, never None; ``shortlist`` and ``bound_block`` 0 for None); a
         call with at most ``flat_leaves`` leaves raises its beam to one level
         (:func:`geometry.flat_beam`).
-        pyramid: ``(mus, counts)`` as :func:`build_pyramid` returns them for these keys (with
-            the raised beam), or None to build it from ``k``. Given one, pooled scores read
-            no key: context parallelism selects over gathered summaries this way, with ``k``
-            standing for the keys' shape only.
+        pyramid: ``(mus, counts)`` as :func:`build_pyramid` returns them (with the raised
+            beam), or None to build it from ``k``. Given one, it is used as it is: its keys'
+            liveness may differ from what this call's queries see (context parallelism passes
+            the whole sequence's pyramid, every key live, with a chunk's queries and its
+            ``causal_offset``, as single-process selection over the whole sequence has it);
+            pooled scores then read no key, and ``k`` may stand for the keys' shape only.
 
     Returns:
         ``block_indices`` int32 ``[B, Hkv, T, M]`` (ascending, -1 padded; forced leaves

@@ -28,6 +28,7 @@ from typing import Optional
 
 import torch
 
+from pisa_compile import PisaConfig
 from pisa_compile.context_parallel import CP_CONFIG
 from pisa_compile.ops import select_blocks
 
@@ -101,9 +102,12 @@ def main(argv: Optional[list[str]] = None) -> int:
                    help="layer indices (default: every layer)")
     p.add_argument("--budgets", type=float, nargs="*", default=[],
                    help="fetch caps to study, as fractions of the remote leaves")
+    p.add_argument("--compare", action="store_true",
+                   help="also the attention mass of single-process selections that need keys "
+                        "(the defaults: exact leaves, 16-key box bounds) or per-leaf boxes")
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args(argv)
-    from pisa_compile.metrics import selection_recall
+    from pisa_compile.metrics import block_mass, selection_recall
     from .selection_study import code_model_qk
 
     config = CP_CONFIG
@@ -117,10 +121,19 @@ def main(argv: Optional[list[str]] = None) -> int:
             bi, bc = select_blocks(q, k, is_causal=True, enable_gqa=True, config=config)
             B, Hkv, _, D = k.shape
             L = n // C
+            oracle = None
+            if a.budgets or a.compare:  # one dense oracle per layer for every selection
+                oracle = block_mass(q, k, None, True, q.shape[-1] ** -0.5, config)
+            if a.compare:
+                for name, other in (("default", PisaConfig(min_seq_len=0)),
+                                    ("pooled+leaf boxes", config.replace(bound_block=C))):
+                    m = selection_recall(q, k, other, is_causal=True, mass=oracle).mass_ratio
+                    rows.append(dict(length=n, layer=li, config=name, mass_ratio=m))
+                    print(f"N={n} layer {li}: {name} mass {m:.4f}", flush=True)
             mass = None
-            if a.budgets:
+            if a.budgets or a.compare:
                 mass = selection_recall(q, k, config, is_causal=True, block_indices=bi,
-                                        block_counts=bc).mass_ratio
+                                        block_counts=bc, mass=oracle).mass_ratio
             for w in a.worlds:
                 per_rank = received_leaves(bi, L, w)
                 block = [x * C * 2 * D * value_bytes for x in per_rank]  # K and V
@@ -137,7 +150,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 for f in a.budgets:
                     capped, fetched = budgeted(bi, L, w, f, config)
                     m = selection_recall(q, k, config, is_causal=True, block_indices=capped,
-                                         block_counts=bc).mass_ratio
+                                         block_counts=bc, mass=oracle).mass_ratio
                     fb = max(fetched) * C * 2 * D * value_bytes + summary
                     rows.append(dict(length=n, layer=li, world=w, budget=f, ring_bytes=ring,
                                      bytes_max=fb, ratio_max=fb / ring, mass_ratio=m))

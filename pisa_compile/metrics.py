@@ -65,7 +65,8 @@ def block_mass(q: Tensor, k: Tensor, attn_mask: Optional[Tensor], is_causal: boo
 def selection_recall(q: Tensor, k: Tensor, config: Optional[PisaConfig] = None, *,
                      attn_mask: Optional[Tensor] = None, is_causal: bool = False,
                      scale: Optional[float] = None, block_indices: Optional[Tensor] = None,
-                     block_counts: Optional[Tensor] = None) -> SelectionQuality:
+                     block_counts: Optional[Tensor] = None,
+                     mass: Optional[Tensor] = None) -> SelectionQuality:
     """Recall@K and mass ratio of a PISA selection against the exact (dense) oracle.
 
     Args:
@@ -74,6 +75,8 @@ def selection_recall(q: Tensor, k: Tensor, config: Optional[PisaConfig] = None, 
         attn_mask, is_causal, scale: as in :func:`pisa_compile.pisa_attention`.
         block_indices, block_counts: a selection to judge (e.g. a baseline's); default: PISA's
             own, from :func:`pisa_compile.select_blocks`.
+        mass: :func:`block_mass` of these inputs with ``config.block_size``, to judge several
+            selections against one oracle (computed here if None).
 
     Returns:
         :class:`SelectionQuality`. Tiles with no scorable block are left out of the recall.
@@ -90,7 +93,8 @@ def selection_recall(q: Tensor, k: Tensor, config: Optional[PisaConfig] = None, 
                                                     enable_gqa=True, config=config)
     B, Hq, Nq, _ = q.shape
     Hkv, G, Tq = k.shape[1], Hq // k.shape[1], config.query_tile
-    mass = block_mass(q, k, attn_mask, is_causal, scale, config)  # [B, Hq, Nq, L]
+    if mass is None:
+        mass = block_mass(q, k, attn_mask, is_causal, scale, config)  # [B, Hq, Nq, L]
     L = mass.shape[-1]
     T = block_indices.shape[2]
     # Tile mass: sum over the tile's rows (G heads x Tq queries).

@@ -58,3 +58,14 @@ def test_a_bad_selection_scores_low():
     bad_bi = torch.where(bi == 9, 3, bi)  # swap the needle for a dull block
     bad = selection_recall(q, k, cfg, block_indices=bad_bi, block_counts=bc)
     assert good.recall > bad.recall and good.mass_ratio > bad.mass_ratio
+
+
+def test_a_given_oracle_gives_the_same_quality():
+    """``mass=`` (one ``block_mass`` for several selections) judges as the computed one."""
+    from pisa_compile.metrics import block_mass
+
+    q, k = torch.randn(1, 4, 128, 16), torch.randn(1, 2, 128, 16)
+    cfg = PisaConfig(block_size=8, top_k=3, query_tile=16, min_seq_len=0)
+    oracle = block_mass(q, k, None, True, 0.25, cfg)
+    assert (selection_recall(q, k, cfg, is_causal=True, scale=0.25, mass=oracle)
+            == selection_recall(q, k, cfg, is_causal=True, scale=0.25))

@@ -325,13 +325,15 @@ def _refuse_double_backward(grad_out: Tensor, saved: tuple) -> None:
 
 
 def _backward(ctx, grad_out, _grad_lse):
-    _refuse_double_backward(grad_out, ctx.saved_tensors[:3])
-    return _backward_once(ctx, grad_out, _grad_lse)
+    # Unpacked once: under non-reentrant activation checkpointing a second unpack raises.
+    saved = ctx.saved_tensors
+    _refuse_double_backward(grad_out, saved[:3])
+    return _backward_once(ctx, grad_out, _grad_lse, saved)
 
 
 @torch.autograd.function.once_differentiable
-def _backward_once(ctx, grad_out, _grad_lse):
-    q, k, v, attn_mask, key_mask, out, lse, block_indices, block_counts = ctx.saved_tensors
+def _backward_once(ctx, grad_out, _grad_lse, saved):
+    q, k, v, attn_mask, key_mask, out, lse, block_indices, block_counts = saved
     dq, dk, dv = _attention_backward_op(grad_out.contiguous(), q, k, v, attn_mask, key_mask,
                                         out, lse, block_indices, block_counts, ctx.is_causal,
                                         ctx.causal_offset, ctx.scale, *ctx.rest)

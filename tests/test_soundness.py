@@ -312,6 +312,32 @@ def test_empty_problems_return_what_sdpa_returns(name):
     assert torch.equal(f(q, k, v), want)
 
 
+# -- activation checkpointing -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kernel", ["reference", "triton"])
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_activation_checkpointing_gives_the_same_gradients(kernel, use_reentrant):
+    """``torch.utils.checkpoint`` around the op (transformers' ``gradient_checkpointing_enable``
+    is non-reentrant by default): the same gradients as without it. The backward once read
+    its saved tensors twice, which non-reentrant checkpointing refuses (CheckpointError)."""
+    from torch.utils.checkpoint import checkpoint
+
+    cfg = PisaConfig(min_seq_len=0, block_size=16, top_k=2, query_tile=16, dense_tail=0,
+                     kernel=kernel)
+    q, k, v = (t.requires_grad_() for t in _qkv(128, 16))
+
+    def loss(q, k, v):
+        return pisa_attention(q, k, v, is_causal=True, config=cfg).square().sum()
+
+    loss(q, k, v).backward()
+    want = [t.grad for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    checkpoint(loss, q, k, v, use_reentrant=use_reentrant).backward()
+    for t, b in zip((q, k, v), want):
+        torch.testing.assert_close(t.grad, b)
+
+
 # -- torch.func ---------------------------------------------------------------------------------------
 
 def test_func_grad_vjp_vmap_match_autograd():

@@ -107,8 +107,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--out", default=None, help="rank 0 saves the results here (torch.save)")
     a = p.parse_args(argv)
+    if "RANK" not in os.environ:
+        p.error("run it under torchrun: torchrun --nproc_per_node 2 -m "
+                "experiments.train_context_parallel ...")
     if a.steps < 1:
         p.error(f"--steps must be >= 1, got {a.steps}")
+    if a.batch < 1:
+        p.error(f"--batch must be >= 1, got {a.batch}")
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    unit = 2 * world * CP_CONFIG.block_size
+    if a.seq_len < unit or a.seq_len % unit:
+        p.error(f"--seq-len must be a positive multiple of 2 * world * block_size = {unit}, "
+                f"got {a.seq_len}")
     if a.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: CUDA is not available in this torch build or machine")
     if a.device == "cuda":

@@ -43,7 +43,7 @@ CP_CONFIG = PisaConfig(leaf_scoring="pooled", shortlist=None, bound_block=None, 
                        min_seq_len=0)
 
 
-def zigzag_shard(x: Tensor, rank: int, world_size: int, dim: int = 2) -> Tensor:
+def zigzag_shard(x: Tensor, rank: int, world_size: int, *, dim: int) -> Tensor:
     """Rank ``rank``'s part of ``x`` in the zig-zag layout: of ``x`` cut along ``dim`` into
     ``2 * world_size`` equal chunks, chunks ``rank`` and ``2 * world_size - 1 - rank``,
     concatenated (a copy).
@@ -51,11 +51,14 @@ def zigzag_shard(x: Tensor, rank: int, world_size: int, dim: int = 2) -> Tensor:
     Args:
         x: any tensor; ``x.shape[dim]`` a multiple of ``2 * world_size``.
         rank: in ``[0, world_size)``. world_size: int >= 1. dim: the sequence dimension
-            (2 for ``[B, H, N, D]``).
+            (2 for ``[B, H, N, D]``, 1 for token ids ``[B, N]``); no default, since a wrong
+            one cuts another dimension silently.
 
     Raises:
-        ValueError: a ``rank`` out of range, or a length not divisible into the chunks.
+        ValueError: a ``rank`` or ``dim`` out of range, or a length not divisible into the
+            chunks.
     """
+    _check_dim(x, dim, "zigzag_shard")
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"zigzag_shard: rank must be in [0, world_size={world_size}), "
                          f"got {rank}")
@@ -67,15 +70,23 @@ def zigzag_shard(x: Tensor, rank: int, world_size: int, dim: int = 2) -> Tensor:
     return torch.cat([chunks[rank], chunks[2 * world_size - 1 - rank]], dim)
 
 
-def zigzag_unshard(shards: Sequence[Tensor], dim: int = 2) -> Tensor:
+def _check_dim(x: Tensor, dim: int, where: str) -> None:
+    if not -x.dim() <= dim < x.dim():
+        raise ValueError(f"{where}: dim={dim} is out of range for a {x.dim()}-D tensor")
+
+
+def zigzag_unshard(shards: Sequence[Tensor], *, dim: int) -> Tensor:
     """The inverse of :func:`zigzag_shard`: ``shards[r]`` is rank ``r``'s part (for example
-    from ``torch.distributed.all_gather``); returns the whole sequence along ``dim``.
+    from ``torch.distributed.all_gather``); returns the whole sequence along ``dim`` (the
+    sequence dimension: 2 for ``[B, H, N, D]``, 1 for logits ``[B, N, V]``).
 
     Raises:
-        ValueError: no shards, shards of different shapes, or of odd length along ``dim``.
+        ValueError: no shards, shards of different shapes, a ``dim`` out of range, or an odd
+            length along ``dim``.
     """
     if not shards or any(s.shape != shards[0].shape for s in shards):
         raise ValueError("zigzag_unshard: shards must be one tensor per rank, all of one shape")
+    _check_dim(shards[0], dim, "zigzag_unshard")
     if shards[0].shape[dim] % 2:
         raise ValueError(f"zigzag_unshard: each shard holds two equal chunks along dim {dim}, "
                          f"got length {shards[0].shape[dim]}")
@@ -108,11 +119,35 @@ class _Layout(NamedTuple):
         return torch.where(c < self.world, 0, self.leaves) + leaf % self.leaves
 
 
-def _check(q: Tensor, k: Tensor, v: Tensor, enable_gqa: bool, config: PisaConfig,
-           world: int) -> tuple[int, int]:
+def check_config(config: PisaConfig) -> None:
+    """Refuse options context parallelism cannot run (see :data:`CP_CONFIG`).
+
+    Raises:
+        TypeError: ``config`` is not a :class:`~pisa_compile.PisaConfig`.
+        ValueError: exact leaf scores, box bounds, a dense tail or no local blocks; the
+            message names the option.
+    """
     if not isinstance(config, PisaConfig):
         raise TypeError(f"context_parallel_attention: config must be a PisaConfig, got "
                         f"{type(config).__name__}")
+    if config.leaf_scoring != "pooled" or config.effective_bound_block:
+        raise ValueError("context_parallel_attention: config needs leaf_scoring='pooled' and "
+                         "bound_block=None (exact leaf scores and box bounds read the keys of "
+                         "candidate leaves, which other ranks hold), got "
+                         f"leaf_scoring={config.leaf_scoring!r}, "
+                         f"bound_block={config.bound_block}; start from CP_CONFIG")
+    if config.dense_tail:
+        raise ValueError("context_parallel_attention: config.dense_tail must be 0 (the tail's "
+                         f"dense rows would need every key), got {config.dense_tail}")
+    if config.local_blocks < 1:
+        raise ValueError("context_parallel_attention: config.local_blocks must be >= 1 (the "
+                         "leaves a tile's own positions touch are partly hidden from it and "
+                         "need exact scores otherwise)")
+
+
+def _check(q: Tensor, k: Tensor, v: Tensor, enable_gqa: bool, config: PisaConfig,
+           world: int) -> tuple[int, int]:
+    check_config(config)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor) or t.dim() != 4:
             raise ValueError(f"context_parallel_attention: {name} must be a 4-D tensor "
@@ -135,19 +170,6 @@ def _check(q: Tensor, k: Tensor, v: Tensor, enable_gqa: bool, config: PisaConfig
     if Hq != Hkv and not (enable_gqa and Hq % Hkv == 0):
         raise ValueError(f"context_parallel_attention: {Hq} query heads and {Hkv} KV heads "
                          "need enable_gqa=True and Hq a multiple of Hkv")
-    if config.leaf_scoring != "pooled" or config.effective_bound_block:
-        raise ValueError("context_parallel_attention: config needs leaf_scoring='pooled' and "
-                         "bound_block=None (exact leaf scores and box bounds read the keys of "
-                         "candidate leaves, which other ranks hold), got "
-                         f"leaf_scoring={config.leaf_scoring!r}, "
-                         f"bound_block={config.bound_block}; start from CP_CONFIG")
-    if config.dense_tail:
-        raise ValueError("context_parallel_attention: config.dense_tail must be 0 (the tail's "
-                         f"dense rows would need every key), got {config.dense_tail}")
-    if config.local_blocks < 1:
-        raise ValueError("context_parallel_attention: config.local_blocks must be >= 1 (the "
-                         "leaves a tile's own positions touch are partly hidden from it and "
-                         "need exact scores otherwise)")
     C, Tq = config.block_size, config.query_tile
     if N % 2 or (N // 2) % C or (N // 2) % Tq:
         raise ValueError(f"context_parallel_attention: the local length {N} must be two chunks "
@@ -212,7 +234,7 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: Option
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     # First, so that a call some rank makes differently is refused by every rank together,
     # instead of some raising while the others wait in a collective.
-    _agree(q, k, v, enable_gqa, config, group, world)
+    _agree(q, k, v, enable_gqa, config, scale, group, world)
     Hkv, S = _check(q, k, v, enable_gqa, config, world)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     lay = _Layout(world, rank, S, S // config.block_size)
@@ -242,29 +264,33 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: Option
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _signature(q, k, v, enable_gqa: bool, config) -> list[int]:
-    """What every rank's call must share: ranks, dtypes and sizes of q, k, v, the options."""
+def _signature(q, k, v, enable_gqa: bool, config, scale) -> list[int]:
+    """What every rank's call must share: ranks, dtypes and sizes of q, k, v, whether they
+    want gradients (the backward is a collective), the options and the scale."""
     sig = []
     for t in (q, k, v):
         if not isinstance(t, Tensor):
-            sig += [-1] * 6
+            sig += [-1] * 7
             continue
         dims = list(t.shape[:4]) + [-1] * (4 - min(t.dim(), 4))
-        sig += [t.dim(), _DTYPES.index(t.dtype) if t.dtype in _DTYPES else -1, *dims]
-    options = zlib.crc32(repr(config).encode()) if isinstance(config, PisaConfig) else -1
+        sig += [t.dim(), _DTYPES.index(t.dtype) if t.dtype in _DTYPES else -1,
+                int(t.requires_grad and torch.is_grad_enabled()), *dims]
+    options = zlib.crc32(repr((config, scale)).encode()) if isinstance(config, PisaConfig) \
+        else -1
     return sig + [options, int(bool(enable_gqa))]
 
 
-def _agree(q, k, v, enable_gqa: bool, config, group, world: int) -> None:
+def _agree(q, k, v, enable_gqa: bool, config, scale, group, world: int) -> None:
     dev = q.device if isinstance(q, Tensor) else torch.device("cpu")
-    mine = torch.tensor(_signature(q, k, v, enable_gqa, config), device=dev)
+    mine = torch.tensor(_signature(q, k, v, enable_gqa, config, scale), device=dev)
     every = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(every, mine, group=group)
     if any(not torch.equal(s, mine) for s in every):
         raise ValueError(
             "context_parallel_attention: every rank must pass q, k and v of the same shapes "
-            "and dtypes, and the same config and enable_gqa; per rank (q, k, v as [dims, "
-            f"dtype, sizes...], then a hash of config, enable_gqa): "
+            "and dtypes, all wanting gradients or none, and the same config, scale and "
+            "enable_gqa; per rank (q, k, v as [dims, dtype, gradient, sizes...], then a hash "
+            f"of config and scale, enable_gqa): "
             f"{[s.tolist() for s in every]}")
 
 

@@ -7,10 +7,15 @@ those tokens as ``position_ids`` (RoPE) and its part of the labels::
 
     name = hf_context_parallel.register(group=None, config=CP_CONFIG)
     model.set_attn_implementation(name)
-    ids, pos = (zigzag_shard(t, rank, world, dim=1) for t in (input_ids, position_ids))
-    logits = model(input_ids=ids, position_ids=pos).logits
+    positions = torch.arange(N)[None]  # required: checked on the first layer of each call
+    ids, pos = (zigzag_shard(t, rank, world, dim=1) for t in (input_ids, positions))
+    logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits
 
-The model's own mask is not built (the layout is causal by construction). Padding (zeros in
+Compute the loss from the logits with targets shifted before sharding, each rank's share of
+the global mean (``experiments/train_context_parallel.py``): the model's own ``labels=``
+would shift within the shard, pairing the end of one chunk with the start of the next.
+Decode (a KV cache, ``generate()``) is refused. The model's own mask is not built (the
+layout is causal by construction). Padding (zeros in
 ``attention_mask`` on any rank), sliding windows, logit soft-capping, attention sinks,
 packed sequences and dropout are refused by name; a model's other mask functions (Gemma 3's
 bidirectional image tokens) are not applied.
@@ -18,6 +23,7 @@ bidirectional image tokens) are not applied.
 
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 import torch
@@ -25,7 +31,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .config import PisaConfig
-from .context_parallel import CP_CONFIG, context_parallel_attention
+from .context_parallel import CP_CONFIG, check_config, context_parallel_attention, zigzag_shard
 
 __all__ = ["ATTN_IMPLEMENTATION", "register"]
 
@@ -49,19 +55,22 @@ def register(group: Optional[dist.ProcessGroup] = None,
 
     Raises:
         ImportError: transformers is not installed (or too old to have both interfaces).
-        ValueError: ``config`` is not a :class:`~pisa_compile.PisaConfig`.
+        ValueError: ``config`` is not a :class:`~pisa_compile.PisaConfig`, or has options
+            context parallelism cannot run (``context_parallel.check_config``).
     """
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
     if config is not None and not isinstance(config, PisaConfig):
         raise ValueError(f"register: config must be a PisaConfig, got {type(config).__name__}")
+    check_config(CP_CONFIG if config is None else config)
     _settings.update(group=group, config=CP_CONFIG if config is None else config)
     AttentionInterface.register(ATTN_IMPLEMENTATION, _attention)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _no_mask)
     return ATTN_IMPLEMENTATION
 
 
+@torch.compiler.disable  # its host read would break the graph with a warning
 def _no_mask(*args, attention_mask: Optional[Tensor] = None, **kwargs) -> None:
     # The zig-zag layout is causal by construction; the model's [N, N] mask would be built
     # from the local positions, which are not contiguous (transformers even reads their jump
@@ -90,6 +99,36 @@ def _no_mask(*args, attention_mask: Optional[Tensor] = None, **kwargs) -> None:
 _UNSUPPORTED = ("sliding_window", "softcap", "s_aux", "cu_seq_lens_q", "cu_seq_lens_k")
 
 
+@torch.compiler.disable
+def _check_positions(position_ids: Optional[Tensor], n_local: int) -> None:
+    """The rank's ``position_ids`` must be its zig-zag part of ``0 .. N - 1`` (else RoPE and
+    the layout disagree: each rank's own ``0 .. N_local - 1``, or a packed sequence's resets,
+    would be silently wrong). Checked once per tensor (every layer gets the same one); the
+    verdict is all-reduced, so every rank refuses together."""
+    group = _settings["group"]
+    seen = _settings.get("checked")  # (weak reference, version) of the last tensor passed
+    if (position_ids is not None and seen is not None and seen[0]() is position_ids
+            and seen[1] == position_ids._version):
+        return
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    ok = position_ids is not None and position_ids.shape[-1] == n_local
+    if ok:
+        whole = torch.arange(world * n_local, device=position_ids.device)
+        expected = zigzag_shard(whole, rank, world, dim=0)
+        ok = bool((position_ids.reshape(-1, n_local) == expected).all())
+    flag = torch.tensor([int(not ok)])
+    if dist.get_backend(group) == "nccl":  # NCCL reduces CUDA tensors only
+        flag = flag.cuda()
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    if flag.item():
+        raise ValueError(
+            f"{ATTN_IMPLEMENTATION}: position_ids must be each rank's zig-zag part of the "
+            "global positions, zigzag_shard(torch.arange(N)[None], rank, world, dim=1), on "
+            "every rank (without them each rank's RoPE starts at 0; packed sequences are not "
+            "supported)")
+    _settings["checked"] = (weakref.ref(position_ids), position_ids._version)
+
+
 def _attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,
                attention_mask: Optional[Tensor], scaling: Optional[float] = None,
                dropout: float = 0.0, **kwargs) -> tuple[Tensor, None]:
@@ -107,6 +146,14 @@ def _attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tenso
     if dropout:
         raise ValueError(f"{ATTN_IMPLEMENTATION}: attention dropout must be 0 (set the "
                          f"model's attention_dropout to 0 or call model.eval()), got {dropout}")
+    if attention_mask is not None:  # the mask function builds none: this one is the caller's
+        raise ValueError(f"{ATTN_IMPLEMENTATION}: a {attention_mask.dim()}-D attention_mask "
+                         "was passed; only the tokenizer's [B, N_local] mask of ones is accepted")
+    if query.shape[2] != key.shape[2]:
+        raise ValueError(f"{ATTN_IMPLEMENTATION}: {query.shape[2]} queries over "
+                         f"{key.shape[2]} keys: a KV cache (decode, generate()) is not "
+                         "supported; call the model with use_cache=False")
+    _check_positions(kwargs.get("position_ids"), query.shape[2])
     out = context_parallel_attention(query, key, value, scale=scaling,
                                      enable_gqa=query.shape[1] != key.shape[1],
                                      group=_settings["group"], config=_settings["config"])

@@ -87,10 +87,10 @@ def _worker(rank, world, path, kernel, cases):
             q, k, v, go = _inputs(case, seed=i)
             # bf16: each side rounds its outputs and gradients once, not at the same sums.
             tol = TOL if q.dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
-            ql, kl, vl = (cp.zigzag_shard(x, rank, world).requires_grad_() for x in (q, k, v))
+            ql, kl, vl = (cp.zigzag_shard(x, rank, world, dim=2).requires_grad_() for x in (q, k, v))
             counters.clear()
             out = cp.context_parallel_attention(ql, kl, vl, enable_gqa=True, config=config)
-            out.backward(cp.zigzag_shard(go, rank, world))
+            out.backward(cp.zigzag_shard(go, rank, world, dim=2))
             got = dict(counters["pisa"])
 
             # Single-process PISA on the whole sequence, on every rank (small).
@@ -99,7 +99,7 @@ def _worker(rank, world, path, kernel, cases):
             ref.backward(go)
             for name, a, b in [("out", out, ref), ("dq", ql.grad, qf.grad),
                                ("dk", kl.grad, kf.grad), ("dv", vl.grad, vf.grad)]:
-                torch.testing.assert_close(a, cp.zigzag_shard(b, rank, world), **tol,
+                torch.testing.assert_close(a, cp.zigzag_shard(b, rank, world, dim=2), **tol,
                                            msg=lambda m: f"case {i} rank {rank} {name}: {m}")
             expected = _expected_block_bytes(config, q, k, v, rank, world)
             assert got.get("cp_block_bytes", 0) == expected, (i, rank, got, expected)
@@ -142,7 +142,7 @@ def _select_worker(rank, world, path, kernel):
         case = CASES[2]
         config = _config(case, kernel=kernel)
         q, k, _, _ = _inputs(case, seed=7)
-        ql, kl = cp.zigzag_shard(q, rank, world), cp.zigzag_shard(k, rank, world)
+        ql, kl = cp.zigzag_shard(q, rank, world, dim=2), cp.zigzag_shard(k, rank, world, dim=2)
         lay = cp._Layout(world, rank, ql.shape[2] // 2, ql.shape[2] // 2 // config.block_size)
         impl = "triton" if kernel == "triton" else "reference"
         pyramid = cp._gathered_pyramid(kl, lay, config, impl, None)
@@ -172,7 +172,8 @@ def _mismatch_worker(rank, world, path):
         x = torch.randn(1, 2, 128, 8)
         differs = [dict(q=torch.randn(1, 2, 256, 8)), dict(q=x.half(), k=x.half(), v=x.half()),
                    dict(config=SMALL.replace(top_k=4)), dict(config={"top_k": 3}),
-                   dict(k=torch.randn(2, 128, 8))]
+                   dict(k=torch.randn(2, 128, 8)), dict(scale=0.1),
+                   dict(k=x.clone().requires_grad_())]  # a backward only some ranks run
         for change in differs:
             args = dict(q=x, k=x, v=x, config=SMALL)
             if rank == 1:
@@ -184,9 +185,9 @@ def _mismatch_worker(rank, world, path):
 
 
 def test_ranks_with_different_calls_are_all_refused():
-    """A rank passing another length, dtype, config (or a config that is not one) or a
-    tensor of another rank is refused on every rank (none is left waiting in a
-    collective)."""
+    """A rank passing another length, dtype, config (or a config that is not one), scale, a
+    tensor of another rank, or wanting gradients where the others do not, is refused on
+    every rank (none is left waiting in a collective, the backward's included)."""
     _spawn(_mismatch_worker, 2)
 
 
@@ -255,11 +256,15 @@ def test_zigzag_unshard_inverts_shard(world, rank):
 def test_zigzag_bad_arguments():
     x = torch.zeros(1, 1, 10, 1)
     with pytest.raises(ValueError, match="multiple of 2 \\* world_size = 4"):
-        cp.zigzag_shard(x, 0, 2)
+        cp.zigzag_shard(x, 0, 2, dim=2)
     with pytest.raises(ValueError, match="rank must be in"):
-        cp.zigzag_shard(torch.zeros(1, 1, 8, 1), 2, 2)
+        cp.zigzag_shard(torch.zeros(1, 1, 8, 1), 2, 2, dim=2)
     with pytest.raises(ValueError, match="one tensor per rank"):
         cp.zigzag_unshard([torch.zeros(2), torch.zeros(4)], dim=0)
+    with pytest.raises(ValueError, match="dim=2 is out of range for a 2-D tensor"):
+        cp.zigzag_shard(torch.zeros(1, 8), 0, 2, dim=2)
+    with pytest.raises(TypeError):  # no default: a wrong one would cut another dimension
+        cp.zigzag_shard(torch.zeros(1, 8), 0, 2)
 
 
 # -- a transformers model trained context-parallel ----------------------------------------
@@ -334,6 +339,8 @@ def test_hf_attention_refuses_padding_and_dropout(one_rank):
         model.train()(input_ids=ids)
     with pytest.raises(ValueError, match="must be a PisaConfig"):
         hcp.register(config={"top_k": 2})
+    with pytest.raises(ValueError, match="leaf_scoring='pooled'"):
+        hcp.register(config=PisaConfig())
 
 
 def test_hf_attention_refuses_a_sliding_window(one_rank):
@@ -368,6 +375,44 @@ def _padding_worker(rank, world, path):
 
 def test_hf_padding_on_one_rank_is_refused_by_every_rank():
     _spawn(_padding_worker, 2)
+
+
+def _positions_worker(rank, world, path):
+    from pisa_compile import hf_context_parallel as hcp
+    from pisa_compile.samples import tiny_llama
+
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
+    try:
+        model = tiny_llama(max_positions=128, num_layers=1)
+        model.set_attn_implementation(hcp.register(config=SMALL))
+        ids = cp.zigzag_shard(torch.randint(0, 256, (2, 128)), rank, world, dim=1)
+        good = cp.zigzag_shard(torch.arange(128)[None], rank, world, dim=1)
+        packed = cp.zigzag_shard(torch.arange(128)[None] % 64, rank, world, dim=1)
+        bad = [dict(), dict(position_ids=packed)]
+        if rank == 1:  # one rank's positions wrong: every rank refuses
+            bad.append(dict(position_ids=good + 1))
+        else:
+            bad.append(dict(position_ids=good))
+        for kwargs in bad:
+            with pytest.raises(ValueError, match="position_ids must be each rank's zig-zag"):
+                model(input_ids=ids, use_cache=False, **kwargs)
+        model(input_ids=ids, position_ids=good, use_cache=False)  # accepted
+        mask4 = torch.ones(2, 1, 64, 64, dtype=torch.bool)
+        with pytest.raises(ValueError, match="4-D attention_mask"):
+            model(input_ids=ids, position_ids=good, attention_mask=mask4, use_cache=False)
+        with pytest.raises(ValueError, match="KV cache"):
+            model.generate(input_ids=ids, position_ids=good, max_new_tokens=2,
+                           do_sample=False)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_hf_positions_masks_and_decode_are_checked():
+    """Missing position_ids (each rank's RoPE from 0), a packed sequence's resets, or one
+    rank's wrong positions are refused on every rank; a 4-D mask and a KV cache (decode,
+    ``generate()``) are refused by name: each of them ran silently wrong or failed
+    obscurely before (new-user trial)."""
+    _spawn(_positions_worker, 2)
 
 
 # -- the Triton pyramid from a gathered leaf level -----------------------------------------

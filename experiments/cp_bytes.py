@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -160,7 +161,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                 text=True).stdout.strip()
         a.out.write_text(json.dumps(dict(
-            command="python -m experiments." + Path(__file__).stem + " " + " ".join(argv or []),
+            command=" ".join(["python -m experiments." + Path(__file__).stem,
+                              *(sys.argv[1:] if argv is None else argv)]),
             commit=commit, model="experiments/data/code_model_pisa.pt (6 q / 2 KV heads of 64)",
             config={f: getattr(config, f) for f in ("block_size", "top_k", "query_tile",
                                                     "sink_blocks", "local_blocks", "branching",

@@ -214,8 +214,9 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: Option
         RuntimeError: ``torch.distributed`` is not initialized.
         TypeError: ``config`` is not a :class:`~pisa_compile.PisaConfig`.
         ValueError: bad shapes, dtypes or options in ``config``; the message names the
-            argument. A small all-gather first compares every rank's shapes, dtypes, ``config``
-            and ``enable_gqa``: a mismatch is refused by every rank.
+            argument. A small all-gather first compares every rank's shapes, dtypes, whether
+            q, k, v want gradients, ``config``, ``scale`` and ``enable_gqa``: a mismatch is
+            refused by every rank.
 
     The backward is a collective too: every rank that ran the forward with gradients must
     run its backward (a rank that skips it leaves the others waiting).

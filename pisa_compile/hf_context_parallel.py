@@ -7,7 +7,7 @@ those tokens as ``position_ids`` (RoPE) and its part of the labels::
 
     name = hf_context_parallel.register(group=None, config=CP_CONFIG)
     model.set_attn_implementation(name)
-    positions = torch.arange(N)[None]  # required: checked on the first layer of each call
+    positions = torch.arange(N)[None]  # required: every layer checks them
     ids, pos = (zigzag_shard(t, rank, world, dim=1) for t in (input_ids, positions))
     logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits
 
@@ -23,7 +23,6 @@ bidirectional image tokens) are not applied.
 
 from __future__ import annotations
 
-import weakref
 from typing import Optional
 
 import torch
@@ -77,20 +76,21 @@ def _no_mask(*args, attention_mask: Optional[Tensor] = None, **kwargs) -> None:
     # as a packed sequence). So a model's own mask function is not applied: windows,
     # soft-capping and sinks reach the attention, which refuses them; a mask function beyond
     # those (Gemma 3's bidirectional image tokens) is not seen.
-    if attention_mask is not None and attention_mask.dim() != 2:
-        raise ValueError(f"{ATTN_IMPLEMENTATION}: attention_mask must be the tokenizer's "
-                         f"[B, N_local] mask of ones, got {attention_mask.dim()}-D")
     # Padding lands on some ranks only (right padding: rank 0's last chunk): every rank
-    # learns whether any has it and refuses together, instead of one raising while the others
-    # wait in the first attention call.
-    has_pad = attention_mask is not None and bool((attention_mask == 0).any())
-    pad = torch.tensor([int(has_pad)])
+    # learns whether any has it (or another mask) and refuses together, instead of one
+    # raising while the others wait in the first attention call.
+    code = 0
+    if attention_mask is not None:
+        code = 2 if attention_mask.dim() != 2 else int(bool((attention_mask == 0).any()))
+    flag = torch.tensor([code])
     if dist.is_initialized():
         group = _settings["group"]
-        if dist.get_backend(group) == "nccl":  # NCCL reduces CUDA tensors only
-            pad = pad.cuda()
-        dist.all_reduce(pad, op=dist.ReduceOp.MAX, group=group)
-    if pad.item():
+        flag = flag.to(_flag_device(attention_mask, group))
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    if flag.item() == 2:
+        raise ValueError(f"{ATTN_IMPLEMENTATION}: attention_mask must be the tokenizer's "
+                         "[B, N_local] mask of ones (some rank passed another shape)")
+    if flag.item():
         raise ValueError(f"{ATTN_IMPLEMENTATION}: padding (an attention_mask with zeros, on "
                          "some rank) is not supported; pass unpadded sequences of one length")
     return None
@@ -99,26 +99,31 @@ def _no_mask(*args, attention_mask: Optional[Tensor] = None, **kwargs) -> None:
 _UNSUPPORTED = ("sliding_window", "softcap", "s_aux", "cu_seq_lens_q", "cu_seq_lens_k")
 
 
+def _flag_device(t: Optional[Tensor], group) -> torch.device:
+    """Where a flag for ``all_reduce`` must live: NCCL reduces CUDA tensors only (the model's
+    device, not the current one)."""
+    if dist.get_backend(group) != "nccl":
+        return torch.device("cpu")
+    if t is not None and t.is_cuda:
+        return t.device
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 @torch.compiler.disable
 def _check_positions(position_ids: Optional[Tensor], n_local: int) -> None:
     """The rank's ``position_ids`` must be its zig-zag part of ``0 .. N - 1`` (else RoPE and
     the layout disagree: each rank's own ``0 .. N_local - 1``, or a packed sequence's resets,
-    would be silently wrong). Checked once per tensor (every layer gets the same one); the
-    verdict is all-reduced, so every rank refuses together."""
+    would be silently wrong). Checked at every layer (a cached verdict could go stale, and
+    ranks that cached differently would wait for each other); the verdict is all-reduced, so
+    every rank refuses together."""
     group = _settings["group"]
-    seen = _settings.get("checked")  # (weak reference, version) of the last tensor passed
-    if (position_ids is not None and seen is not None and seen[0]() is position_ids
-            and seen[1] == position_ids._version):
-        return
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     ok = position_ids is not None and position_ids.shape[-1] == n_local
     if ok:
         whole = torch.arange(world * n_local, device=position_ids.device)
         expected = zigzag_shard(whole, rank, world, dim=0)
         ok = bool((position_ids.reshape(-1, n_local) == expected).all())
-    flag = torch.tensor([int(not ok)])
-    if dist.get_backend(group) == "nccl":  # NCCL reduces CUDA tensors only
-        flag = flag.cuda()
+    flag = torch.tensor([int(not ok)], device=_flag_device(position_ids, group))
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     if flag.item():
         raise ValueError(
@@ -126,7 +131,6 @@ def _check_positions(position_ids: Optional[Tensor], n_local: int) -> None:
             "global positions, zigzag_shard(torch.arange(N)[None], rank, world, dim=1), on "
             "every rank (without them each rank's RoPE starts at 0; packed sequences are not "
             "supported)")
-    _settings["checked"] = (weakref.ref(position_ids), position_ids._version)
 
 
 def _attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,

@@ -186,8 +186,9 @@ def _mismatch_worker(rank, world, path):
 
 def test_ranks_with_different_calls_are_all_refused():
     """A rank passing another length, dtype, config (or a config that is not one), scale, a
-    tensor of another rank, or wanting gradients where the others do not, is refused on
-    every rank (none is left waiting in a collective, the backward's included)."""
+    tensor of another rank, or wanting gradients where the others do not (whose backward
+    would wait for theirs), is refused on every rank's forward (none is left waiting in a
+    collective)."""
     _spawn(_mismatch_worker, 2)
 
 
@@ -332,6 +333,8 @@ def test_hf_attention_refuses_padding_and_dropout(one_rank):
     with pytest.raises(ValueError, match="padding"):
         model(input_ids=ids, attention_mask=am)
     model(input_ids=ids, attention_mask=torch.ones_like(ids))  # all ones: accepted
+    with torch.inference_mode():  # evaluation loops: inference tensors have no version
+        model(input_ids=ids, use_cache=False)
     model.config.attention_dropout = 0.1
     for layer in model.model.layers:
         layer.self_attn.attention_dropout = 0.1
@@ -383,7 +386,7 @@ def _positions_worker(rank, world, path):
 
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
     try:
-        model = tiny_llama(max_positions=128, num_layers=1)
+        model = tiny_llama(max_positions=128, num_layers=2)
         model.set_attn_implementation(hcp.register(config=SMALL))
         ids = cp.zigzag_shard(torch.randint(0, 256, (2, 128)), rank, world, dim=1)
         good = cp.zigzag_shard(torch.arange(128)[None], rank, world, dim=1)

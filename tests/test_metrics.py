@@ -69,3 +69,8 @@ def test_a_given_oracle_gives_the_same_quality():
     oracle = block_mass(q, k, None, True, 0.25, cfg)
     assert (selection_recall(q, k, cfg, is_causal=True, scale=0.25, mass=oracle)
             == selection_recall(q, k, cfg, is_causal=True, scale=0.25))
+    # And it is the one used: another oracle (all mass on leaf 0) judges differently.
+    other = torch.zeros_like(oracle)
+    other[..., 0] = 1.0
+    assert (selection_recall(q, k, cfg, is_causal=True, scale=0.25, mass=other)
+            != selection_recall(q, k, cfg, is_causal=True, scale=0.25, mass=oracle))

@@ -106,6 +106,11 @@ class _Layout(NamedTuple):
     leaves: int  # leaves per chunk (S / C)
 
     @property
+    def n_keys(self) -> int:
+        """The whole sequence's length."""
+        return 2 * self.world * self.chunk
+
+    @property
     def chunks(self) -> tuple[int, int]:
         return self.rank, 2 * self.world - 1 - self.rank
 
@@ -219,7 +224,9 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: Option
             refused by every rank.
 
     The backward is a collective too: every rank that ran the forward with gradients must
-    run its backward (a rank that skips it leaves the others waiting).
+    run its backward (a rank that skips it leaves the others waiting). Memory: each rank
+    builds K/V buffers up to the end of its second chunk (rank 0: the whole sequence), which
+    autograd keeps for the backward; ring attention keeps ``1 / W`` of the keys.
 
     Bytes received per call and rank (``torch._dynamo.utils.counters["pisa"]``):
     ``cp_summary_bytes`` (the other ranks' leaf means, and on the Triton path their log
@@ -301,8 +308,7 @@ def _gathered_pyramid(k: Tensor, lay: _Layout, config: PisaConfig, impl: str, gr
     leaves as that implementation's single-process selection would, so the pyramid is the
     same; every key is live, so only the means (and the Triton leaves' log counts, which flag
     a non-finite key) are gathered."""
-    B, Hkv = k.shape[:2]
-    n_keys, C = 2 * lay.world * lay.chunk, config.block_size
+    n_keys, C = lay.n_keys, config.block_size
     beam = _beam(n_keys, config)
     if impl == dispatch.TRITON:
         from .kernels import triton_pyramid
@@ -322,7 +328,7 @@ def _gather(t: Tensor, lay: _Layout, group) -> Tensor:
     """Every rank's ``t`` (leaves along dim 2), in sequence order."""
     parts = [torch.empty_like(t) for _ in range(lay.world)]
     dist.all_gather(parts, t, group=group)
-    _count_bytes("cp_summary_bytes", (lay.world - 1) * t.numel() * t.element_size())
+    dispatch._count("cp_summary_bytes", (lay.world - 1) * t.numel() * t.element_size())
     return zigzag_unshard(parts, dim=2)
 
 
@@ -337,9 +343,8 @@ def _select_chunk(q: Tensor, i: int, lay: _Layout, Hkv: int, pyramid, config: Pi
                   scale: float, impl: str) -> tuple[Tensor, Tensor]:
     """Local chunk ``i``'s selection over the whole sequence's pyramid (the keys stand in
     as a meta tensor of their shape: pooled scores read none)."""
-    S, c = lay.chunk, lay.chunks[i]
+    S, c, n_keys = lay.chunk, lay.chunks[i], lay.n_keys
     qc = q[:, :, i * S:(i + 1) * S].detach()
-    n_keys = 2 * lay.world * S
     k_shape = torch.empty((q.shape[0], Hkv, n_keys, q.shape[3]), device="meta", dtype=q.dtype)
     (block_size, top_k, branching, _, sink_blocks, local_blocks, query_tile, leaf_scoring,
      shortlist, bound_block, flat_leaves) = config.selection_args()
@@ -377,7 +382,7 @@ def _context(k: Tensor, v: Tensor, selections, lay: _Layout, config: PisaConfig,
     need &= owner != lay.rank
     needs = [torch.empty_like(need, dtype=torch.uint8) for _ in range(W)]
     dist.all_gather(needs, need.to(torch.uint8), group=group)
-    _count_bytes("cp_index_bytes", (W - 1) * need.numel())
+    dispatch._count("cp_index_bytes", (W - 1) * need.numel())
 
     # Sends, to each rank in turn: the blocks it needs that this rank owns, in (b, h, leaf)
     # order; receives, from each rank in turn, in the same order. Every rank derives both
@@ -396,7 +401,7 @@ def _context(k: Tensor, v: Tensor, selections, lay: _Layout, config: PisaConfig,
     local_blocks = kv.view(B * Hkv * 2 * lay.leaves, C, E)
     recv = _FetchBlocks.apply(local_blocks, torch.cat(send_idx), send_splits, recv_splits,
                               group)
-    _count_bytes("cp_block_bytes", recv.numel() * recv.element_size())
+    dispatch._count("cp_block_bytes", recv.numel() * recv.element_size())
 
     # The local chunks' blocks and the fetched ones, placed by (b, h, leaf).
     L_end = (lay.chunks[1] + 1) * lay.leaves
@@ -432,13 +437,9 @@ class _FetchBlocks(torch.autograd.Function):
         grad_send = grad_recv.new_empty((sum(send_splits), *grad_recv.shape[1:]))
         dist.all_to_all_single(grad_send, grad_recv.contiguous(), send_splits, recv_splits,
                                group=ctx.group)
-        # Summed in float32 and rounded once: a block several ranks fetched (the sinks: all
-        # of them) gets its gradient as single-process PISA's one accumulation would.
+        # The remote contributions summed in float32 and rounded once: a block several ranks
+        # fetched (the sinks: all of them) is not rounded at each addition. Each was rounded
+        # once on its rank, and autograd adds the owner's own part in the inputs' dtype.
         grad = grad_recv.new_zeros((ctx.n_local, *grad_recv.shape[1:]), dtype=torch.float32)
         grad.index_add_(0, send_idx, grad_send.float())
         return grad.to(grad_recv.dtype), None, None, None, None
-
-
-def _count_bytes(name: str, n: int) -> None:
-    from torch._dynamo.utils import counters
-    counters["pisa"][name] += int(n)

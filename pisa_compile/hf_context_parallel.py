@@ -82,15 +82,12 @@ def _no_mask(*args, attention_mask: Optional[Tensor] = None, **kwargs) -> None:
     code = 0
     if attention_mask is not None:
         code = 2 if attention_mask.dim() != 2 else int(bool((attention_mask == 0).any()))
-    flag = torch.tensor([code])
     if dist.is_initialized():
-        group = _settings["group"]
-        flag = flag.to(_flag_device(attention_mask, group))
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    if flag.item() == 2:
+        code = _max_over_ranks(code, attention_mask)
+    if code == 2:
         raise ValueError(f"{ATTN_IMPLEMENTATION}: attention_mask must be the tokenizer's "
                          "[B, N_local] mask of ones (some rank passed another shape)")
-    if flag.item():
+    if code:
         raise ValueError(f"{ATTN_IMPLEMENTATION}: padding (an attention_mask with zeros, on "
                          "some rank) is not supported; pass unpadded sequences of one length")
     return None
@@ -99,14 +96,18 @@ def _no_mask(*args, attention_mask: Optional[Tensor] = None, **kwargs) -> None:
 _UNSUPPORTED = ("sliding_window", "softcap", "s_aux", "cu_seq_lens_q", "cu_seq_lens_k")
 
 
-def _flag_device(t: Optional[Tensor], group) -> torch.device:
-    """Where a flag for ``all_reduce`` must live: NCCL reduces CUDA tensors only (the model's
-    device, not the current one)."""
-    if dist.get_backend(group) != "nccl":
-        return torch.device("cpu")
-    if t is not None and t.is_cuda:
-        return t.device
-    return torch.device("cuda", torch.cuda.current_device())
+def _max_over_ranks(value: int, like: Optional[Tensor]) -> int:
+    """The largest of every rank's ``value`` (``all_reduce``), so that all ranks take the
+    same branch. NCCL reduces CUDA tensors only: the flag goes to ``like``'s device (the
+    model's, not the current one) where that is CUDA."""
+    group = _settings["group"]
+    dev = torch.device("cpu")
+    if dist.get_backend(group) == "nccl":
+        dev = like.device if like is not None and like.is_cuda else torch.device(
+            "cuda", torch.cuda.current_device())
+    flag = torch.tensor([value], device=dev)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return int(flag.item())
 
 
 @torch.compiler.disable
@@ -123,9 +124,7 @@ def _check_positions(position_ids: Optional[Tensor], n_local: int) -> None:
         whole = torch.arange(world * n_local, device=position_ids.device)
         expected = zigzag_shard(whole, rank, world, dim=0)
         ok = bool((position_ids.reshape(-1, n_local) == expected).all())
-    flag = torch.tensor([int(not ok)], device=_flag_device(position_ids, group))
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    if flag.item():
+    if _max_over_ranks(int(not ok), position_ids):
         raise ValueError(
             f"{ATTN_IMPLEMENTATION}: position_ids must be each rank's zig-zag part of the "
             "global positions, zigzag_shard(torch.arange(N)[None], rank, world, dim=1), on "

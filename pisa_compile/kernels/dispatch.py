@@ -69,13 +69,13 @@ EXPLICIT_MASK = "explicit attn_mask (the fused selection reads no mask yet)"
 IN_DENSE_TAIL = "every query in the dense tail"
 
 
-def _count(name: str) -> None:
-    """``torch._dynamo.utils.counters["pisa"][name] += 1``, except while Dynamo traces a
+def _count(name: str, n: int = 1) -> None:
+    """``torch._dynamo.utils.counters["pisa"][name] += n``, except while Dynamo traces a
     direct call of the op (it would guard on the counter and recompile at every call). The
     backend's rewrite plans under ``compile_fx``, where it counts once per trace."""
     if not torch.compiler.is_dynamo_compiling():
         from torch._dynamo.utils import counters
-        counters["pisa"][name] += 1
+        counters["pisa"][name] += n
 
 
 def _count_reference(q: Tensor, how: Plan) -> Plan:

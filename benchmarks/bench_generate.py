@@ -21,18 +21,16 @@ reaches the attention as a graph input and is read at run time). ``counters`` gi
 plans and run-time paths the row took (``sparse_decode``, ``runtime_mask_structured``).
 
 ``--static`` runs static caches instead, the way transformers serves them: one cache per
-row, ``reset()`` before each call, and ``model.forward`` compiled with CUDA graphs
-(``mode="reduce-overhead"``; for ``pisa`` its Inductor option ``triton.cudagraphs``) and
-static shapes, so that the prefill and the decode steps each replay one graph (a forward
-compiled this way also serves the steps ``generate`` compiles itself: its wrapper breaks
-into the compiled forward; ``experiments/static_graph_probe.py`` shows the steps lose
-their graphs when the forward is compiled without them). Rows: ``inductor+static``
-(``StaticCache``, dense) and ``pisa+static`` (:class:`~pisa_compile.hf_cache.PisaStaticCache`,
-steps decoded from its pyramid where its cost model says so: ``counters["sparse_decode"]``
-counts the op's Python runs, i.e. warm-up and recording, not the replays). On the H200
-(4 December 2026) this recipe failed: cudagraphs skipped for mutated inputs, then a read of
-a CUDA-graph output that a later run overwrote (``profiles/generate_static.json``, recipe
-B); the figures there came from the forward compiled without graphs (``1bdbe71``).
+row, ``reset()`` before each call, ``model.forward`` left uncompiled and the decode steps
+compiled by ``generate`` itself with ``compile_config`` in CUDA graphs (the recipe of
+:class:`~pisa_compile.hf_cache.PisaStaticCache`; a forward compiled without graphs takes
+the steps over, ``experiments/static_graph_probe.py``). Rows: ``inductor+static``
+(``StaticCache``, ``CompileConfig()``: Inductor, ``mode="reduce-overhead"``) and
+``pisa+static`` (``PisaStaticCache``, ``CompileConfig(backend=pisa, mode=None,
+options={..., "triton.cudagraphs": True})``). The prefill is eager and dense in both, so
+``ttft_ms`` is no PISA figure there. ``step_python_runs`` counts the decode op's Python runs
+during the timed calls: 0 when every step replays a graph. (An earlier recipe, the forward
+compiled with graphs, failed on the H200: ``profiles/generate_static.json``, recipe B.)
 
 ``--device cpu --tiny`` runs a 2-layer toy model (the CPU smoke test).
 """
@@ -94,25 +92,24 @@ def run(model, backend: str, n: int, batch: int, pad: int, new_tokens: int, reps
     ids[1:, :pad] = 0
     eager_forward = model.forward
     static = backend.endswith("+static")
-    if static:  # CUDA graphs, static shapes
-        model.forward = (torch.compile(eager_forward, backend=pisa_backend, options={
-            **(options or {}), "triton.cudagraphs": device == "cuda"})
-            if backend.startswith("pisa") else
-            torch.compile(eager_forward, mode="reduce-overhead" if device == "cuda" else None))
-    else:
+    if not static:
         model.forward = (torch.compile(eager_forward, backend=pisa_backend, options=options,
                                        dynamic=True) if backend.startswith("pisa")
                          else torch.compile(eager_forward, dynamic=True))
     kw = dict(attention_mask=am, do_sample=False, pad_token_id=0)
-    if static:
-        from transformers import StaticCache
+    if static:  # the steps compiled by generate in CUDA graphs, the prefill eager
+        from transformers import CompileConfig, StaticCache
         from pisa_compile.hf_cache import PisaStaticCache
-        cache = (PisaStaticCache(model.config, n + new_tokens) if backend.startswith("pisa")
-                 else StaticCache(model.config, n + new_tokens))
+        if backend.startswith("pisa"):
+            cache = PisaStaticCache(model.config, n + new_tokens)
+            cc = CompileConfig(backend=pisa_backend, mode=None,
+                               options={**(options or {}), "triton.cudagraphs": True})
+        else:
+            cache, cc = StaticCache(model.config, n + new_tokens), CompileConfig()
 
         def gen(ids, **k):  # one cache, emptied per call (a new one would recompile)
             cache.reset()
-            return model.generate(ids, past_key_values=cache, **k)
+            return model.generate(ids, past_key_values=cache, compile_config=cc, **k)
     elif backend == "pisa+cache":
         from pisa_compile.hf_cache import PisaCache
 
@@ -123,11 +120,13 @@ def run(model, backend: str, n: int, batch: int, pad: int, new_tokens: int, reps
     try:
         with torch.no_grad():
             gen(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
+            warm_runs = counters["pisa"]["sparse_decode"]
             first, _ = _timed(lambda: gen(ids, max_new_tokens=1, **kw), reps, device)
             full, out = _timed(lambda: gen(
                 ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw), reps, device)
     finally:
         model.forward = eager_forward
+    step_python_runs = int(counters["pisa"]["sparse_decode"] - warm_runs)
     ref_stages = int(sum(v for k, v in counters["pisa"].items() if k.startswith("reference_")))
     return dict(n=n, batch=batch, pad=pad, backend=backend, options=options,
                 new_tokens=new_tokens, ttft_ms=round(first, 2),
@@ -135,6 +134,7 @@ def run(model, backend: str, n: int, batch: int, pad: int, new_tokens: int, reps
                 reference_stages=ref_stages, graphs=int(counters["stats"]["unique_graphs"]),
                 graph_breaks=int(sum(counters["graph_break"].values())),
                 cudagraph_skips=int(counters["inductor"]["cudagraph_skips"]),
+                step_python_runs=step_python_runs,
                 sites={k: v for k, v in counters["pisa"].items()
                        if k in ("rewritten", "left_dense")},
                 counters={k: v for k, v in counters["pisa"].items()
@@ -163,7 +163,7 @@ def main(argv=None):
     ap.add_argument("--pisa-cache", action="store_true",
                     help="also run backend='pisa' with past_key_values=PisaCache(N + T)")
     ap.add_argument("--static", action="store_true",
-                    help="static caches compiled by generate (CUDA graphs): rows "
+                    help="static caches, the steps compiled by generate in CUDA graphs: rows "
                          "inductor+static and pisa+static instead of the others")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
@@ -188,7 +188,8 @@ def main(argv=None):
             order = tuple(b + "+static" for b in order)
         order += ("pisa+cache",) if args.pisa_cache else ()
         pair = {b: run(model, b, n, args.batch, args.pad, args.new_tokens, args.reps,
-                       args.device, None if b == "inductor" else opts) for b in order}
+                       args.device, None if b.startswith("inductor") else opts)
+                for b in order}
         for b in order:
             pair[b]["ran_first"] = b == order[0]
         dense_tokens = pair["inductor+static" if args.static else "inductor"]["tokens"]

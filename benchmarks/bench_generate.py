@@ -77,7 +77,7 @@ def _timed(fn, reps: int, device: str) -> tuple[float, object]:
 
 
 def run(model, backend: str, n: int, batch: int, pad: int, new_tokens: int, reps: int,
-        device: str, options=None) -> dict:
+        device: str, options=None, sparse_from=None) -> dict:
     """One row: compile ``model.forward`` with ``backend``, warm up, time (see the module
     docstring). Returns the row with the generated tokens under ``"tokens"``."""
     from torch._dynamo.utils import counters
@@ -101,7 +101,7 @@ def run(model, backend: str, n: int, batch: int, pad: int, new_tokens: int, reps
         from transformers import CompileConfig, StaticCache
         from pisa_compile.hf_cache import PisaStaticCache
         if backend.startswith("pisa"):
-            cache = PisaStaticCache(model.config, n + new_tokens)
+            cache = PisaStaticCache(model.config, n + new_tokens, sparse_from=sparse_from)
             cc = CompileConfig(backend=pisa_backend, mode=None,
                                options={**(options or {}), "triton.cudagraphs": True})
         else:
@@ -129,6 +129,7 @@ def run(model, backend: str, n: int, batch: int, pad: int, new_tokens: int, reps
     step_python_runs = int(counters["pisa"]["sparse_decode"] - warm_runs)
     ref_stages = int(sum(v for k, v in counters["pisa"].items() if k.startswith("reference_")))
     return dict(n=n, batch=batch, pad=pad, backend=backend, options=options,
+                **({"sparse_from": sparse_from} if sparse_from is not None else {}),
                 new_tokens=new_tokens, ttft_ms=round(first, 2),
                 per_token_ms=round((full - first) / (new_tokens - 1), 3),
                 reference_stages=ref_stages, graphs=int(counters["stats"]["unique_graphs"]),
@@ -165,6 +166,8 @@ def main(argv=None):
     ap.add_argument("--static", action="store_true",
                     help="static caches, the steps compiled by generate in CUDA graphs: rows "
                          "inductor+static and pisa+static instead of the others")
+    ap.add_argument("--sparse-from", type=int, default=None,
+                    help="PisaStaticCache's sparse_from with --static (None: its cost model)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     if args.new_tokens < 2:
@@ -188,7 +191,8 @@ def main(argv=None):
             order = tuple(b + "+static" for b in order)
         order += ("pisa+cache",) if args.pisa_cache else ()
         pair = {b: run(model, b, n, args.batch, args.pad, args.new_tokens, args.reps,
-                       args.device, None if b.startswith("inductor") else opts)
+                       args.device, None if b.startswith("inductor") else opts,
+                       sparse_from=args.sparse_from)
                 for b in order}
         for b in order:
             pair[b]["ran_first"] = b == order[0]

@@ -192,7 +192,7 @@ def main(argv=None):
         order += ("pisa+cache",) if args.pisa_cache else ()
         pair = {b: run(model, b, n, args.batch, args.pad, args.new_tokens, args.reps,
                        args.device, None if b.startswith("inductor") else opts,
-                       sparse_from=args.sparse_from)
+                       sparse_from=None if b.startswith("inductor") else args.sparse_from)
                 for b in order}
         for b in order:
             pair[b]["ran_first"] = b == order[0]

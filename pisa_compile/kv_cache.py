@@ -33,14 +33,19 @@ __all__ = ["PisaKVCache", "PisaStaticKVCache", "SPARSE_DECODE_BYTES", "SPARSE_DE
 # reads every key and value once. So a step is sparse from this many bytes of K/V per step
 # (the crossovers of profiles/bench_decode.json: B=8 between 8K and 16K keys, B=1 near 80K
 # in a graph; eagerly B=8 near 56K, B=1 past 128K).
-SPARSE_DECODE_BYTES = {"graph": 384 << 20, "eager": 2 << 30}
+# "static": steps over a static cache in CUDA graphs (PisaStaticKVCache), where the dense
+# step reads every slot under a mask that has SDPA expand the GQA heads: in generate() with
+# transformers' static cache (Llama-1B-shaped 4-layer stack, D=64, B=1) sparse steps tied
+# at 64 MiB of K/V (32K: 1.511 against 1.504 ms per token) and won at 256 MiB (128K: 1.43
+# against 2.07; profiles/generate_static_graphs.json). 128 MiB sits between the two.
+SPARSE_DECODE_BYTES = {"graph": 384 << 20, "eager": 2 << 30, "static": 128 << 20}
 # Up to flat_leaves leaves a step ranks every leaf box (the flat kernel) instead of walking:
 # 0.157 ms at B=8, 32K in a CUDA graph against the walk's 0.110 and dense's 0.257, 0.114
 # at B=1 (walk 0.069, dense 0.051); eagerly 0.47 ms at B=8 (walk 0.38). A straight line
 # through those two batch sizes puts the graph break-even near 475 MiB of K/V at 32K
 # (profiles/bench_decode_flat.json): these thresholds keep a margin; they are estimates,
 # not a measured sweep. Which steps are flat: triton_select.runs_flat.
-SPARSE_DECODE_BYTES_FLAT = {"graph": 640 << 20, "eager": 3 << 30}
+SPARSE_DECODE_BYTES_FLAT = {"graph": 640 << 20, "eager": 3 << 30, "static": 128 << 20}
 
 
 def decode_config(config: PisaConfig) -> PisaConfig:
@@ -53,12 +58,13 @@ def decode_config(config: PisaConfig) -> PisaConfig:
 
 
 def sparse_worthy(keys: Tensor, values: Tensor, n_keys: int, step_config: PisaConfig,
-                  sparse_from: Optional[int], cuda_graph: bool) -> bool:
+                  sparse_from: Optional[int], cuda_graph: bool, static: bool = False) -> bool:
     """The cost model: whether a decode step over ``n_keys`` cached keys (of the buffers
     ``keys`` ``[B, Hkv, cap, D]`` and ``values``, selecting with ``step_config``, a
     :func:`decode_config`) is sparse: from ``sparse_from`` keys if given, else once a dense
     step would read :data:`SPARSE_DECODE_BYTES` of K/V (:data:`SPARSE_DECODE_BYTES_FLAT`
-    while the step ranks every leaf box), the ``"graph"`` or ``"eager"`` row."""
+    while the step ranks every leaf box), the ``"eager"`` row without CUDA graphs, else
+    the ``"static"`` row for a static cache's steps and the ``"graph"`` row otherwise."""
     if sparse_from is not None:
         return n_keys >= sparse_from
     B, Hkv, _, D = keys.shape
@@ -66,7 +72,7 @@ def sparse_worthy(keys: Tensor, values: Tensor, n_keys: int, step_config: PisaCo
     from .kernels.triton_select import runs_flat
     flat = runs_flat(n_keys, **step_config.selection_options())
     table = SPARSE_DECODE_BYTES_FLAT if flat else SPARSE_DECODE_BYTES
-    return dense_bytes >= table["graph" if cuda_graph else "eager"]
+    return dense_bytes >= table[("static" if static else "graph") if cuda_graph else "eager"]
 
 
 def check_options(config: Optional[PisaConfig], sparse_from: Optional[int],
@@ -432,9 +438,10 @@ class PisaStaticKVCache:
         length: int64 tensor of one element on their device: the keys held (updated in place;
             ``index_copy_`` takes int64 positions).
         config: :class:`~pisa_compile.PisaConfig` of the selection (as :class:`PisaKVCache`).
-        sparse_from: a capacity from which decode is sparse; None: the cost model of
-            :class:`PisaKVCache` at the capacity.
-        cuda_graph: whether the steps replay from CUDA graphs (the cost model's ``"graph"``
+        sparse_from: a capacity from which decode is sparse; None: the cost model
+            (:func:`sparse_worthy`) at the capacity, and never below ``config.min_seq_len``
+            (where the backend leaves the sites dense by default).
+        cuda_graph: whether the steps replay from CUDA graphs (the cost model's ``"static"``
             thresholds, else ``"eager"``). Default True: a static cache is for graphs.
 
     Padding is not known to the cache: padded keys stay in the boxes (they can take a slot
@@ -503,8 +510,11 @@ class PisaStaticKVCache:
         capacity: dense SDPA over a static cache reads every slot)."""
         if dispatch.triton_refusal(self.keys, self.values, self.config.kernel) is not None:
             return False
+        if self.sparse_from is None and self.keys.shape[2] < self.config.min_seq_len:
+            # The backend leaves such sites dense by default: a pyramid would be upkeep only.
+            return False
         return sparse_worthy(self.keys, self.values, self.keys.shape[2], self.decode_config,
-                             self.sparse_from, self.cuda_graph)
+                             self.sparse_from, self.cuda_graph, static=True)
 
     def append(self, key: Tensor, value: Tensor) -> None:
         """Write ``[B, Hkv, n, D]`` keys and values at positions ``[length, length + n)``,

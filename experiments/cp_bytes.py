@@ -8,8 +8,9 @@ others own (per batch row and KV head, the union over its tiles) and the other r
 sums. ``tests/test_context_parallel.py`` checks that ``context_parallel_attention`` receives
 exactly these bytes. Ring attention receives the ``W - 1`` other shards of K and V.
 
-``--budgets F ...`` asks what a cap on the fetch would cost: each rank fetches only the
-``F`` fraction of the remote leaves (per batch row and KV head) that most of its tiles chose
+``--budgets F ...`` asks what ``context_parallel_attention(fetch_budget=F)`` costs (the
+cap, :func:`~pisa_compile.context_parallel.cap_fetch`): each rank fetches at most the ``F``
+fraction of the remote leaves (per batch row and KV head) that most of its tiles chose
 (plus the forced ones: sinks, and the local leaves before each chunk), and its tiles drop
 the other remote blocks they chose. The attention mass the rows keep (``metrics``, against
 dense attention) is reported beside the unconstrained selection's.
@@ -30,7 +31,7 @@ from typing import Optional
 import torch
 
 from pisa_compile import PisaConfig
-from pisa_compile.context_parallel import CP_CONFIG
+from pisa_compile.context_parallel import CP_CONFIG, cap_fetch
 from pisa_compile.ops import select_blocks
 
 
@@ -55,44 +56,24 @@ def received_leaves(block_indices: torch.Tensor, n_leaves: int, world: int) -> l
     return out
 
 
-def budgeted(block_indices: torch.Tensor, n_leaves: int, world: int, budget: float,
-             config) -> tuple[torch.Tensor, list[int]]:
-    """The selection with each rank's fetch capped (see the module docstring): the new
-    ``block_indices`` (dropped blocks -1, ascending, -1 last) and per rank the remote leaves
-    fetched (summed over batch rows and KV heads)."""
-    B, H, T, M = block_indices.shape
+def budgeted(block_indices: torch.Tensor, block_counts: torch.Tensor, n_leaves: int,
+             world: int, budget: float, config) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """The selection with each rank's fetch capped by
+    :func:`pisa_compile.context_parallel.cap_fetch` (what ``context_parallel_attention``'s
+    ``fetch_budget`` runs): the whole sequence's new ``block_indices`` and ``block_counts``,
+    and per rank the remote leaves fetched (summed over batch rows and KV heads)."""
+    T = block_indices.shape[2]
     tiles, leaves = T // (2 * world), n_leaves // (2 * world)
-    chunk = torch.arange(n_leaves) // leaves
-    owner = torch.where(chunk < world, chunk, 2 * world - 1 - chunk)
-    out = block_indices.clone()
-    fetched = []
+    bi, bc, fetched = block_indices.clone(), block_counts.clone(), []
     for r in range(world):
-        cs = (r, 2 * world - 1 - r)
-        rows = torch.cat([torch.arange(c * tiles, (c + 1) * tiles) for c in cs])
-        bi = block_indices[:, :, rows]  # [B, H, t, M]
-        remote = owner != r
-        demand = torch.zeros(B, H, n_leaves + 1)
-        demand.scatter_add_(2, torch.where(bi < 0, n_leaves, bi).long().flatten(2),
-                            torch.ones(bi[..., :].flatten(2).shape))
-        demand = demand[..., :n_leaves] * remote
-        forced = torch.zeros(n_leaves, dtype=torch.bool)
-        forced[:config.sink_blocks] = True
-        for c in cs:
-            forced[max(0, c * leaves - (config.local_blocks - 1)):c * leaves] = True
-        forced &= remote
-        n_keep = int(budget * int(remote.sum()))
-        top = torch.topk(demand.masked_fill(forced, -1), min(n_keep, n_leaves), -1).indices
-        keep = torch.zeros(B, H, n_leaves, dtype=torch.bool)
-        keep.scatter_(2, top, True)
-        keep = (keep & (demand > 0)) | (forced & (demand > 0))
-        ok = ~remote | keep  # [B, H, L]
-        allowed = torch.gather(ok[:, :, None, :].expand(B, H, len(rows), n_leaves), 3,
-                               bi.clamp(min=0).long())
-        bi = torch.where((bi >= 0) & allowed, bi, n_leaves)
-        bi = torch.sort(bi, -1).values
-        out[:, :, rows] = torch.where(bi >= n_leaves, -1, bi).to(block_indices.dtype)
-        fetched.append(int(keep.sum()))
-    return out, fetched
+        rows = [slice(c * tiles, (c + 1) * tiles) for c in (r, 2 * world - 1 - r)]
+        capped, n = cap_fetch([(block_indices[:, :, s], block_counts[:, :, s]) for s in rows],
+                              world=world, rank=r, chunk_leaves=leaves, config=config,
+                              fetch_budget=budget)
+        for s, (i, c) in zip(rows, capped):
+            bi[:, :, s], bc[:, :, s] = i, c
+        fetched.append(n)
+    return bi, bc, fetched
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -102,7 +83,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--layers", type=int, nargs="*", default=None,
                    help="layer indices (default: every layer)")
     p.add_argument("--budgets", type=float, nargs="*", default=[],
-                   help="fetch caps to study, as fractions of the remote leaves")
+                   help="fetch caps (context_parallel_attention's fetch_budget): fractions "
+                        "of ring attention's K/V bytes")
     p.add_argument("--compare", action="store_true",
                    help="also the attention mass of single-process selections that need keys "
                         "(the defaults: exact leaves, 16-key box bounds) or per-leaf boxes")
@@ -149,9 +131,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                       + (f", mass {mass:.4f}" if mass is not None else ""), flush=True)
                 rows[-1]["mass_ratio"] = mass
                 for f in a.budgets:
-                    capped, fetched = budgeted(bi, L, w, f, config)
+                    capped, counts, fetched = budgeted(bi, bc, L, w, f, config)
                     m = selection_recall(q, k, config, is_causal=True, block_indices=capped,
-                                         block_counts=bc, mass=oracle).mass_ratio
+                                         block_counts=counts, mass=oracle).mass_ratio
                     fb = max(fetched) * C * 2 * D * value_bytes + summary
                     rows.append(dict(length=n, layer=li, world=w, budget=f, ring_bytes=ring,
                                      bytes_max=fb, ratio_max=fb / ring, mass_ratio=m))

@@ -34,7 +34,8 @@ from .kernels import dispatch, reference
 from .kernels.geometry import flat_beam
 from .ops import _Attention
 
-__all__ = ["context_parallel_attention", "zigzag_shard", "zigzag_unshard", "CP_CONFIG"]
+__all__ = ["context_parallel_attention", "cap_fetch", "zigzag_shard", "zigzag_unshard",
+           "CP_CONFIG"]
 
 # Pooled leaves: exact leaf scores and box bounds would read the keys of candidate leaves,
 # which other ranks hold. No dense tail: its rows (the last chunk's, on rank 0) would need
@@ -190,7 +191,8 @@ def _check(q: Tensor, k: Tensor, v: Tensor, enable_gqa: bool, config: PisaConfig
 def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: Optional[float] = None,
                                enable_gqa: bool = False,
                                group: Optional[dist.ProcessGroup] = None,
-                               config: Optional[PisaConfig] = None) -> Tensor:
+                               config: Optional[PisaConfig] = None,
+                               fetch_budget: Optional[float] = None) -> Tensor:
     """Causal PISA attention of a sequence sharded across the ranks of ``group``.
 
     Every rank calls it with its zig-zag part of the same global batch (:func:`zigzag_shard`
@@ -210,18 +212,23 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: Option
         config: a :class:`~pisa_compile.PisaConfig` with pooled leaves, no box bounds, no
             dense tail and ``local_blocks >= 1``; default :data:`CP_CONFIG`.
             ``min_seq_len`` is ignored: the call is always sparse.
+        fetch_budget: None (default) fetches every chosen block. A float in ``(0, 1]`` caps
+            the fetch at that fraction of the K/V bytes ring attention moves: see
+            :func:`cap_fetch` (lossy: the tiles drop the other remote blocks they chose).
 
     Returns:
         ``[B, Hq, N_local, Dv]``, this rank's rows of single-process PISA with ``config`` on
-        the whole sequence (query ``i`` sees keys ``j <= i``).
+        the whole sequence (query ``i`` sees keys ``j <= i``); with ``fetch_budget``, under
+        the capped selection of :func:`cap_fetch`.
 
     Raises:
         RuntimeError: ``torch.distributed`` is not initialized.
         TypeError: ``config`` is not a :class:`~pisa_compile.PisaConfig`.
-        ValueError: bad shapes, dtypes or options in ``config``; the message names the
-            argument. A small all-gather first compares every rank's shapes, dtypes, whether
-            q, k, v want gradients, ``config``, ``scale`` and ``enable_gqa``: a mismatch is
-            refused by every rank.
+        ValueError: bad shapes, dtypes or options in ``config``, or ``fetch_budget`` not
+            None or in ``(0, 1]``; the message names the argument. A small all-gather first
+            compares every rank's shapes, dtypes, whether q, k, v want gradients,
+            ``config``, ``scale``, ``fetch_budget`` and ``enable_gqa``: a mismatch is refused
+            by every rank.
 
     The backward is a collective too: every rank that ran the forward with gradients must
     run its backward (a rank that skips it leaves the others waiting). Memory: each rank
@@ -242,7 +249,8 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: Option
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     # First, so that a call some rank makes differently is refused by every rank together,
     # instead of some raising while the others wait in a collective.
-    _agree(q, k, v, enable_gqa, config, scale, group, world)
+    _agree(q, k, v, enable_gqa, (config, fetch_budget), scale, group, world)
+    check_fetch_budget(fetch_budget)
     Hkv, S = _check(q, k, v, enable_gqa, config, world)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     lay = _Layout(world, rank, S, S // config.block_size)
@@ -254,6 +262,9 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: Option
     pyramid = _gathered_pyramid(k, lay, config, impl, group)
     selections = [_select_chunk(q, i, lay, Hkv, pyramid, config, scale, impl)
                   for i in range(2)]
+    if fetch_budget is not None:
+        selections, _ = cap_fetch(selections, world=world, rank=rank, chunk_leaves=lay.leaves,
+                                  config=config, fetch_budget=fetch_budget)
     k_ctx, v_ctx = _context(k, v, selections, lay, config, group)
     outs = []
     for i, (c, (block_indices, block_counts)) in enumerate(zip(lay.chunks, selections)):
@@ -274,7 +285,8 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 def _signature(q, k, v, enable_gqa: bool, config, scale) -> list[int]:
     """What every rank's call must share: ranks, dtypes and sizes of q, k, v, whether they
-    want gradients (the backward is a collective), the options and the scale."""
+    want gradients (the backward is a collective), the options (``config``: the PisaConfig
+    and the fetch budget) and the scale."""
     sig = []
     for t in (q, k, v):
         if not isinstance(t, Tensor):
@@ -283,7 +295,7 @@ def _signature(q, k, v, enable_gqa: bool, config, scale) -> list[int]:
         dims = list(t.shape[:4]) + [-1] * (4 - min(t.dim(), 4))
         sig += [t.dim(), _DTYPES.index(t.dtype) if t.dtype in _DTYPES else -1,
                 int(t.requires_grad and torch.is_grad_enabled()), *dims]
-    options = zlib.crc32(repr((config, scale)).encode()) if isinstance(config, PisaConfig) \
+    options = zlib.crc32(repr((config, scale)).encode()) if isinstance(config[0], PisaConfig) \
         else -1
     return sig + [options, int(bool(enable_gqa))]
 
@@ -296,9 +308,9 @@ def _agree(q, k, v, enable_gqa: bool, config, scale, group, world: int) -> None:
     if any(not torch.equal(s, mine) for s in every):
         raise ValueError(
             "context_parallel_attention: every rank must pass q, k and v of the same shapes "
-            "and dtypes, all wanting gradients or none, and the same config, scale and "
-            "enable_gqa; per rank (q, k, v as [dims, dtype, gradient, sizes...], then a hash "
-            f"of config and scale, enable_gqa): "
+            "and dtypes, all wanting gradients or none, and the same config, fetch_budget, "
+            "scale and enable_gqa; per rank (q, k, v as [dims, dtype, gradient, sizes...], then a hash "
+            f"of config, fetch_budget and scale, enable_gqa): "
             f"{[s.tolist() for s in every]}")
 
 
@@ -358,6 +370,93 @@ def _select_chunk(q: Tensor, i: int, lay: _Layout, Hkv: int, pyramid, config: Pi
         return triton_select.select_blocks(qc, k_shape, True, scale, summaries=pyramid,
                                            **options)
     return reference.select_blocks(qc, k_shape, None, True, scale, pyramid=pyramid, **options)
+
+
+def check_fetch_budget(fetch_budget) -> None:
+    """Raise ValueError unless ``fetch_budget`` is None or a number in ``(0, 1]``."""
+    if fetch_budget is not None and (isinstance(fetch_budget, bool) or not isinstance(
+            fetch_budget, (int, float)) or not 0 < fetch_budget <= 1):
+        raise ValueError(f"context_parallel_attention: fetch_budget must be None or a number "
+                         f"in (0, 1] (a fraction of ring attention's bytes), got "
+                         f"{fetch_budget!r}")
+
+
+def cap_fetch(selections: Sequence[tuple[Tensor, Tensor]], *, world: int, rank: int,
+              chunk_leaves: int, config: PisaConfig, fetch_budget: float
+              ) -> tuple[list[tuple[Tensor, Tensor]], int]:
+    """Cap the remote blocks one rank fetches at ``fetch_budget`` of ring attention's bytes.
+
+    Per (batch row, KV head) the rank fetches at most ``floor(fetch_budget * R)`` of the
+    ``R = (2 * world - 2) * chunk_leaves`` leaves other ranks own (ring attention moves all
+    ``R``): first the forced ones its queries see (the sinks, and the ``local_blocks - 1``
+    leaves before each of its chunks; these are fetched even past the budget), then those
+    that most of its tiles chose (ties: the lower leaf). Its tiles drop the other remote
+    blocks they chose and attend fewer than ``top_k`` blocks. Blocks past a tile's chunk
+    (sinks no query of it sees) are left as they are: never fetched. On top of the blocks
+    each rank receives the other ranks' leaf summaries, ``1 / block_size`` of ring's bytes
+    in fp32 (1.6% at 64; ``cp_summary_bytes``), and one byte per leaf of block marks.
+
+    Args:
+        selections: the rank's two chunks' ``(block_indices, block_counts)`` in the order of
+            its chunks ``(rank, 2 * world - 1 - rank)``: int32 ``[B, Hkv, T_chunk, M]``
+            ascending, -1 padded, and ``[B, Hkv, T_chunk]``, leaves of the whole sequence.
+        world, rank: the layout (ints, ``0 <= rank < world``).
+        chunk_leaves: leaves per chunk (``S / block_size``).
+        config: the call's options (``sink_blocks``, ``local_blocks``).
+        fetch_budget: a float in ``(0, 1]``.
+
+    Returns:
+        The capped selections (same shapes; dropped blocks removed, -1 last) and the number
+        of remote ``(batch row, KV head, leaf)`` blocks the rank now fetches.
+
+    Raises:
+        ValueError: ``fetch_budget`` not in ``(0, 1]``.
+
+    Method: ours (issue #17's byte budget); the estimate it replaces,
+    ``experiments/cp_bytes.py --budgets``, lost 1-6 points of attention mass at 10% on the
+    code model (docs/results.md "Context-parallel PISA").
+    """
+    check_fetch_budget(fetch_budget)
+    lay = _Layout(world, rank, chunk_leaves * config.block_size, chunk_leaves)
+    bi0 = selections[0][0]
+    B, Hkv, dev = bi0.shape[0], bi0.shape[1], bi0.device
+    n_leaves = 2 * world * chunk_leaves
+    leaf = torch.arange(n_leaves, device=dev)
+    remote = lay.owner(leaf) != rank
+    # Demand: the rank's tiles that chose each leaf, counting blocks their queries can see.
+    demand = torch.zeros(B, Hkv, n_leaves + 1, dtype=torch.long, device=dev)
+    forced = leaf < config.sink_blocks
+    for c, (block_indices, _) in zip(lay.chunks, selections):
+        end = (c + 1) * chunk_leaves
+        idx = torch.where((block_indices < 0) | (block_indices >= end), n_leaves, block_indices)
+        demand.scatter_add_(2, idx.long().flatten(2), torch.ones_like(idx, dtype=torch.long)
+                            .flatten(2))
+        forced |= (leaf >= c * chunk_leaves - (config.local_blocks - 1)) & (
+            leaf < c * chunk_leaves)
+    demand = demand[..., :n_leaves] * remote
+    forced &= remote
+    n_keep = int(fetch_budget * int(remote.sum()))
+    needed = forced & (demand > 0)  # fetched whatever the budget, and counted in it
+    n_free = (n_keep - needed.sum(-1, keepdim=True)).clamp(min=0)  # [B, Hkv, 1]
+    # One int64 key per leaf: demand first, then the lower leaf (a deterministic order).
+    key = torch.where(forced | (demand == 0), -1, demand * (n_leaves + 1) + (n_leaves - leaf))
+    keep = needed.clone()
+    if n_keep > 0:
+        top = torch.topk(key, min(n_keep, n_leaves), dim=-1)  # sorted, best first
+        rank_ok = torch.arange(top.indices.shape[-1], device=dev) < n_free
+        keep.scatter_(2, top.indices, (top.values >= 0) & rank_ok | keep.gather(2, top.indices))
+    allowed = ~remote | keep  # [B, Hkv, L]
+    out = []
+    for c, (block_indices, _) in zip(lay.chunks, selections):
+        T = block_indices.shape[2]
+        ok = torch.gather(allowed[:, :, None, :].expand(B, Hkv, T, n_leaves), 3,
+                          block_indices.clamp(min=0).long())
+        ok |= block_indices >= (c + 1) * chunk_leaves  # seen by none of the chunk's queries
+        bi = torch.where((block_indices >= 0) & ok, block_indices, n_leaves)
+        bi = torch.sort(bi, dim=-1).values
+        bi = torch.where(bi >= n_leaves, -1, bi).to(block_indices.dtype)
+        out.append((bi, (bi >= 0).sum(-1).to(selections[0][1].dtype)))
+    return out, int(keep.sum())
 
 
 def _context(k: Tensor, v: Tensor, selections, lay: _Layout, config: PisaConfig, group):

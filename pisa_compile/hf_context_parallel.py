@@ -30,16 +30,18 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .config import PisaConfig
-from .context_parallel import CP_CONFIG, check_config, context_parallel_attention, zigzag_shard
+from .context_parallel import (CP_CONFIG, check_config, check_fetch_budget,
+                               context_parallel_attention, zigzag_shard)
 
 __all__ = ["ATTN_IMPLEMENTATION", "register"]
 
 ATTN_IMPLEMENTATION = "pisa_context_parallel"
-_settings: dict = {"group": None, "config": CP_CONFIG}
+_settings: dict = {"group": None, "config": CP_CONFIG, "fetch_budget": None}
 
 
 def register(group: Optional[dist.ProcessGroup] = None,
-             config: Optional[PisaConfig] = None) -> str:
+             config: Optional[PisaConfig] = None,
+             fetch_budget: Optional[float] = None) -> str:
     """Register the ``"pisa_context_parallel"`` attention implementation with transformers
     (its ``AttentionInterface`` and ``AttentionMaskInterface``) and set the process group and
     options every such layer uses; call again to change them.
@@ -48,6 +50,8 @@ def register(group: Optional[dist.ProcessGroup] = None,
         group: the process group over which the sequence is sharded (default: the world).
         config: options for :func:`~pisa_compile.context_parallel.context_parallel_attention`;
             default ``CP_CONFIG``.
+        fetch_budget: as :func:`~pisa_compile.context_parallel.context_parallel_attention`'s
+            (None: fetch every chosen block).
 
     Returns:
         The name to pass to ``model.set_attn_implementation`` (or ``attn_implementation=``).
@@ -55,7 +59,8 @@ def register(group: Optional[dist.ProcessGroup] = None,
     Raises:
         ImportError: transformers is not installed (or too old to have both interfaces).
         ValueError: ``config`` is not a :class:`~pisa_compile.PisaConfig`, or has options
-            context parallelism cannot run (``context_parallel.check_config``).
+            context parallelism cannot run (``context_parallel.check_config``), or
+            ``fetch_budget`` is not None or in ``(0, 1]``.
     """
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
@@ -63,7 +68,9 @@ def register(group: Optional[dist.ProcessGroup] = None,
     if config is not None and not isinstance(config, PisaConfig):
         raise ValueError(f"register: config must be a PisaConfig, got {type(config).__name__}")
     check_config(CP_CONFIG if config is None else config)
-    _settings.update(group=group, config=CP_CONFIG if config is None else config)
+    check_fetch_budget(fetch_budget)
+    _settings.update(group=group, config=CP_CONFIG if config is None else config,
+                     fetch_budget=fetch_budget)
     AttentionInterface.register(ATTN_IMPLEMENTATION, _attention)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _no_mask)
     return ATTN_IMPLEMENTATION
@@ -159,5 +166,6 @@ def _attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tenso
     _check_positions(kwargs.get("position_ids"), query.shape[2])
     out = context_parallel_attention(query, key, value, scale=scaling,
                                      enable_gqa=query.shape[1] != key.shape[1],
-                                     group=_settings["group"], config=_settings["config"])
+                                     group=_settings["group"], config=_settings["config"],
+                                     fetch_budget=_settings["fetch_budget"])
     return out.transpose(1, 2).contiguous(), None

@@ -136,6 +136,129 @@ def test_equals_single_process_on_the_triton_kernels():
     _spawn(_worker, 2, "triton", CASES[:2])
 
 
+def _capped(bi, bc, world, rank, config, budget):
+    """The single-process selection ``bi``/``bc`` with rank ``rank``'s tiles capped by
+    ``cap_fetch`` (its two chunks' tiles; the others' as they are), and its fetch count."""
+    tiles = bi.shape[2] // (2 * world)
+    rows = [slice(c * tiles, (c + 1) * tiles) for c in (rank, 2 * world - 1 - rank)]
+    return cp.cap_fetch([(bi[:, :, r], bc[:, :, r]) for r in rows], world=world, rank=rank,
+                        chunk_leaves=bi.shape[2] * config.query_tile // config.block_size
+                        // (2 * world), config=config, fetch_budget=budget), rows
+
+
+def _dense_under(q, k, v, bi, config):
+    """Causal SDPA restricted to each query tile's blocks ``bi`` ``[B, Hkv, T, M]``: an
+    oracle independent of PISA's kernels."""
+    B, Hq, N, _ = q.shape
+    Hkv, C, Tq = k.shape[1], config.block_size, config.query_tile
+    allowed = torch.zeros(B, Hkv, bi.shape[2], N // C + 1, dtype=torch.bool)
+    allowed.scatter_(3, torch.where(bi < 0, N // C, bi).long(), True)
+    keys = allowed[..., :N // C].repeat_interleave(C, 3).repeat_interleave(Tq, 2)[:, :, :N]
+    mask = keys & torch.ones(N, N, dtype=torch.bool).tril()
+    mask = mask.repeat_interleave(Hq // Hkv, 1)
+    return torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(Hq // Hkv, 1), v.repeat_interleave(Hq // Hkv, 1), attn_mask=mask)
+
+
+def _budget_worker(rank, world, path, budget):
+    from torch._dynamo.utils import counters
+
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
+    try:
+        for i, case in enumerate(CASES[:3]):
+            config = _config(case)
+            q, k, v, go = _inputs(case, seed=10 + i)
+            ql, kl, vl = (cp.zigzag_shard(x, rank, world, dim=2).requires_grad_()
+                          for x in (q, k, v))
+            counters.clear()
+            out = cp.context_parallel_attention(ql, kl, vl, enable_gqa=True, config=config,
+                                                fetch_budget=budget)
+            out.backward(cp.zigzag_shard(go, rank, world, dim=2))
+            got = dict(counters["pisa"])
+            bi, bc = select_blocks(q, k, is_causal=True, enable_gqa=True, config=config)
+            (capped, fetched), rows = _capped(bi, bc, world, rank, config, budget)
+            full = bi.clone()
+            for r, (ci, _) in zip(rows, capped):
+                full[:, :, r] = ci
+            qf, kf, vf = (x.clone().requires_grad_() for x in (q, k, v))
+            ref = _dense_under(qf, kf, vf, full, config)
+            ref.backward(go)
+            # dk, dv: the other ranks' tiles ran under their own caps; compare this rank's
+            # rows of the output and of dq only (its tiles' selection is the capped one).
+            for name, a, b in [("out", out, ref), ("dq", ql.grad, qf.grad)]:
+                torch.testing.assert_close(a, cp.zigzag_shard(b, rank, world, dim=2), **TOL,
+                                           msg=lambda m: f"case {i} rank {rank} {name}: {m}")
+            C, D, Dv = config.block_size, case[4], case[5]
+            assert got.get("cp_block_bytes", 0) == fetched * C * (D + Dv) * 4, (i, got, fetched)
+            remote = (2 * world - 2) * (case[3] // C // (2 * world))
+            forced = config.sink_blocks + 2 * (config.local_blocks - 1)
+            assert fetched <= case[0] * case[2] * max(int(budget * remote), forced), (i, fetched)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fetch_budget_caps_the_bytes_and_equals_the_capped_selection():
+    """With ``fetch_budget`` each rank fetches exactly the blocks :func:`cap_fetch` keeps
+    (at most the budget's share of the remote leaves, or the forced ones, per batch row
+    and KV head) and its rows equal causal SDPA restricted to that capped selection, output
+    and dq (3 shapes, 2 ranks, budget 0.1)."""
+    _spawn(_budget_worker, 2, 0.1)
+
+
+def test_cap_fetch_keeps_the_most_chosen_remote_leaves():
+    """``cap_fetch`` on a single-process selection (no process group): a budget of 1 keeps
+    it as it is; a smaller one never drops a block the rank owns, keeps at most the budget's
+    share of the remote leaves (the forced ones included, unless they alone exceed it), and
+    keeps no remote leaf that fewer of the rank's tiles chose than one it dropped."""
+    case = CASES[2]
+    config = _config(case)
+    q, k, _, _ = _inputs(case, seed=3)
+    bi, bc = select_blocks(q, k, is_causal=True, enable_gqa=True, config=config)
+    world = 3
+    L = k.shape[2] // config.block_size
+    leaves = L // (2 * world)
+    chunk_of = torch.arange(L) // leaves
+    owner = torch.where(chunk_of < world, chunk_of, 2 * world - 1 - chunk_of)
+    tiles = bi.shape[2] // (2 * world)
+    for rank in range(world):
+        (same, _), rows = _capped(bi, bc, world, rank, config, 1.0)
+        for r, (ci, cc) in zip(rows, same):
+            assert torch.equal(ci, bi[:, :, r]) and torch.equal(cc, bc[:, :, r])
+        (capped, fetched), rows = _capped(bi, bc, world, rank, config, 0.4)
+        chunks = (rank, 2 * world - 1 - rank)
+        demand = torch.zeros(bi.shape[0], bi.shape[1], L + 1)
+        kept = torch.zeros(bi.shape[0], bi.shape[1], L + 1, dtype=torch.bool)
+        for c, r, (ci, cc) in zip(chunks, rows, capped):
+            before, end = bi[:, :, r], (c + 1) * leaves
+            seen = torch.where((before >= 0) & (before < end), before, L).long()
+            demand.scatter_add_(2, seen.flatten(2), torch.ones(seen.flatten(2).shape))
+            kept.scatter_(2, torch.where(ci < 0, L, ci).long().flatten(2), True)
+            assert torch.equal(cc, (ci >= 0).sum(-1).to(cc.dtype))
+            # Every kept block was chosen; every own block is kept.
+            for b in range(bi.shape[0]):
+                for h in range(bi.shape[1]):
+                    for t in range(tiles):
+                        was = set(before[b, h, t][before[b, h, t] >= 0].tolist())
+                        now = set(ci[b, h, t][ci[b, h, t] >= 0].tolist())
+                        assert now <= was
+                        assert {x for x in was if owner[x] == rank or x >= end} <= now
+        remote = (owner != rank)
+        forced = torch.zeros(L, dtype=torch.bool)
+        forced[:config.sink_blocks] = True
+        for c in chunks:
+            forced[max(0, c * leaves - config.local_blocks + 1):c * leaves] = True
+        kept_remote = kept[..., :L] & remote & (demand[..., :L] > 0)
+        assert int(kept_remote.sum()) == fetched
+        free = kept_remote & ~forced
+        n_forced = (kept_remote & forced).sum(-1)
+        assert (kept_remote.sum(-1) <= n_forced.clamp(min=int(0.4 * int(remote.sum())))).all()
+        dropped = remote & ~kept[..., :L] & (demand[..., :L] > 0)
+        lo = torch.where(free, demand[..., :L], float("inf")).amin(-1)
+        hi = torch.where(dropped, demand[..., :L], -1.0).amax(-1)
+        assert (hi <= lo).all(), (rank, hi, lo)
+        assert dropped.any() and free.any(), rank  # the cap bound, and ranked
+
+
 def _select_worker(rank, world, path, kernel):
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
     try:
@@ -173,7 +296,8 @@ def _mismatch_worker(rank, world, path):
         differs = [dict(q=torch.randn(1, 2, 256, 8)), dict(q=x.half(), k=x.half(), v=x.half()),
                    dict(config=SMALL.replace(top_k=4)), dict(config={"top_k": 3}),
                    dict(k=torch.randn(2, 128, 8)), dict(scale=0.1),
-                   dict(k=x.clone().requires_grad_())]  # a backward only some ranks run
+                   dict(k=x.clone().requires_grad_()),  # a backward only some ranks run
+                   dict(fetch_budget=0.5)]
         for change in differs:
             args = dict(q=x, k=x, v=x, config=SMALL)
             if rank == 1:
@@ -185,8 +309,8 @@ def _mismatch_worker(rank, world, path):
 
 
 def test_ranks_with_different_calls_are_all_refused():
-    """A rank passing another length, dtype, config (or a config that is not one), scale, a
-    tensor of another rank, or wanting gradients where the others do not (whose backward
+    """A rank passing another length, dtype, config (or a config that is not one), scale,
+    fetch budget, a tensor of another rank, or wanting gradients where the others do not (whose backward
     would wait for theirs), is refused on every rank's forward (none is left waiting in a
     collective)."""
     _spawn(_mismatch_worker, 2)
@@ -210,6 +334,9 @@ def one_rank():
 
 
 @pytest.mark.parametrize("kwargs, match", [
+    (dict(fetch_budget=0), "fetch_budget must be None or a number in"),
+    (dict(fetch_budget=1.5), "fetch_budget must be None or a number in"),
+    (dict(fetch_budget=True), "fetch_budget must be None or a number in"),
     (dict(config=PisaConfig(min_seq_len=0)), "leaf_scoring='pooled'"),
     (dict(config=cp.CP_CONFIG.replace(bound_block=16)), "bound_block=None"),
     (dict(config=SMALL.replace(dense_tail=16)), "dense_tail must be 0"),
@@ -344,6 +471,8 @@ def test_hf_attention_refuses_padding_and_dropout(one_rank):
         hcp.register(config={"top_k": 2})
     with pytest.raises(ValueError, match="leaf_scoring='pooled'"):
         hcp.register(config=PisaConfig())
+    with pytest.raises(ValueError, match="fetch_budget must be None or a number in"):
+        hcp.register(config=SMALL, fetch_budget=2)
 
 
 def test_hf_attention_refuses_a_sliding_window(one_rank):

@@ -287,10 +287,10 @@ class PisaStaticCache(StaticCache):
         from transformers import CompileConfig
         cache = PisaStaticCache(model.config, max_cache_len=prompt_len + 64)
         # CompileConfig's default mode excludes options: CUDA graphs as Inductor's option.
-        steps = CompileConfig(backend="pisa", mode=None,
-                              options={"triton.cudagraphs": True, "min_seq_len": 0})
-        out = model.generate(**inputs, max_new_tokens=64, past_key_values=cache,
-                             compile_config=steps)
+        # Set once on the model (or pass compile_config= to each generate call).
+        model.generation_config.compile_config = CompileConfig(
+            backend="pisa", mode=None, options={"triton.cudagraphs": True})
+        out = model.generate(**inputs, max_new_tokens=64, past_key_values=cache)
 
     transformers compiles the decode steps itself when the cache is static (on CUDA), with
     ``compile_config`` (``mode="reduce-overhead"`` by default: CUDA graphs; with its default
@@ -298,7 +298,9 @@ class PisaStaticCache(StaticCache):
     a forward compiled without CUDA graphs takes the steps over and runs them without
     graphs (``experiments/static_graph_probe.py``); the prefill is then eager and dense.
     The steps' sites are rewritten from the compile options' ``min_seq_len`` keys of
-    capacity (32768 by default); ``pisa_config`` sets the decode selection only.
+    capacity (32768 by default); ``pisa_config`` sets the decode selection, and (with
+    ``sparse_from=None``) its ``min_seq_len`` the capacity below which no pyramid is kept:
+    lower both together to decode shorter caches sparsely.
     ``sparse_from`` counts capacity (``PisaCache``'s counts keys held). transformers compiles
     the steps on CUDA only; elsewhere they run through whatever forward you compiled. As
     with ``StaticCache``, the batch is fixed at first use and a new prompt needs

@@ -51,9 +51,10 @@ def test_static_cache_generate_in_cuda_graphs(fresh_dynamo):
     """``PisaStaticCache`` with the decode steps compiled by ``generate`` itself in CUDA graphs
     (``compile_config``, ``triton.cudagraphs``; the forward left uncompiled: a forward
     compiled without graphs takes the steps over, ``experiments/static_graph_probe.py``):
-    the steps decode from the pyramid while the graphs are recorded, the second call replays
-    them (the decode op's Python never runs), and in the exact regime the tokens and scores
-    are dense attention's (fp32)."""
+    the steps decode from the pyramid while the graphs are recorded, the second call (the
+    compile config set on ``model.generation_config`` instead of passed) replays them (the
+    decode op's Python never runs), and in the exact regime the tokens and scores are dense
+    attention's (fp32)."""
     from torch._dynamo.utils import counters
     from transformers import CompileConfig
 
@@ -69,10 +70,14 @@ def test_static_cache_generate_in_cuda_graphs(fresh_dynamo):
     cc = CompileConfig(backend=pisa_backend, mode=None,
                        options={**opts, "triton.cudagraphs": True})
     runs = []
-    for _ in range(2):  # the second call replays the graphs the first one recorded
+    for i in range(2):  # the second call replays the graphs the first one recorded
         cache.reset()
         before = counters["pisa"]["sparse_decode"], counters["pisa"]["cached_decode_calls"]
-        out = m.generate(**kw, past_key_values=cache, compile_config=cc)
+        if i == 0:
+            out = m.generate(**kw, past_key_values=cache, compile_config=cc)
+        else:  # set once on the model: generate() then takes one argument, the cache
+            m.generation_config.compile_config = cc
+            out = m.generate(**kw, past_key_values=cache)
         runs.append((counters["pisa"]["sparse_decode"] - before[0],
                      counters["pisa"]["cached_decode_calls"] - before[1]))
         for a, b in zip(out.scores, dense.scores):

@@ -29,7 +29,10 @@ the steps over, ``experiments/static_graph_probe.py``). Rows: ``inductor+static`
 ``pisa+static`` (``PisaStaticCache``, ``CompileConfig(backend=pisa, mode=None,
 options={..., "triton.cudagraphs": True})``). The prefill is eager and dense in both, so
 ``ttft_ms`` is no PISA figure there. ``step_python_runs`` counts the decode op's Python runs
-during the timed calls: 0 when every step replays a graph. (An earlier recipe, the forward
+(``cached_decode_calls``, sparse or dense) during the timed calls: 0 when every step that
+reaches the op replays a graph (steps whose sites stay dense never reach it). The cache's
+``PisaConfig`` follows ``--options``/``--min-seq-len`` (its ``min_seq_len`` gates the
+pyramid). (An earlier recipe, the forward
 compiled with graphs, failed on the H200: ``profiles/generate_static.json``, recipe B.)
 
 ``--device cpu --tiny`` runs a 2-layer toy model (the CPU smoke test).
@@ -78,8 +81,9 @@ def _timed(fn, reps: int, device: str) -> tuple[float, object]:
 
 def run(model, backend: str, n: int, batch: int, pad: int, new_tokens: int, reps: int,
         device: str, options=None, sparse_from=None) -> dict:
-    """One row: compile ``model.forward`` with ``backend``, warm up, time (see the module
-    docstring). Returns the row with the generated tokens under ``"tokens"``."""
+    """One row: compile ``model.forward`` with ``backend`` (``+static``: the steps, through
+    ``generate``'s ``compile_config``), warm up, time (see the module docstring). Returns the
+    row with the generated tokens under ``"tokens"``."""
     from torch._dynamo.utils import counters
 
     from pisa_compile.backend import pisa_backend
@@ -101,7 +105,12 @@ def run(model, backend: str, n: int, batch: int, pad: int, new_tokens: int, reps
         from transformers import CompileConfig, StaticCache
         from pisa_compile.hf_cache import PisaStaticCache
         if backend.startswith("pisa"):
-            cache = PisaStaticCache(model.config, n + new_tokens, sparse_from=sparse_from)
+            # The cache's selection and min_seq_len follow the backend's options (its
+            # min_seq_len gates the pyramid).
+            from pisa_compile import PisaConfig
+            cache = PisaStaticCache(model.config, n + new_tokens,
+                                    pisa_config=PisaConfig.from_options(options),
+                                    sparse_from=sparse_from)
             cc = CompileConfig(backend=pisa_backend, mode=None,
                                options={**(options or {}), "triton.cudagraphs": True})
         else:
@@ -120,13 +129,13 @@ def run(model, backend: str, n: int, batch: int, pad: int, new_tokens: int, reps
     try:
         with torch.no_grad():
             gen(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
-            warm_runs = counters["pisa"]["sparse_decode"]
+            warm_runs = counters["pisa"]["cached_decode_calls"]
             first, _ = _timed(lambda: gen(ids, max_new_tokens=1, **kw), reps, device)
             full, out = _timed(lambda: gen(
                 ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw), reps, device)
     finally:
         model.forward = eager_forward
-    step_python_runs = int(counters["pisa"]["sparse_decode"] - warm_runs)
+    step_python_runs = int(counters["pisa"]["cached_decode_calls"] - warm_runs)
     ref_stages = int(sum(v for k, v in counters["pisa"].items() if k.startswith("reference_")))
     return dict(n=n, batch=batch, pad=pad, backend=backend, options=options,
                 **({"sparse_from": sparse_from} if sparse_from is not None else {}),
@@ -174,6 +183,8 @@ def main(argv=None):
         ap.error("--new-tokens must be at least 2")
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
+    if args.sparse_from is not None and not args.static:
+        ap.error("--sparse-from sets PisaStaticCache's sparse_from: it needs --static")
     if args.pad and args.batch < 2:
         ap.error("--pad pads the rows after the first: give --batch 2 or more")
     model = _model(args.tiny, args.device)

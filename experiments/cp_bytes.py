@@ -72,7 +72,7 @@ def budgeted(block_indices: torch.Tensor, block_counts: torch.Tensor, n_leaves: 
                               fetch_budget=budget)
         for s, (i, c) in zip(rows, capped):
             bi[:, :, s], bc[:, :, s] = i, c
-        fetched.append(n)
+        fetched.append(int(n))
     return bi, bc, fetched
 
 

@@ -309,8 +309,8 @@ def _agree(q, k, v, enable_gqa: bool, config, scale, group, world: int) -> None:
         raise ValueError(
             "context_parallel_attention: every rank must pass q, k and v of the same shapes "
             "and dtypes, all wanting gradients or none, and the same config, fetch_budget, "
-            "scale and enable_gqa; per rank (q, k, v as [dims, dtype, gradient, sizes...], then a hash "
-            f"of config, fetch_budget and scale, enable_gqa): "
+            "scale and enable_gqa; per rank (q, k, v as [dims, dtype, gradient, sizes...], "
+            f"then a hash of config, fetch_budget and scale, enable_gqa): "
             f"{[s.tolist() for s in every]}")
 
 
@@ -372,18 +372,18 @@ def _select_chunk(q: Tensor, i: int, lay: _Layout, Hkv: int, pyramid, config: Pi
     return reference.select_blocks(qc, k_shape, None, True, scale, pyramid=pyramid, **options)
 
 
-def check_fetch_budget(fetch_budget) -> None:
-    """Raise ValueError unless ``fetch_budget`` is None or a number in ``(0, 1]``."""
+def check_fetch_budget(fetch_budget, where: str = "context_parallel_attention") -> None:
+    """Raise ValueError unless ``fetch_budget`` is None or a number in ``(0, 1]``; ``where``
+    names the caller in the message."""
     if fetch_budget is not None and (isinstance(fetch_budget, bool) or not isinstance(
             fetch_budget, (int, float)) or not 0 < fetch_budget <= 1):
-        raise ValueError(f"context_parallel_attention: fetch_budget must be None or a number "
-                         f"in (0, 1] (a fraction of ring attention's bytes), got "
-                         f"{fetch_budget!r}")
+        raise ValueError(f"{where}: fetch_budget must be None or a number in (0, 1] (a "
+                         f"fraction of ring attention's bytes), got {fetch_budget!r}")
 
 
 def cap_fetch(selections: Sequence[tuple[Tensor, Tensor]], *, world: int, rank: int,
               chunk_leaves: int, config: PisaConfig, fetch_budget: float
-              ) -> tuple[list[tuple[Tensor, Tensor]], int]:
+              ) -> tuple[list[tuple[Tensor, Tensor]], Tensor]:
     """Cap the remote blocks one rank fetches at ``fetch_budget`` of ring attention's bytes.
 
     Per (batch row, KV head) the rank fetches at most ``floor(fetch_budget * R)`` of the
@@ -399,7 +399,8 @@ def cap_fetch(selections: Sequence[tuple[Tensor, Tensor]], *, world: int, rank: 
     Args:
         selections: the rank's two chunks' ``(block_indices, block_counts)`` in the order of
             its chunks ``(rank, 2 * world - 1 - rank)``: int32 ``[B, Hkv, T_chunk, M]``
-            ascending, -1 padded, and ``[B, Hkv, T_chunk]``, leaves of the whole sequence.
+            ascending, -1 padded, and ``[B, Hkv, T_chunk]``, leaves of the whole sequence
+            (``T_chunk``: the chunk's query tiles, ``S / query_tile``).
         world, rank: the layout (ints, ``0 <= rank < world``).
         chunk_leaves: leaves per chunk (``S / block_size``).
         config: the call's options (``sink_blocks``, ``local_blocks``).
@@ -407,16 +408,22 @@ def cap_fetch(selections: Sequence[tuple[Tensor, Tensor]], *, world: int, rank: 
 
     Returns:
         The capped selections (same shapes; dropped blocks removed, -1 last) and the number
-        of remote ``(batch row, KV head, leaf)`` blocks the rank now fetches.
+        of remote ``(batch row, KV head, leaf)`` blocks the rank now fetches (a 0-dim int64
+        tensor on their device: read it only where needed, it syncs on CUDA).
 
     Raises:
-        ValueError: ``fetch_budget`` not in ``(0, 1]``.
+        ValueError: ``fetch_budget`` not in ``(0, 1]``, ``rank`` not in ``[0, world)``, or
+            not two selections.
 
     Method: ours (issue #17's byte budget); the estimate it replaces,
-    ``experiments/cp_bytes.py --budgets``, lost 1-6 points of attention mass at 10% on the
-    code model (docs/results.md "Context-parallel PISA").
+    ``experiments/cp_bytes.py --budgets``, measures it: at 0.08 the code model moves 9.2-9.4%
+    of ring's bytes and loses 1.8-8.2 points of attention mass (docs/results.md
+    "Context-parallel PISA").
     """
-    check_fetch_budget(fetch_budget)
+    check_fetch_budget(fetch_budget, "cap_fetch")
+    if not 0 <= rank < world or len(selections) != 2:
+        raise ValueError(f"cap_fetch: needs 0 <= rank < world and the two chunks' selections, "
+                         f"got rank={rank}, world={world}, {len(selections)} selections")
     lay = _Layout(world, rank, chunk_leaves * config.block_size, chunk_leaves)
     bi0 = selections[0][0]
     B, Hkv, dev = bi0.shape[0], bi0.shape[1], bi0.device
@@ -456,7 +463,7 @@ def cap_fetch(selections: Sequence[tuple[Tensor, Tensor]], *, world: int, rank: 
         bi = torch.sort(bi, dim=-1).values
         bi = torch.where(bi >= n_leaves, -1, bi).to(block_indices.dtype)
         out.append((bi, (bi >= 0).sum(-1).to(selections[0][1].dtype)))
-    return out, int(keep.sum())
+    return out, keep.sum()
 
 
 def _context(k: Tensor, v: Tensor, selections, lay: _Layout, config: PisaConfig, group):

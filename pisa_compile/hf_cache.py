@@ -268,7 +268,7 @@ class PisaStaticCache(StaticCache):
     graph with no host length, so that CUDA graphs can capture it (DESIGN.md "A static
     cache: the length on the device"). Measured inside ``generate()`` on the H200 (the
     Llama-1B-shaped 4-layer stack, 64 new tokens, per token against ``StaticCache`` with
-    Inductor's CUDA graphs): 2.5x faster at 128K, B=1 and at 32K, B=8; README "Results".
+    Inductor's CUDA graphs): 2.1x faster at 128K, B=1 and 2.5x at 32K, B=8 (docs/results.md).
 
     Args:
         config: the model's config (as ``StaticCache``: it gives the layers and their kinds;

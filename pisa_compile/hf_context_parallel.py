@@ -68,7 +68,7 @@ def register(group: Optional[dist.ProcessGroup] = None,
     if config is not None and not isinstance(config, PisaConfig):
         raise ValueError(f"register: config must be a PisaConfig, got {type(config).__name__}")
     check_config(CP_CONFIG if config is None else config)
-    check_fetch_budget(fetch_budget)
+    check_fetch_budget(fetch_budget, "register")
     _settings.update(group=group, config=CP_CONFIG if config is None else config,
                      fetch_budget=fetch_budget)
     AttentionInterface.register(ATTN_IMPLEMENTATION, _attention)

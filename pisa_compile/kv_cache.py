@@ -12,6 +12,7 @@ blocks it attends.
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Optional
 
@@ -24,6 +25,9 @@ from .kernels import dispatch, persistent
 from .kernels.geometry import dense_mask
 from .kernels.runtime import DECODE_MAX_QUERIES, stage_range
 from .kernels.persistent import BoxPyramid, box_pyramid
+
+_log = logging.getLogger("pisa_compile")
+_TOLD_MIN_SEQ_LEN = False  # the min_seq_len gate of PisaStaticKVCache, logged once
 
 __all__ = ["PisaKVCache", "PisaStaticKVCache", "SPARSE_DECODE_BYTES", "SPARSE_DECODE_BYTES_FLAT",
            "decode_config"]
@@ -45,7 +49,9 @@ SPARSE_DECODE_BYTES = {"graph": 384 << 20, "eager": 2 << 30, "static": 128 << 20
 # through those two batch sizes puts the graph break-even near 475 MiB of K/V at 32K
 # (profiles/bench_decode_flat.json): these thresholds keep a margin; they are estimates,
 # not a measured sweep. Which steps are flat: triton_select.runs_flat.
-SPARSE_DECODE_BYTES_FLAT = {"graph": 640 << 20, "eager": 3 << 30, "static": 128 << 20}
+# Its "static" row is the walk's scaled as the "graph" rows are (640 / 384): not measured
+# (every sparse static step measured walked).
+SPARSE_DECODE_BYTES_FLAT = {"graph": 640 << 20, "eager": 3 << 30, "static": 213 << 20}
 
 
 def decode_config(config: PisaConfig) -> PisaConfig:
@@ -105,8 +111,9 @@ class PisaKVCache:
     heads of a KV head share it) it ranks every leaf by its box (up to ``flat_leaves``
     leaves; past it, walks the pyramid's boxes: ``branching``, ``beam``), scores the
     ``shortlist`` best leaves exactly, and attends the ``top_k`` best plus the forced leaves
-    with the split-K decode kernel. Other calls run :func:`pisa_compile.pisa_attention` with ``config``
-    (a long prefill: PISA; a short call: dense), or dense SDPA where dense is faster.
+    with the split-K decode kernel. Other calls run :func:`pisa_compile.pisa_attention` with
+    ``config`` (a long prefill: PISA; a short call: dense), or dense SDPA where dense is
+    faster.
 
     Args:
         batch_size, num_kv_heads, max_len, head_dim: ``B``, ``Hkv``, the most tokens, ``D``
@@ -123,8 +130,8 @@ class PisaKVCache:
             on the H200 for one shape: Hkv=8, D=128, G=4).
         cuda_graph: tells the cost model that you replay the steps from CUDA graphs you
             capture (no host time per step): its ``"graph"`` threshold, else ``"eager"``.
-            A captured step is valid for one cache length only (the length, the ``[:n]`` views and the offsets are Python
-            values baked in at capture).
+            A captured step is valid for one cache length only (the length, the ``[:n]``
+            views and the offsets are Python values baked in at capture).
 
     Quality: on Qwen2.5-Coder-0.5B with every decode step sparse (45 needle cases per
     length) the walk (``beam`` 60) lost needles that dense steps keep: 0.822 against 0.933
@@ -510,11 +517,22 @@ class PisaStaticKVCache:
         capacity: dense SDPA over a static cache reads every slot)."""
         if dispatch.triton_refusal(self.keys, self.values, self.config.kernel) is not None:
             return False
-        if self.sparse_from is None and self.keys.shape[2] < self.config.min_seq_len:
+        worthy = sparse_worthy(self.keys, self.values, self.keys.shape[2], self.decode_config,
+                               self.sparse_from, self.cuda_graph, static=True)
+        if worthy and self.sparse_from is None and self.keys.shape[2] < self.config.min_seq_len:
             # The backend leaves such sites dense by default: a pyramid would be upkeep only.
+            # Say so once: a user who lowered the compile options' min_seq_len alone would
+            # otherwise get dense steps silently.
+            global _TOLD_MIN_SEQ_LEN
+            if not _TOLD_MIN_SEQ_LEN:
+                _TOLD_MIN_SEQ_LEN = True
+                _log.warning("PisaStaticKVCache: no pyramid (dense decode steps) at capacity "
+                             "%d < config.min_seq_len=%d, although its K/V bytes would make the "
+                             "steps sparse; lower pisa_config's min_seq_len too, or pass "
+                             "sparse_from (said once)", self.keys.shape[2],
+                             self.config.min_seq_len)
             return False
-        return sparse_worthy(self.keys, self.values, self.keys.shape[2], self.decode_config,
-                             self.sparse_from, self.cuda_graph, static=True)
+        return worthy
 
     def append(self, key: Tensor, value: Tensor) -> None:
         """Write ``[B, Hkv, n, D]`` keys and values at positions ``[length, length + n)``,

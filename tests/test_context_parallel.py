@@ -87,7 +87,8 @@ def _worker(rank, world, path, kernel, cases):
             q, k, v, go = _inputs(case, seed=i)
             # bf16: each side rounds its outputs and gradients once, not at the same sums.
             tol = TOL if q.dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
-            ql, kl, vl = (cp.zigzag_shard(x, rank, world, dim=2).requires_grad_() for x in (q, k, v))
+            ql, kl, vl = (cp.zigzag_shard(x, rank, world, dim=2).requires_grad_()
+                          for x in (q, k, v))
             counters.clear()
             out = cp.context_parallel_attention(ql, kl, vl, enable_gqa=True, config=config)
             out.backward(cp.zigzag_shard(go, rank, world, dim=2))
@@ -175,17 +176,21 @@ def _budget_worker(rank, world, path, budget):
                                                 fetch_budget=budget)
             out.backward(cp.zigzag_shard(go, rank, world, dim=2))
             got = dict(counters["pisa"])
+            # Every rank's capped selection (cap_fetch is pure), so that dk and dv, which
+            # gather every rank's tiles, compare too.
             bi, bc = select_blocks(q, k, is_causal=True, enable_gqa=True, config=config)
-            (capped, fetched), rows = _capped(bi, bc, world, rank, config, budget)
             full = bi.clone()
-            for r, (ci, _) in zip(rows, capped):
-                full[:, :, r] = ci
+            for r in range(world):
+                (capped, n), rows = _capped(bi, bc, world, r, config, budget)
+                for sl, (ci, _) in zip(rows, capped):
+                    full[:, :, sl] = ci
+                if r == rank:
+                    fetched = int(n)
             qf, kf, vf = (x.clone().requires_grad_() for x in (q, k, v))
             ref = _dense_under(qf, kf, vf, full, config)
             ref.backward(go)
-            # dk, dv: the other ranks' tiles ran under their own caps; compare this rank's
-            # rows of the output and of dq only (its tiles' selection is the capped one).
-            for name, a, b in [("out", out, ref), ("dq", ql.grad, qf.grad)]:
+            for name, a, b in [("out", out, ref), ("dq", ql.grad, qf.grad),
+                               ("dk", kl.grad, kf.grad), ("dv", vl.grad, vf.grad)]:
                 torch.testing.assert_close(a, cp.zigzag_shard(b, rank, world, dim=2), **TOL,
                                            msg=lambda m: f"case {i} rank {rank} {name}: {m}")
             C, D, Dv = config.block_size, case[4], case[5]
@@ -193,16 +198,20 @@ def _budget_worker(rank, world, path, budget):
             remote = (2 * world - 2) * (case[3] // C // (2 * world))
             forced = config.sink_blocks + 2 * (config.local_blocks - 1)
             assert fetched <= case[0] * case[2] * max(int(budget * remote), forced), (i, fetched)
+            # The budget bound: some chosen remote block was dropped.
+            assert not torch.equal(full, bi), (i, rank)
     finally:
         dist.destroy_process_group()
 
 
-def test_fetch_budget_caps_the_bytes_and_equals_the_capped_selection():
+@pytest.mark.parametrize("budget", [0.1, 0.3])
+def test_fetch_budget_caps_the_bytes_and_equals_the_capped_selection(budget):
     """With ``fetch_budget`` each rank fetches exactly the blocks :func:`cap_fetch` keeps
     (at most the budget's share of the remote leaves, or the forced ones, per batch row
-    and KV head) and its rows equal causal SDPA restricted to that capped selection, output
-    and dq (3 shapes, 2 ranks, budget 0.1)."""
-    _spawn(_budget_worker, 2, 0.1)
+    and KV head), and the output and the gradients of q, k and v equal causal SDPA
+    restricted to every rank's capped selection (3 shapes, 2 ranks; at 0.1 the forced
+    leaves fill the budget, at 0.3 ranked remote leaves are fetched too)."""
+    _spawn(_budget_worker, 2, budget)
 
 
 def test_cap_fetch_keeps_the_most_chosen_remote_leaves():
@@ -225,6 +234,7 @@ def test_cap_fetch_keeps_the_most_chosen_remote_leaves():
         for r, (ci, cc) in zip(rows, same):
             assert torch.equal(ci, bi[:, :, r]) and torch.equal(cc, bc[:, :, r])
         (capped, fetched), rows = _capped(bi, bc, world, rank, config, 0.4)
+        fetched = int(fetched)
         chunks = (rank, 2 * world - 1 - rank)
         demand = torch.zeros(bi.shape[0], bi.shape[1], L + 1)
         kept = torch.zeros(bi.shape[0], bi.shape[1], L + 1, dtype=torch.bool)
@@ -257,6 +267,7 @@ def test_cap_fetch_keeps_the_most_chosen_remote_leaves():
         hi = torch.where(dropped, demand[..., :L], -1.0).amax(-1)
         assert (hi <= lo).all(), (rank, hi, lo)
         assert dropped.any() and free.any(), rank  # the cap bound, and ranked
+        assert (kept[..., :L] >= (forced & remote & (demand[..., :L] > 0))).all(), rank
 
 
 def _select_worker(rank, world, path, kernel):
@@ -310,9 +321,9 @@ def _mismatch_worker(rank, world, path):
 
 def test_ranks_with_different_calls_are_all_refused():
     """A rank passing another length, dtype, config (or a config that is not one), scale,
-    fetch budget, a tensor of another rank, or wanting gradients where the others do not (whose backward
-    would wait for theirs), is refused on every rank's forward (none is left waiting in a
-    collective)."""
+    fetch budget, a tensor of another rank, or wanting gradients where the others do not
+    (whose backward would wait for theirs), is refused on every rank's forward (none is left
+    waiting in a collective)."""
     _spawn(_mismatch_worker, 2)
 
 

@@ -147,7 +147,7 @@ def test_rebuild_after_a_crop_forgets_the_cut_keys():
     _assert_capacity_counts(cache)
 
 
-def test_cost_model_reads_the_static_row(monkeypatch):
+def test_cost_model_reads_the_static_row(monkeypatch, caplog):
     """Without ``sparse_from`` a static cache in CUDA graphs keeps a pyramid from the
     ``"static"`` row's bytes of K/V (its dense step reads every slot under a mask), not the
     growing cache's ``"graph"`` row; without graphs, from the ``"eager"`` row; never below
@@ -158,14 +158,20 @@ def test_cost_model_reads_the_static_row(monkeypatch):
     rows = {"graph": 1000 * per_key, "eager": 2000 * per_key, "static": 64 * per_key}
     for table in ("SPARSE_DECODE_BYTES", "SPARSE_DECODE_BYTES_FLAT"):
         monkeypatch.setattr(kv_cache, table, rows)
-    # Below min_seq_len the backend leaves the sites dense: no pyramid, whatever the bytes.
+    # Below min_seq_len the backend leaves the sites dense: no pyramid, whatever the bytes,
+    # and the user is told once.
+    monkeypatch.setattr(kv_cache, "_TOLD_MIN_SEQ_LEN", False)
     for cap, graph, min_len, kept in ((63, True, 0, False), (64, True, 0, True),
-                                      (64, False, 0, False), (64, True, 65, False)):
+                                      (64, False, 0, False), (64, True, 65, False),
+                                      (64, True, 65, False)):
         keys = torch.zeros(1, 2, cap, 8)
-        cache = PisaStaticKVCache(keys, torch.zeros_like(keys),
-                                  torch.zeros((), dtype=torch.long),
-                                  config=_cfg(min_seq_len=min_len), cuda_graph=graph)
+        with caplog.at_level("WARNING", logger="pisa_compile"):
+            cache = PisaStaticKVCache(keys, torch.zeros_like(keys),
+                                      torch.zeros((), dtype=torch.long),
+                                      config=_cfg(min_seq_len=min_len), cuda_graph=graph)
         assert (cache.pyramid is not None) == kept, (cap, graph, min_len)
+    told = [r for r in caplog.records if "lower pisa_config's min_seq_len" in r.getMessage()]
+    assert len(told) == 1, caplog.records
 
 
 def test_no_pyramid_where_dense_is_cheaper():

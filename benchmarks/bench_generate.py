@@ -30,7 +30,9 @@ the steps over, ``experiments/static_graph_probe.py``). Rows: ``inductor+static`
 options={..., "triton.cudagraphs": True})``). The prefill is eager and dense in both, so
 ``ttft_ms`` is no PISA figure there. ``step_python_runs`` counts the decode op's Python runs
 (``cached_decode_calls``, sparse or dense) during the timed calls: 0 when every step that
-reaches the op replays a graph (steps whose sites stay dense never reach it). The cache's
+reaches the op replays a graph (steps whose sites stay dense never reach it);
+``warm_step_python_runs``, during the warm-up call: above 0 when the steps reach the op at
+all (a 0 there and in the timed calls says nothing about graphs). The cache's
 ``PisaConfig`` follows ``--options``/``--min-seq-len`` (its ``min_seq_len`` gates the
 pyramid). (An earlier recipe, the forward
 compiled with graphs, failed on the H200: ``profiles/generate_static.json``, recipe B.)
@@ -129,7 +131,7 @@ def run(model, backend: str, n: int, batch: int, pad: int, new_tokens: int, reps
     try:
         with torch.no_grad():
             gen(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
-            warm_runs = counters["pisa"]["cached_decode_calls"]
+            warm_runs = counters["pisa"]["cached_decode_calls"]  # recording included
             first, _ = _timed(lambda: gen(ids, max_new_tokens=1, **kw), reps, device)
             full, out = _timed(lambda: gen(
                 ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw), reps, device)
@@ -144,7 +146,7 @@ def run(model, backend: str, n: int, batch: int, pad: int, new_tokens: int, reps
                 reference_stages=ref_stages, graphs=int(counters["stats"]["unique_graphs"]),
                 graph_breaks=int(sum(counters["graph_break"].values())),
                 cudagraph_skips=int(counters["inductor"]["cudagraph_skips"]),
-                step_python_runs=step_python_runs,
+                step_python_runs=step_python_runs, warm_step_python_runs=int(warm_runs),
                 sites={k: v for k, v in counters["pisa"].items()
                        if k in ("rewritten", "left_dense")},
                 counters={k: v for k, v in counters["pisa"].items()
@@ -185,6 +187,14 @@ def main(argv=None):
         ap.error("--rounds must be at least 1")
     if args.sparse_from is not None and not args.static:
         ap.error("--sparse-from sets PisaStaticCache's sparse_from: it needs --static")
+    if args.sparse_from is not None and args.sparse_from < 0:
+        ap.error(f"--sparse-from must be >= 0, got {args.sparse_from}")
+    if not args.lengths or min(args.lengths) < 1:
+        ap.error(f"--lengths needs one or more lengths >= 1, got {args.lengths}")
+    if args.batch < 1 or args.reps < 1:
+        ap.error(f"--batch and --reps must be >= 1, got {args.batch} and {args.reps}")
+    if args.pad < 0 or args.pad >= min(args.lengths):
+        ap.error(f"--pad must be in [0, min(--lengths)), got {args.pad}")
     if args.pad and args.batch < 2:
         ap.error("--pad pads the rows after the first: give --batch 2 or more")
     model = _model(args.tiny, args.device)

@@ -34,7 +34,8 @@ def targets(ids: torch.Tensor) -> torch.Tensor:
 
 def train(steps: int = 2, seq_len: int = 256, batch: int = 2, num_layers: int = 2,
           config=None, group: Optional[dist.ProcessGroup] = None, lr: float = 1e-3,
-          device: str = "cpu", attn: Optional[str] = None, log=print) -> dict[str, Any]:
+          device: str = "cpu", attn: Optional[str] = None, log=print,
+          fetch_budget: Optional[float] = None) -> dict[str, Any]:
     """Train ``tiny_llama(num_layers)`` on a sequence sharded over ``group`` for ``steps``.
 
     Args:
@@ -44,6 +45,7 @@ def train(steps: int = 2, seq_len: int = 256, batch: int = 2, num_layers: int = 
         attn: None for context-parallel PISA, or a transformers attention implementation
             (``"sdpa"``) to train the whole sequence densely in this process instead (the
             reference), whatever ``group``.
+        fetch_budget: ``context_parallel_attention``'s fetch cap (None: every chosen block).
 
     Returns:
         ``losses`` (global mean loss per step), ``grads`` (name -> float32 CPU tensor, the
@@ -65,7 +67,8 @@ def train(steps: int = 2, seq_len: int = 256, batch: int = 2, num_layers: int = 
     dev = (torch.device(device, torch.cuda.current_device()) if device == "cuda"
            else torch.device(device))
     model = tiny_llama(max_positions=seq_len, num_layers=num_layers).train().to(dev)
-    model.set_attn_implementation(attn or hf_context_parallel.register(group, config))
+    model.set_attn_implementation(attn or hf_context_parallel.register(group, config,
+                                                                       fetch_budget))
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     losses, grads = [], {}
     for step in range(steps):
@@ -104,6 +107,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--top-k", type=int, default=CP_CONFIG.top_k)
+    p.add_argument("--fetch-budget", type=float, default=None,
+                   help="cap each rank's fetch at this fraction of ring attention's K/V bytes "
+                        "(0 < F <= 1; lossy; default: every chosen block)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--out", default=None, help="rank 0 saves the results here (torch.save)")
     a = p.parse_args(argv)
@@ -114,6 +120,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         p.error(f"--steps must be >= 1, got {a.steps}")
     if a.batch < 1:
         p.error(f"--batch must be >= 1, got {a.batch}")
+    if a.fetch_budget is not None and not 0 < a.fetch_budget <= 1:
+        p.error(f"--fetch-budget must be in (0, 1], got {a.fetch_budget}")
     world = int(os.environ.get("WORLD_SIZE", 1))
     unit = 2 * world * CP_CONFIG.block_size
     if a.seq_len < unit or a.seq_len % unit:
@@ -127,7 +135,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                             timeout=datetime.timedelta(minutes=5))
     try:
         res = train(a.steps, a.seq_len, a.batch, a.layers, CP_CONFIG.replace(top_k=a.top_k),
-                    device=a.device)
+                    device=a.device, fetch_budget=a.fetch_budget)
         if dist.get_rank() == 0 and a.out:
             torch.save(res, a.out)
         dist.barrier()

@@ -22,6 +22,7 @@ float sums (``tests/test_context_parallel.py``).
 from __future__ import annotations
 
 import math
+import numbers
 import zlib
 from typing import NamedTuple, Optional, Sequence
 
@@ -212,9 +213,11 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: Option
         config: a :class:`~pisa_compile.PisaConfig` with pooled leaves, no box bounds, no
             dense tail and ``local_blocks >= 1``; default :data:`CP_CONFIG`.
             ``min_seq_len`` is ignored: the call is always sparse.
-        fetch_budget: None (default) fetches every chosen block. A float in ``(0, 1]`` caps
-            the fetch at that fraction of the K/V bytes ring attention moves: see
-            :func:`cap_fetch` (lossy: the tiles drop the other remote blocks they chose).
+        fetch_budget: None (default) fetches every chosen block. A number in ``(0, 1]``
+            caps the fetch at that fraction of the K/V bytes ring attention moves, except
+            where the forced leaves (sinks, the local window before each chunk) alone
+            exceed it, as with short chunks: see :func:`cap_fetch` (lossy: the tiles drop
+            the other remote blocks they chose).
 
     Returns:
         ``[B, Hq, N_local, Dv]``, this rank's rows of single-process PISA with ``config`` on
@@ -249,7 +252,8 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: Option
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     # First, so that a call some rank makes differently is refused by every rank together,
     # instead of some raising while the others wait in a collective.
-    _agree(q, k, v, enable_gqa, (config, fetch_budget), scale, group, world)
+    # 1 and 1.0, or a numpy float and its value, are one budget on every rank.
+    _agree(q, k, v, enable_gqa, (config, _as_float(fetch_budget)), scale, group, world)
     check_fetch_budget(fetch_budget)
     Hkv, S = _check(q, k, v, enable_gqa, config, world)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
@@ -295,9 +299,11 @@ def _signature(q, k, v, enable_gqa: bool, config, scale) -> list[int]:
         dims = list(t.shape[:4]) + [-1] * (4 - min(t.dim(), 4))
         sig += [t.dim(), _DTYPES.index(t.dtype) if t.dtype in _DTYPES else -1,
                 int(t.requires_grad and torch.is_grad_enabled()), *dims]
-    options = zlib.crc32(repr((config, scale)).encode()) if isinstance(config[0], PisaConfig) \
-        else -1
-    return sig + [options, int(bool(enable_gqa))]
+    pisa_config, budget = config
+    hashes = [zlib.crc32(repr(x).encode()) for x in (pisa_config, budget, scale)]
+    if not isinstance(pisa_config, PisaConfig):
+        hashes[0] = -1
+    return sig + hashes + [int(bool(enable_gqa))]
 
 
 def _agree(q, k, v, enable_gqa: bool, config, scale, group, world: int) -> None:
@@ -306,12 +312,16 @@ def _agree(q, k, v, enable_gqa: bool, config, scale, group, world: int) -> None:
     every = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(every, mine, group=group)
     if any(not torch.equal(s, mine) for s in every):
+        names = ["q", "k", "v", "config", "fetch_budget", "scale", "enable_gqa"]
+        cols = [slice(0, 7), slice(7, 14), slice(14, 21), 21, 22, 23, 24]
+        differ = [n for n, c in zip(names, cols)
+                  if any(not torch.equal(s[c], mine[c]) for s in every)]
         raise ValueError(
             "context_parallel_attention: every rank must pass q, k and v of the same shapes "
             "and dtypes, all wanting gradients or none, and the same config, fetch_budget, "
-            "scale and enable_gqa; per rank (q, k, v as [dims, dtype, gradient, sizes...], "
-            f"then a hash of config, fetch_budget and scale, enable_gqa): "
-            f"{[s.tolist() for s in every]}")
+            f"scale and enable_gqa; these differ: {differ}. Per rank (q, k, v as [dims, "
+            "dtype, gradient, sizes...], then hashes of config, fetch_budget and scale, then "
+            f"enable_gqa): {[s.tolist() for s in every]}")
 
 
 def _gathered_pyramid(k: Tensor, lay: _Layout, config: PisaConfig, impl: str, group):
@@ -372,11 +382,15 @@ def _select_chunk(q: Tensor, i: int, lay: _Layout, Hkv: int, pyramid, config: Pi
     return reference.select_blocks(qc, k_shape, None, True, scale, pyramid=pyramid, **options)
 
 
+def _as_float(x):
+    return float(x) if isinstance(x, numbers.Real) and not isinstance(x, bool) else x
+
+
 def check_fetch_budget(fetch_budget, where: str = "context_parallel_attention") -> None:
-    """Raise ValueError unless ``fetch_budget`` is None or a number in ``(0, 1]``; ``where``
-    names the caller in the message."""
+    """Raise ValueError unless ``fetch_budget`` is None or a real number in ``(0, 1]``
+    (Python or numpy); ``where`` names the caller in the message."""
     if fetch_budget is not None and (isinstance(fetch_budget, bool) or not isinstance(
-            fetch_budget, (int, float)) or not 0 < fetch_budget <= 1):
+            fetch_budget, numbers.Real) or not 0 < fetch_budget <= 1):
         raise ValueError(f"{where}: fetch_budget must be None or a number in (0, 1] (a "
                          f"fraction of ring attention's bytes), got {fetch_budget!r}")
 
@@ -404,7 +418,7 @@ def cap_fetch(selections: Sequence[tuple[Tensor, Tensor]], *, world: int, rank: 
         world, rank: the layout (ints, ``0 <= rank < world``).
         chunk_leaves: leaves per chunk (``S / block_size``).
         config: the call's options (``sink_blocks``, ``local_blocks``).
-        fetch_budget: a float in ``(0, 1]``.
+        fetch_budget: a real number in ``(0, 1]``.
 
     Returns:
         The capped selections (same shapes; dropped blocks removed, -1 last) and the number
@@ -420,6 +434,8 @@ def cap_fetch(selections: Sequence[tuple[Tensor, Tensor]], *, world: int, rank: 
     of ring's bytes and loses 1.8-8.2 points of attention mass (docs/results.md
     "Context-parallel PISA").
     """
+    if fetch_budget is None:
+        raise ValueError("cap_fetch: fetch_budget must be a number in (0, 1], got None")
     check_fetch_budget(fetch_budget, "cap_fetch")
     if not 0 <= rank < world or len(selections) != 2:
         raise ValueError(f"cap_fetch: needs 0 <= rank < world and the two chunks' selections, "

@@ -192,9 +192,9 @@ class _LayerCount:
         _raise_recompile_limit(_RECOMPILES_PER_LAYER * self.n)
 
 
-def _raise_recompile_limit(want: int) -> None:
+def _raise_recompile_limit(want: int, who: str = "PisaCache") -> None:
     """Raise Dynamo's per-frame recompile limit (and its accumulated limit, by as much) to
-    at least ``want``; warn once per process."""
+    at least ``want``; warn once per process, naming ``who``."""
     global _warned_limit
     cfg = torch._dynamo.config
     limit = cfg.recompile_limit
@@ -206,11 +206,13 @@ def _raise_recompile_limit(want: int) -> None:
                                               4 * want)
     if not _warned_limit:
         _warned_limit = True
-        warnings.warn(f"PisaCache raised torch._dynamo.config.recompile_limit from {limit} "
-                      f"(and raises it to {_RECOMPILES_PER_LAYER} per decoder layer as layers "
-                      f"are made): after the cache's graph break each layer compiles graphs of "
-                      f"its own, and past the limit torch.compile would run them eagerly, "
-                      f"silently. Set it higher yourself to silence this.", stacklevel=2)
+        why = ("after the cache's graph break each layer compiles graphs of its own (the "
+               f"limit rises to {_RECOMPILES_PER_LAYER} per decoder layer as layers are made)"
+               if who == "PisaCache" else
+               "each new batch, capacity or mask form compiles graphs of its own")
+        warnings.warn(f"{who} raised torch._dynamo.config.recompile_limit from {limit}: {why}, "
+                      f"and past the limit torch.compile would run them eagerly, silently. Set "
+                      f"it higher yourself to silence this.", stacklevel=3)
 
 
 class PisaStaticLayer(StaticLayer):
@@ -291,6 +293,7 @@ class PisaStaticCache(StaticCache):
         model.generation_config.compile_config = CompileConfig(
             backend="pisa", mode=None, options={"triton.cudagraphs": True})
         out = model.generate(**inputs, max_new_tokens=64, past_key_values=cache)
+        # (transformers >= 5.24 names the argument ``cache=``)
 
     transformers compiles the decode steps itself when the cache is static (on CUDA), with
     ``compile_config`` (``mode="reduce-overhead"`` by default: CUDA graphs; with its default
@@ -342,7 +345,7 @@ class PisaStaticCache(StaticCache):
         super().__init__(config, max_cache_len, **kwargs)
         # Each new batch, capacity or mask form compiles graphs of its own; past Dynamo's
         # default limit of 8 the steps would run eagerly and densely, silently.
-        _raise_recompile_limit(_MIN_RECOMPILES)
+        _raise_recompile_limit(_MIN_RECOMPILES, "PisaStaticCache")
         # Full-attention layers only: a sliding window's cache is small, dense is cheap.
         self.layers = [PisaStaticLayer(max_cache_len, pisa_config, sparse_from)
                        if type(layer) is StaticLayer else layer for layer in self.layers]

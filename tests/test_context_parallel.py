@@ -309,12 +309,16 @@ def _mismatch_worker(rank, world, path):
                    dict(k=torch.randn(2, 128, 8)), dict(scale=0.1),
                    dict(k=x.clone().requires_grad_()),  # a backward only some ranks run
                    dict(fetch_budget=0.5)]
-        for change in differs:
+        names = ["q", "q", "config", "config", "k", "scale", "k", "fetch_budget"]
+        for change, name in zip(differs, names):
             args = dict(q=x, k=x, v=x, config=SMALL)
             if rank == 1:
                 args.update(change)
-            with pytest.raises(ValueError, match="every rank must pass"):
+            with pytest.raises(ValueError, match=rf"every rank must pass.*these differ: "
+                                                 rf"\[[^]]*'{name}'"):
                 cp.context_parallel_attention(**args)
+        # One budget, spelled 1 on one rank and 1.0 on the other: agreed.
+        cp.context_parallel_attention(x, x, x, config=SMALL, fetch_budget=1 if rank else 1.0)
     finally:
         dist.destroy_process_group()
 

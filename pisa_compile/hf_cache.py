@@ -20,6 +20,7 @@ Needs transformers >= 5 (``transformers.cache_utils.Cache`` with layer classes).
 from __future__ import annotations
 
 import functools
+import numbers
 import warnings
 from typing import Optional
 
@@ -325,10 +326,11 @@ class PisaStaticCache(StaticCache):
 
     def __init__(self, config, max_cache_len: int, pisa_config: Optional[PisaConfig] = None,
                  sparse_from: Optional[int] = None, **kwargs):
-        if not isinstance(max_cache_len, int) or isinstance(max_cache_len, bool) or (
-                max_cache_len < 1):
+        if not isinstance(max_cache_len, numbers.Integral) or isinstance(max_cache_len, bool) \
+                or max_cache_len < 1:
             raise ValueError(f"PisaStaticCache: max_cache_len must be an int >= 1, got "
                              f"{max_cache_len!r}")
+        max_cache_len = int(max_cache_len)  # numpy ints too, as StaticCache takes them
         check_options(pisa_config, sparse_from, "PisaStaticCache")
         if not hasattr(config, "get_text_config"):
             raise TypeError(f"PisaStaticCache: config must be the model's config (a "

@@ -248,6 +248,10 @@ def test_static_cache_bad_input():
     m = tiny_generation_llama()
     with pytest.raises(ValueError, match="max_cache_len"):
         PisaStaticCache(m.config, 0)
+    with pytest.raises(ValueError, match="max_cache_len"):
+        PisaStaticCache(m.config, 8.0)
+    import numpy as np
+    assert PisaStaticCache(m.config, np.int64(8)).layers[0].max_cache_len == 8  # as StaticCache
     with pytest.raises(TypeError, match="PisaConfig"):
         PisaStaticCache(m.config, 8, pisa_config={"top_k": 2})
     with pytest.raises(ValueError, match="sparse_from"):

@@ -35,33 +35,13 @@ from pisa_compile.context_parallel import CP_CONFIG, cap_fetch
 from pisa_compile.ops import select_blocks
 
 
-def received_leaves(block_indices: torch.Tensor, n_leaves: int, world: int) -> list[int]:
-    """Per rank, the (batch row, KV head, leaf) blocks its tiles chose that another rank owns.
-
-    Args:
-        block_indices: int32 ``[B, Hkv, T, M]`` of a causal selection over the whole
-            sequence (-1 padded); ``T`` and ``n_leaves`` multiples of ``2 * world``.
-    """
-    B, H, T, _ = block_indices.shape
-    tiles, leaves = T // (2 * world), n_leaves // (2 * world)
-    chunk = torch.arange(n_leaves) // leaves
-    owner = torch.where(chunk < world, chunk, 2 * world - 1 - chunk)
-    out = []
-    for r in range(world):
-        need = torch.zeros(B, H, n_leaves + 1, dtype=torch.bool)
-        for c in (r, 2 * world - 1 - r):
-            bi = block_indices[:, :, c * tiles:(c + 1) * tiles]
-            need.scatter_(2, torch.where(bi < 0, n_leaves, bi).long().flatten(2), True)
-        out.append(int((need[..., :n_leaves] & (owner != r)).sum()))
-    return out
-
-
 def budgeted(block_indices: torch.Tensor, block_counts: torch.Tensor, n_leaves: int,
              world: int, budget: float, config) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     """The selection with each rank's fetch capped by
     :func:`pisa_compile.context_parallel.cap_fetch` (what ``context_parallel_attention``'s
     ``fetch_budget`` runs): the whole sequence's new ``block_indices`` and ``block_counts``,
-    and per rank the remote leaves fetched (summed over batch rows and KV heads)."""
+    and per rank the remote leaves fetched (summed over batch rows and KV heads; with
+    ``budget=1``, every remote block its tiles chose that their queries can see)."""
     T = block_indices.shape[2]
     tiles, leaves = T // (2 * world), n_leaves // (2 * world)
     bi, bc, fetched = block_indices.clone(), block_counts.clone(), []
@@ -118,7 +98,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                 mass = selection_recall(q, k, config, is_causal=True, block_indices=bi,
                                         block_counts=bc, mass=oracle).mass_ratio
             for w in a.worlds:
-                per_rank = received_leaves(bi, L, w)
+                # Budget 1 caps nothing: per rank, the remote blocks its queries' tiles chose.
+                per_rank = budgeted(bi, bc, L, w, 1.0, config)[2]
                 block = [x * C * 2 * D * value_bytes for x in per_rank]  # K and V
                 summary = (w - 1) * (L // w) * B * Hkv * D * 4  # fp32 leaf sums
                 ring = 2 * (w - 1) * (n // w) * B * Hkv * D * value_bytes

@@ -446,17 +446,11 @@ def cap_fetch(selections: Sequence[tuple[Tensor, Tensor]], *, world: int, rank: 
     n_leaves = 2 * world * chunk_leaves
     leaf = torch.arange(n_leaves, device=dev)
     remote = lay.owner(leaf) != rank
-    # Demand: the rank's tiles that chose each leaf, counting blocks their queries can see.
-    demand = torch.zeros(B, Hkv, n_leaves + 1, dtype=torch.long, device=dev)
+    demand = _remote_picks(selections, lay)
     forced = leaf < config.sink_blocks
-    for c, (block_indices, _) in zip(lay.chunks, selections):
-        end = (c + 1) * chunk_leaves
-        idx = torch.where((block_indices < 0) | (block_indices >= end), n_leaves, block_indices)
-        demand.scatter_add_(2, idx.long().flatten(2), torch.ones_like(idx, dtype=torch.long)
-                            .flatten(2))
+    for c in lay.chunks:
         forced |= (leaf >= c * chunk_leaves - (config.local_blocks - 1)) & (
             leaf < c * chunk_leaves)
-    demand = demand[..., :n_leaves] * remote
     forced &= remote
     n_keep = int(fetch_budget * int(remote.sum()))
     needed = forced & (demand > 0)  # fetched whatever the budget, and counted in it
@@ -482,6 +476,24 @@ def cap_fetch(selections: Sequence[tuple[Tensor, Tensor]], *, world: int, rank: 
     return out, keep.sum()
 
 
+def _remote_picks(selections, lay: _Layout) -> Tensor:
+    """Per (batch row, KV head, leaf) ``[B, Hkv, L]`` int64: how many of the rank's tiles
+    chose the leaf, for leaves another rank owns and the choosing tile's queries can see (a
+    forced sink past the tile's chunk is seen by none of them: never fetched; the attention
+    masks keys past its buffer, as a causal call does)."""
+    bi0 = selections[0][0]
+    n_leaves = 2 * lay.world * lay.leaves
+    picks = torch.zeros(bi0.shape[0], bi0.shape[1], n_leaves + 1, dtype=torch.long,
+                        device=bi0.device)
+    for c, (block_indices, _) in zip(lay.chunks, selections):
+        end = (c + 1) * lay.leaves
+        idx = torch.where((block_indices < 0) | (block_indices >= end), n_leaves,
+                          block_indices).long().flatten(2)
+        picks.scatter_add_(2, idx, torch.ones_like(idx))
+    leaf = torch.arange(n_leaves, device=bi0.device)
+    return picks[..., :n_leaves] * (lay.owner(leaf) != lay.rank)
+
+
 def _context(k: Tensor, v: Tensor, selections, lay: _Layout, config: PisaConfig, group):
     """K and V of the keys up to the end of the rank's second chunk, ``[B, Hkv, end, D]``
     and ``[..., Dv]``: the local chunks and the fetched blocks in place, zeros in the blocks
@@ -491,17 +503,9 @@ def _context(k: Tensor, v: Tensor, selections, lay: _Layout, config: PisaConfig,
     n_leaves = 2 * W * lay.leaves
     dev = k.device
     # Blocks this rank's tiles chose, per (batch row, KV head), owned elsewhere.
-    need = torch.zeros(B, Hkv, n_leaves + 1, dtype=torch.bool, device=dev)
-    for c, (block_indices, _) in zip(lay.chunks, selections):
-        # Forced sinks may lie past the chunk, where its queries see nothing: not fetched
-        # (the attention masks keys past its buffer, as a causal call does).
-        end = (c + 1) * lay.leaves
-        idx = torch.where((block_indices < 0) | (block_indices >= end), n_leaves, block_indices)
-        need.scatter_(2, idx.long().flatten(2), True)
-    need = need[..., :n_leaves]
+    need = _remote_picks(selections, lay) > 0
     leaf = torch.arange(n_leaves, device=dev)
     owner = lay.owner(leaf)
-    need &= owner != lay.rank
     needs = [torch.empty_like(need, dtype=torch.uint8) for _ in range(W)]
     dist.all_gather(needs, need.to(torch.uint8), group=group)
     dispatch._count("cp_index_bytes", (W - 1) * need.numel())

@@ -193,9 +193,15 @@ class _LayerCount:
         _raise_recompile_limit(_RECOMPILES_PER_LAYER * self.n)
 
 
-def _raise_recompile_limit(want: int, who: str = "PisaCache") -> None:
+_PISA_CACHE_WHY = ("after the cache's graph break each layer compiles graphs of its own (the "
+                   f"limit rises to {_RECOMPILES_PER_LAYER} per decoder layer as layers are "
+                   "made)")
+
+
+def _raise_recompile_limit(want: int, who: str = "PisaCache", why: str = _PISA_CACHE_WHY
+                           ) -> None:
     """Raise Dynamo's per-frame recompile limit (and its accumulated limit, by as much) to
-    at least ``want``; warn once per process, naming ``who``."""
+    at least ``want``; warn once per process, naming ``who`` and ``why`` it needs them."""
     global _warned_limit
     cfg = torch._dynamo.config
     limit = cfg.recompile_limit
@@ -207,10 +213,6 @@ def _raise_recompile_limit(want: int, who: str = "PisaCache") -> None:
                                               4 * want)
     if not _warned_limit:
         _warned_limit = True
-        why = ("after the cache's graph break each layer compiles graphs of its own (the "
-               f"limit rises to {_RECOMPILES_PER_LAYER} per decoder layer as layers are made)"
-               if who == "PisaCache" else
-               "each new batch, capacity or mask form compiles graphs of its own")
         warnings.warn(f"{who} raised torch._dynamo.config.recompile_limit from {limit}: {why}, "
                       f"and past the limit torch.compile would run them eagerly, silently. Set "
                       f"it higher yourself to silence this.", stacklevel=3)
@@ -347,7 +349,8 @@ class PisaStaticCache(StaticCache):
         super().__init__(config, max_cache_len, **kwargs)
         # Each new batch, capacity or mask form compiles graphs of its own; past Dynamo's
         # default limit of 8 the steps would run eagerly and densely, silently.
-        _raise_recompile_limit(_MIN_RECOMPILES, "PisaStaticCache")
+        _raise_recompile_limit(_MIN_RECOMPILES, "PisaStaticCache",
+                               "each new batch, capacity or mask form compiles graphs of its own")
         # Full-attention layers only: a sliding window's cache is small, dense is cheap.
         self.layers = [PisaStaticLayer(max_cache_len, pisa_config, sparse_from)
                        if type(layer) is StaticLayer else layer for layer in self.layers]

@@ -6,9 +6,14 @@ The Llama-3.2-1B-shaped 4-layer stack of ``bench_masks`` (bf16, random init), gr
 ``DynamicCache`` (``generate``'s default), ``model.forward`` compiled with ``dynamic=True``.
 Per length ``N`` and batch ``B`` (rows left-padded by ``--pad`` tokens after the first):
 
-- ``ttft_ms``: median of ``generate(max_new_tokens=1)`` (the prefill and one token);
-- ``per_token_ms``: ``(generate(max_new_tokens=T) - generate(max_new_tokens=1)) / (T - 1)``,
-  medians of ``--reps``; ``min_new_tokens=T`` so that no row stops early;
+- ``ttft_ms``: from the call to the first new token on the host (the prefill and one
+  token), median of ``--reps`` calls of ``generate(max_new_tokens=T)``;
+- ``per_token_ms``: from the first new token to the last, over ``T - 1``, in the same calls
+  (median): a streamer's clock (``generate`` hands it each token on the host, a device
+  sync it makes anyway), so the prefill's run-to-run spread is not in it. Before 4 December
+  2026 (fourth session) it was ``(generate(T) - generate(1)) / (T - 1)``, which carried
+  the spread of two prefills (25% between runs at 128K). ``min_new_tokens=T`` so that no
+  row stops early;
 - ``same_tokens``: the share of new tokens equal to the dense run's (random init: the logits
   are near-ties, so this is no quality measure).
 
@@ -37,6 +42,10 @@ all (a 0 there and in the timed calls says nothing about graphs). The cache's
 pyramid). (An earlier recipe, the forward
 compiled with graphs, failed on the H200: ``profiles/generate_static.json``, recipe B.)
 
+``--prefill-chunk C`` prefills in chunks of ``C`` tokens (transformers'
+``prefill_chunk_size``), in both rows: a static cache's prefill mask is ``[B, 1, C,
+capacity]`` instead of ``[B, 1, N, capacity]`` (137 GB at 128K, B=8).
+
 ``--device cpu --tiny`` runs a 2-layer toy model (the CPU smoke test).
 """
 
@@ -47,6 +56,7 @@ import json
 import time
 
 import torch
+from transformers.generation.streamers import BaseStreamer
 
 
 def _model(tiny: bool, device: str):
@@ -70,19 +80,42 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _timed(fn, reps: int, device: str) -> tuple[float, object]:
-    out, ts = None, []
+class _StepClock(BaseStreamer):
+    """A ``generate`` streamer that keeps the host time of each ``put``: the prompt, then
+    each new token (after the device produced it: ``generate`` moves it to the host)."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def put(self, value) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def _median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2]
+
+
+def _timed(gen, reps: int, device: str) -> tuple[float, float, object]:
+    """Medians over ``reps`` calls of ``gen(streamer=...)``: ms to the first new token, ms
+    per new token after it; and the last call's output."""
+    out, ttft, per_token = None, [], []
     for _ in range(reps):
+        clock = _StepClock()
         _sync(device)
         t0 = time.perf_counter()
-        out = fn()
+        out = gen(streamer=clock)
         _sync(device)
-        ts.append((time.perf_counter() - t0) * 1e3)
-    return sorted(ts)[len(ts) // 2], out
+        t = clock.times  # [prompt, token 1, ..., token T]
+        ttft.append((t[1] - t0) * 1e3)
+        per_token.append((t[-1] - t[1]) * 1e3 / (len(t) - 2))
+    return _median(ttft), _median(per_token), out
 
 
 def run(model, backend: str, n: int, batch: int, pad: int, new_tokens: int, reps: int,
-        device: str, options=None, sparse_from=None) -> dict:
+        device: str, options=None, sparse_from=None, prefill_chunk=None) -> dict:
     """One row: compile ``model.forward`` with ``backend`` (``+static``: the steps, through
     ``generate``'s ``compile_config``), warm up, time (see the module docstring). Returns the
     row with the generated tokens under ``"tokens"``."""
@@ -102,7 +135,10 @@ def run(model, backend: str, n: int, batch: int, pad: int, new_tokens: int, reps
         model.forward = (torch.compile(eager_forward, backend=pisa_backend, options=options,
                                        dynamic=True) if backend.startswith("pisa")
                          else torch.compile(eager_forward, dynamic=True))
-    kw = dict(attention_mask=am, do_sample=False, pad_token_id=0)
+    kw = dict(attention_mask=am, do_sample=False, pad_token_id=0, max_new_tokens=new_tokens,
+              min_new_tokens=new_tokens)
+    if prefill_chunk is not None:
+        kw["prefill_chunk_size"] = prefill_chunk
     if static:  # the steps compiled by generate in CUDA graphs, the prefill eager
         from transformers import CompileConfig, StaticCache
         from pisa_compile.hf_cache import PisaStaticCache
@@ -130,19 +166,18 @@ def run(model, backend: str, n: int, batch: int, pad: int, new_tokens: int, reps
         gen = model.generate
     try:
         with torch.no_grad():
-            gen(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
+            gen(ids, **kw)
             warm_runs = counters["pisa"]["cached_decode_calls"]  # recording included
-            first, _ = _timed(lambda: gen(ids, max_new_tokens=1, **kw), reps, device)
-            full, out = _timed(lambda: gen(
-                ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw), reps, device)
+            first, per_token, out = _timed(lambda **s: gen(ids, **kw, **s), reps, device)
     finally:
         model.forward = eager_forward
     step_python_runs = int(counters["pisa"]["cached_decode_calls"] - warm_runs)
     ref_stages = int(sum(v for k, v in counters["pisa"].items() if k.startswith("reference_")))
     return dict(n=n, batch=batch, pad=pad, backend=backend, options=options,
                 **({"sparse_from": sparse_from} if sparse_from is not None else {}),
+                **({"prefill_chunk": prefill_chunk} if prefill_chunk is not None else {}),
                 new_tokens=new_tokens, ttft_ms=round(first, 2),
-                per_token_ms=round((full - first) / (new_tokens - 1), 3),
+                per_token_ms=round(per_token, 3),
                 reference_stages=ref_stages, graphs=int(counters["stats"]["unique_graphs"]),
                 graph_breaks=int(sum(counters["graph_break"].values())),
                 cudagraph_skips=int(counters["inductor"]["cudagraph_skips"]),
@@ -179,6 +214,8 @@ def main(argv=None):
                          "inductor+static and pisa+static instead of the others")
     ap.add_argument("--sparse-from", type=int, default=None,
                     help="PisaStaticCache's sparse_from with --static (None: its cost model)")
+    ap.add_argument("--prefill-chunk", type=int, default=None,
+                    help="transformers' prefill_chunk_size, both rows (None: one prefill)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     if args.new_tokens < 2:
@@ -189,6 +226,8 @@ def main(argv=None):
         ap.error("--sparse-from sets PisaStaticCache's sparse_from: it needs --static")
     if args.sparse_from is not None and args.sparse_from < 0:
         ap.error(f"--sparse-from must be >= 0, got {args.sparse_from}")
+    if args.prefill_chunk is not None and args.prefill_chunk < 1:
+        ap.error(f"--prefill-chunk must be >= 1, got {args.prefill_chunk}")
     if not args.lengths or min(args.lengths) < 1:
         ap.error(f"--lengths needs one or more lengths >= 1, got {args.lengths}")
     if args.batch < 1 or args.reps < 1:
@@ -213,7 +252,8 @@ def main(argv=None):
         order += ("pisa+cache",) if args.pisa_cache else ()
         pair = {b: run(model, b, n, args.batch, args.pad, args.new_tokens, args.reps,
                        args.device, None if b.startswith("inductor") else opts,
-                       sparse_from=None if b.startswith("inductor") else args.sparse_from)
+                       sparse_from=None if b.startswith("inductor") else args.sparse_from,
+                       prefill_chunk=args.prefill_chunk)
                 for b in order}
         for b in order:
             pair[b]["ran_first"] = b == order[0]

@@ -216,6 +216,8 @@ def main(argv=None):
                     help="PisaStaticCache's sparse_from with --static (None: its cost model)")
     ap.add_argument("--prefill-chunk", type=int, default=None,
                     help="transformers' prefill_chunk_size, both rows (None: one prefill)")
+    ap.add_argument("--only", choices=["pisa", "inductor"], default=None,
+                    help="run one row per length (no same_tokens): to tell which row fails")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     if args.new_tokens < 2:
@@ -250,6 +252,8 @@ def main(argv=None):
         if args.static:
             order = tuple(b + "+static" for b in order)
         order += ("pisa+cache",) if args.pisa_cache else ()
+        if args.only:
+            order = tuple(b for b in order if b.split("+")[0] == args.only)
         pair = {b: run(model, b, n, args.batch, args.pad, args.new_tokens, args.reps,
                        args.device, None if b.startswith("inductor") else opts,
                        sparse_from=None if b.startswith("inductor") else args.sparse_from,
@@ -257,10 +261,12 @@ def main(argv=None):
                 for b in order}
         for b in order:
             pair[b]["ran_first"] = b == order[0]
-        dense_tokens = pair["inductor+static" if args.static else "inductor"]["tokens"]
+        tokens = {b: pair[b].pop("tokens") for b in order}
+        dense = tokens.get("inductor+static" if args.static else "inductor")
         for b in order:
             r = pair[b]
-            r["same_tokens"] = round(float((r.pop("tokens") == dense_tokens).float().mean()), 3)
+            if dense is not None:
+                r["same_tokens"] = round(float((tokens[b] == dense).float().mean()), 3)
             print(r, flush=True)
             rows.append(r)
     if args.json:

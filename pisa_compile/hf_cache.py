@@ -273,7 +273,7 @@ class PisaStaticCache(StaticCache):
     graph with no host length, so that CUDA graphs can capture it (DESIGN.md "A static
     cache: the length on the device"). Measured inside ``generate()`` on the H200 (the
     Llama-1B-shaped 4-layer stack, 64 new tokens, per token against ``StaticCache`` with
-    Inductor's CUDA graphs): 2.1x faster at 128K, B=1 and 2.5x at 32K, B=8 (docs/results.md).
+    Inductor's CUDA graphs): 2.3x faster at 128K, B=1 and 3.2x at 32K, B=8 (docs/results.md).
 
     Args:
         config: the model's config (as ``StaticCache``: it gives the layers and their kinds;
@@ -310,7 +310,10 @@ class PisaStaticCache(StaticCache):
     ``sparse_from`` counts capacity (``PisaCache``'s counts keys held). transformers compiles
     the steps on CUDA only; elsewhere they run through whatever forward you compiled. As
     with ``StaticCache``, the batch is fixed at first use and a new prompt needs
-    ``reset()``. A ``copy.deepcopy`` registers its own buffers. Beam search is not
+    ``reset()``. A ``copy.deepcopy`` registers its own buffers. transformers'
+    ``prefill_chunk_size`` runs the prompt's chunks through the compiled steps: on the H200
+    (torch 2.11) Inductor's CUDA graphs crashed there (SIGSEGV), for ``StaticCache`` alone
+    as for this cache; on the CPU it runs. Beam search is not
     supported (``reorder_cache`` raises NotImplementedError).
 
     Raises:

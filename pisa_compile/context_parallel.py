@@ -22,6 +22,7 @@ float sums (``tests/test_context_parallel.py``).
 from __future__ import annotations
 
 import math
+import struct
 import numbers
 import zlib
 from typing import NamedTuple, Optional, Sequence
@@ -126,8 +127,9 @@ class _Layout(NamedTuple):
         return torch.where(c < self.world, 0, self.leaves) + leaf % self.leaves
 
 
-def check_config(config: PisaConfig) -> None:
-    """Refuse options context parallelism cannot run (see :data:`CP_CONFIG`).
+def check_config(config: PisaConfig, where: str = "context_parallel_attention") -> None:
+    """Refuse options context parallelism cannot run (see :data:`CP_CONFIG`); ``where``
+    names the caller in the message.
 
     Raises:
         TypeError: ``config`` is not a :class:`~pisa_compile.PisaConfig`.
@@ -135,19 +137,19 @@ def check_config(config: PisaConfig) -> None:
             message names the option.
     """
     if not isinstance(config, PisaConfig):
-        raise TypeError(f"context_parallel_attention: config must be a PisaConfig, got "
+        raise TypeError(f"{where}: config must be a PisaConfig, got "
                         f"{type(config).__name__}")
     if config.leaf_scoring != "pooled" or config.effective_bound_block:
-        raise ValueError("context_parallel_attention: config needs leaf_scoring='pooled' and "
+        raise ValueError(f"{where}: config needs leaf_scoring='pooled' and "
                          "bound_block=None (exact leaf scores and box bounds read the keys of "
                          "candidate leaves, which other ranks hold), got "
                          f"leaf_scoring={config.leaf_scoring!r}, "
                          f"bound_block={config.bound_block}; start from CP_CONFIG")
     if config.dense_tail:
-        raise ValueError("context_parallel_attention: config.dense_tail must be 0 (the tail's "
+        raise ValueError(f"{where}: config.dense_tail must be 0 (the tail's "
                          f"dense rows would need every key), got {config.dense_tail}")
     if config.local_blocks < 1:
-        raise ValueError("context_parallel_attention: config.local_blocks must be >= 1 (the "
+        raise ValueError(f"{where}: config.local_blocks must be >= 1 (the "
                          "leaves a tile's own positions touch are partly hidden from it and "
                          "need exact scores otherwise)")
 
@@ -253,7 +255,13 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: Option
     # First, so that a call some rank makes differently is refused by every rank together,
     # instead of some raising while the others wait in a collective.
     # 1 and 1.0, or a numpy float and its value, are one budget on every rank.
-    _agree(q, k, v, enable_gqa, (config, _as_float(fetch_budget)), scale, group, world)
+    # The scale as the kernels read it (fp32): None, 1 / sqrt(D) and D ** -0.5 (an ulp
+    # apart in fp64) are one scale on every rank.
+    scale_value = _as_float(scale) if scale is not None else (
+        1.0 / math.sqrt(q.shape[-1]) if isinstance(q, Tensor) and q.dim() else None)
+    if isinstance(scale_value, float) and abs(scale_value) < 3e38:  # else pack overflows
+        scale_value = struct.unpack("f", struct.pack("f", scale_value))[0]
+    _agree(q, k, v, enable_gqa, (config, _as_float(fetch_budget)), scale_value, group, world)
     check_fetch_budget(fetch_budget)
     Hkv, S = _check(q, k, v, enable_gqa, config, world)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)

@@ -58,16 +58,16 @@ def register(group: Optional[dist.ProcessGroup] = None,
 
     Raises:
         ImportError: transformers is not installed (or too old to have both interfaces).
-        ValueError: ``config`` is not a :class:`~pisa_compile.PisaConfig`, or has options
-            context parallelism cannot run (``context_parallel.check_config``), or
-            ``fetch_budget`` is not None or in ``(0, 1]``.
+        TypeError: ``config`` is not a :class:`~pisa_compile.PisaConfig` (as
+            ``context_parallel_attention``).
+        ValueError: ``config`` has options context parallelism cannot run
+            (``context_parallel.check_config``), or ``fetch_budget`` is not None or in
+            ``(0, 1]``.
     """
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    if config is not None and not isinstance(config, PisaConfig):
-        raise ValueError(f"register: config must be a PisaConfig, got {type(config).__name__}")
-    check_config(CP_CONFIG if config is None else config)
+    check_config(CP_CONFIG if config is None else config, "register")
     check_fetch_budget(fetch_budget, "register")
     _settings.update(group=group, config=CP_CONFIG if config is None else config,
                      fetch_budget=fetch_budget)

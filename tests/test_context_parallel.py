@@ -317,8 +317,10 @@ def _mismatch_worker(rank, world, path):
             with pytest.raises(ValueError, match=rf"every rank must pass.*these differ: "
                                                  rf"\[[^]]*'{name}'"):
                 cp.context_parallel_attention(**args)
-        # One budget, spelled 1 on one rank and 1.0 on the other: agreed.
+        # One budget, spelled 1 on one rank and 1.0 on the other: agreed; so is the scale
+        # left to its default on one rank and given as its value, 1 / sqrt(8), on the other.
         cp.context_parallel_attention(x, x, x, config=SMALL, fetch_budget=1 if rank else 1.0)
+        cp.context_parallel_attention(x, x, x, config=SMALL, scale=8 ** -0.5 if rank else None)
     finally:
         dist.destroy_process_group()
 
@@ -482,8 +484,10 @@ def test_hf_attention_refuses_padding_and_dropout(one_rank):
         layer.self_attn.attention_dropout = 0.1
     with pytest.raises(ValueError, match="dropout"):
         model.train()(input_ids=ids)
-    with pytest.raises(ValueError, match="must be a PisaConfig"):
+    with pytest.raises(TypeError, match="register: config must be a PisaConfig"):
         hcp.register(config={"top_k": 2})
+    with pytest.raises(ValueError, match="register: config.dense_tail must be 0"):
+        hcp.register(config=SMALL.replace(dense_tail=64))
     with pytest.raises(ValueError, match="leaf_scoring='pooled'"):
         hcp.register(config=PisaConfig())
     with pytest.raises(ValueError, match="fetch_budget must be None or a number in"):

@@ -582,3 +582,30 @@ def test_hf_llama_tiny(impl):
         out = torch.compile(model, backend="pisa", options=REWRITE)(ids).logits
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
     assert counters["pisa"]["rewritten"] == 2 and counters["pisa"]["left_dense"] == 0
+
+
+def test_report_does_not_call_a_tril_built_mask_causal():
+    """A mask built from ``triu`` (each query sees later keys) or ``tril(...).T`` is not
+    causal: the report names how it is built, ``(tril/triu)``, never ``causal``; and a
+    ``tril`` mask the pass proves reads ``->is_causal`` after it."""
+    N = 24
+    q = torch.randn(1, 2, N, 8)
+
+    def anti(q, k, v):
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=torch.triu(torch.ones(N, N, dtype=torch.bool)))
+
+    def transposed(q, k, v):
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=torch.tril(torch.ones(N, N, dtype=torch.bool)).T)
+
+    def causal(q, k, v):
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=torch.tril(torch.ones(N, N, dtype=torch.bool)))
+
+    for fn in (anti, transposed):
+        (site,) = pisa_compile.explain(fn, q, q, q, options=dict(min_seq_len=0)).sites
+        assert site.mask.startswith("bool(tril/triu)"), site.mask
+        assert "causal" not in site.mask.split("(keys")[0], site.mask
+    (site,) = pisa_compile.explain(causal, q, q, q, options=dict(min_seq_len=0)).sites
+    assert site.mask.startswith("bool(tril/triu)->is_causal"), site.mask

@@ -563,8 +563,9 @@ def invert_target(node: Any) -> Optional[Node]:
     return None
 
 
-def builds_causal(node: Any, depth: int = 6) -> bool:
-    """Whether a mask node is built from ``tril``/``triu`` within a few steps (for the report)."""
+def builds_from_tril(node: Any, depth: int = 6) -> bool:
+    """Whether a mask node is built from ``tril``/``triu`` within a few steps (the report's
+    ``(tril/triu)``; not a proof of causality)."""
     seen, frontier = set(), [node]
     for _ in range(depth):
         nxt = []

@@ -26,8 +26,9 @@ class Site:
             ``"einsum-softmax-einsum"``, with suffixes such as ``"+gqa(repeat_kv)"``.
         q_shape, k_shape, v_shape: shapes as strings, symbolic (``s0``) where dynamic; ``k`` and
             ``v`` as PISA sees them (un-repeated under GQA).
-        mask: ``"none"``, ``"causal"`` (``is_causal``), ``"bool"`` or ``"float"``; ``"bool(causal)"``
-            when the mask is built in the graph from ``tril``/``triu``.
+        mask: ``"none"``, ``"causal"`` (``is_causal``), ``"bool"`` or ``"float"``; ``"bool(tril/triu)"``
+            when the mask is built in the graph from ``tril``/``triu`` (which says nothing of
+            its direction: what the pass proved follows it, e.g. ``"->is_causal"``).
         decision: ``"rewritten"`` or ``"left dense"``.
         reason: why it was left dense (empty when rewritten).
         note: for a rewritten site, what will run where it is not the fused sparse path:

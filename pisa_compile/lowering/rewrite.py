@@ -340,7 +340,9 @@ def _mask_kind(mask: Any, is_causal: bool) -> str:
         return "none"
     v = P.val(mask)
     kind = "bool" if getattr(v, "dtype", None) == torch.bool else "float"
-    return kind + ("(causal)" if P.builds_causal(mask) else "")
+    # Says how the mask is built, not that it is causal: triu, or tril(...).T, build
+    # others (what the structure proves is appended where the site is rewritten).
+    return kind + ("(tril/triu)" if P.builds_from_tril(mask) else "")
 
 
 def _check_mask_tensor(mask: Any, bool_only: bool = False, float_only: bool = False) -> None:

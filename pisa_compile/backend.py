@@ -82,7 +82,7 @@ def pisa_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
                         "it takes options= and mode=")
     from torch._inductor.compile_fx import compile_fx
     from .lowering import rewrite_graph, record
-    from .lowering.rewrite import copy_graph
+    from .lowering.rewrite import copy_graph, guard_inductor
 
     config, patches = split_options(options, mode)
     original, children = gm.graph, dict(gm.named_children())
@@ -102,6 +102,7 @@ def pisa_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
         gm.recompile()
         _warn_pass_failure(err)
         sites = []
+    guard_inductor(sites, patches)
     if any(s.rewritten for s in sites):
         # AOTAutograd's cache allows only known call_function targets; mark ours cacheable,
         # keyed by a fingerprint of the sources behind it, so the caches are not bypassed.

@@ -6,7 +6,7 @@ import torch
 
 from ..config import split_options
 from .report import Report, record
-from .rewrite import rewrite_graph
+from .rewrite import guard_inductor, rewrite_graph
 
 __all__ = ["explain"]
 
@@ -47,6 +47,7 @@ def explain(model_or_fn, *args, options=None, **kwargs) -> Report:
         report.graphs += 1
         with torch._inductor.config.patch(patches):  # as the backend runs the pass
             sites = rewrite_graph(gm, config, apply=False)
+        guard_inductor(sites, dict(patches))  # the reasons, as the backend gives them
         for s in sites:
             s.graph = index
         record(sites, count=False)

@@ -333,6 +333,25 @@ def _leads_to_matmul(node: Any, depth: int = 8) -> bool:
     return _matmul_distance(node, depth) <= depth
 
 
+# Inductor's attention fusion (the sfdp patterns of fuse_attention) ignores the softmax dim:
+# it rewrites softmax(q k^T, dim=-2) v into SDPA, silently wrong (pytorch/pytorch#196468).
+_SOFTMAX_DIM_GUARD = ("Inductor's pattern matcher is off for this graph: its attention "
+                      "fusion ignores the softmax dim (pytorch/pytorch#196468)")
+
+
+def guard_inductor(sites: list, patches: dict) -> None:
+    """Turn Inductor's pattern matcher off (in ``patches``, the graph's Inductor options)
+    where a site was left dense for a softmax over another dim than the keys', which
+    Inductor's attention fusion would turn into attention over the keys; say so in the
+    site's reason. A ``pattern_matcher`` the user set is left as set."""
+    hazards = [s for s in sites if not s.rewritten and s.reason.startswith("softmax over dim")]
+    if not hazards or "pattern_matcher" in patches:
+        return
+    patches["pattern_matcher"] = False
+    for s in hazards:
+        s.reason += f"; {_SOFTMAX_DIM_GUARD}"
+
+
 def _mask_kind(mask: Any, is_causal: bool) -> str:
     if is_causal:
         return "causal"

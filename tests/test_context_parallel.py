@@ -631,3 +631,20 @@ def test_a_model_compiled_with_pisa_runs_the_exchange_eagerly():
     attention: Dynamo runs each attention call eagerly between compiled graphs, and logits
     and gradients equal the eager model's (2 ranks)."""
     _spawn(_compiled_worker, 2)
+
+
+def test_context_parallel_bench_runs_and_matches_one_process(tmp_path):
+    """The 2-GPU benchmark's CPU smoke run (gloo, 2 ranks): its gathered output equals the
+    single-process op's (the same selection), and it records both timings and the bytes
+    each rank received against ring attention's."""
+    import json
+
+    from benchmarks import bench_context_parallel as bench
+    out = tmp_path / "cp.json"
+    bench.main(["--nproc", "2", "--device", "cpu", "--tiny", "--lengths", "512",
+                "--reps", "1", "--json", str(out)])
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["max_abs_diff"] < 1e-5
+    assert row["single_ms"] > 0 and row["cp_ms"] > 0 and row["world"] == 2
+    assert len(row["bytes_received"]) == 2 and row["ring_bytes"] == 512 * 2 * 16 * 4 * 2 // 2
+    assert all(r["cp_block_bytes"] > 0 for r in row["bytes_received"])

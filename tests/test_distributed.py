@@ -147,3 +147,23 @@ def test_ddp_trains_through_masks_read_at_run_time(single, tmp_path):
     for name, g in single["grads"].items():  # the interpreter's fp32 sums, not the reference's
         torch.testing.assert_close(res["grads"][name], g, atol=1e-5, rtol=1e-3,
                                    msg=lambda m: f"{name}: {m}")
+
+
+def test_ddp_bench_smoke(tmp_path):
+    """The 2-GPU DDP benchmark's CPU smoke run (gloo, 2 ranks, as a command): it times one
+    process and DDP side by side, and every rank's graph pieces rewrite every site."""
+    import json
+    out = tmp_path / "ddp.json"
+    cmd = [sys.executable, "-m", "benchmarks.bench_ddp", "--nproc", "2", "--device", "cpu",
+           "--tiny", "--seq-len", "128", "--steps", "1", "--json", str(out)]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
+               TRANSFORMERS_OFFLINE="1")
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and out.exists(), proc.stderr[-5000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["single_step_ms"] > 0 and row["ddp_step_ms"] > 0 and row["scaling"] > 0
+    layers = 2  # bench_generate's tiny model
+    assert row["single_sites"]["rewritten"] == layers
+    for sites in row["ddp_sites"]:
+        assert sites["rewritten"] == layers and sites["left_dense"] == 0, sites

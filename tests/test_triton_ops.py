@@ -198,3 +198,43 @@ def test_key_masked_dense_rows_take_the_split_k_kernel(monkeypatch, Nq, dtype):
     qg = q.clone().requires_grad_()
     pisa_attention(qg, k, v, config=tri, **kw).sum().backward()  # SDPA, with gradients
     assert len(calls) == n_calls and torch.isfinite(qg.grad).all()
+
+
+def test_an_all_live_key_mask_runs_as_none_and_is_read_again_after_a_write(monkeypatch):
+    """A key mask whose every key is live runs the kernels' paths without a key mask (the
+    same output and gradients as no key mask, and a dropped mask reaches no kernel); the
+    flag is kept per tensor and version, so a mask written in place after a call is read
+    again: its padded keys are masked (the output moves, and equals the reference's)."""
+    from pisa_compile import ops
+    from pisa_compile.kernels import dispatch
+    torch.manual_seed(0)
+    B, Hq, Hkv, N, D = 1, 4, 2, 96, 16
+    q = torch.randn(B, Hq, N, D, device=DEV, requires_grad=True)
+    k = torch.randn(B, Hkv, N, D, device=DEV, requires_grad=True)
+    v = torch.randn(B, Hkv, N, D, device=DEV, requires_grad=True)
+    cfg = _cfg("triton")
+    kw = dict(is_causal=True, enable_gqa=True, config=cfg)
+    seen = []
+    forward = dispatch.attention_forward
+
+    def spy(*a, **k_):
+        seen.append(k_.get("key_mask"))
+        return forward(*a, **k_)
+    monkeypatch.setattr(dispatch, "attention_forward", spy)
+    ops._LIVE_MASKS.clear()
+    km = torch.ones(B, N, dtype=torch.bool, device=DEV)
+    out_none = pisa_attention(q, k, v, **kw)
+    out_live = pisa_attention(q, k, v, key_mask=km, **kw)
+    assert seen == [None, None]
+    assert torch.equal(out_live, out_none)
+    g = torch.randn_like(out_none)
+    grads_none = torch.autograd.grad(out_none, (q, k, v), g)
+    grads_live = torch.autograd.grad(out_live, (q, k, v), g)
+    for a, b in zip(grads_live, grads_none):
+        assert torch.equal(a, b)
+    km[:, :20] = False  # in place: a new version of the same tensor
+    out_pad = pisa_attention(q, k, v, key_mask=km, **kw)
+    assert seen[-1] is not None and not torch.equal(out_pad, out_none)
+    ref = pisa_attention(q, k, v, key_mask=km, is_causal=True, enable_gqa=True,
+                         config=_cfg("reference"))
+    torch.testing.assert_close(out_pad, ref, atol=1e-5, rtol=1e-4)

@@ -946,37 +946,51 @@ def _dense_sdpa(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is
                 scale: float, enable_gqa: bool, max_rows: Optional[int] = None) -> Tensor:
     """Dense SDPA under the op's mask rules, for the calls :func:`plan` sends to it.
 
-    A float mask entry at or below ``finfo.min / 2`` of its dtype is masked (``-inf``, so a
-    row that sees no key is zero, as on the sparse path; SDPA would average such a row),
-    and a float mask SDPA refuses (float64, or a half dtype other than q's) is computed in
-    float32. With a mask, GQA is unrolled: SDPA's fused kernels take a mask or GQA, not
+    A float mask entry at or below ``finfo.min / 2`` of its dtype is masked (``-inf``; SDPA
+    would average a row of such entries), a row that sees no key is zero (as on the sparse
+    path), and a float mask SDPA refuses (float64, or a half dtype other than q's) is
+    computed in float32. With a mask, GQA is unrolled: SDPA's fused kernels take a mask or GQA, not
     both, and its math fallback would build the ``Nq x Nk`` scores for every head. A mask
     shared by the heads and smaller than the K/V copy (the dense tail, decode; ``max_rows``
     bounds a symbolic ``Nq``) is repeated instead, with the ``G`` query heads of a KV head
     as rows; otherwise K and V are."""
-    if attn_mask is not None:
-        if attn_mask.dtype != torch.bool:
-            attn_mask = attn_mask.masked_fill(
-                attn_mask <= torch.finfo(attn_mask.dtype).min / 2, float("-inf"))
-            if attn_mask.dtype not in (torch.float32, q.dtype):
-                attn_mask = attn_mask.float()
-        B, Hq, Nq, _ = q.shape
-        Hkv, D = k.shape[1], k.shape[3]
-        group = Hq // max(Hkv, 1)
-        rows_bound = Nq if max_rows is None else max_rows
-        if enable_gqa and group > 1 and attn_mask.shape[1] == 1 and (
-                statically_known_true(group * rows_bound < 2 * (group - 1) * Hkv * D)):
-            rows = q.reshape(B, Hkv, group * Nq, D)  # head kv*G + g: rows (g, i)
-            mask = attn_mask  # one row for every query broadcasts as it is
-            if attn_mask.shape[2] != 1:
-                mask = attn_mask.expand(attn_mask.shape[0], 1, Nq, attn_mask.shape[3])
-                mask = mask.unsqueeze(2).expand(-1, -1, group, -1, -1)
-                mask = mask.reshape(mask.shape[0], 1, group * Nq, mask.shape[-1])
-            out = F.scaled_dot_product_attention(rows, k, v, attn_mask=mask, scale=scale)
-            return out.reshape(B, Hq, Nq, v.shape[-1])
-        if enable_gqa and group > 1:
-            k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-            enable_gqa = False
+    if attn_mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale,
+                                              enable_gqa=enable_gqa)
+    if attn_mask.dtype != torch.bool:
+        attn_mask = attn_mask.masked_fill(
+            attn_mask <= torch.finfo(attn_mask.dtype).min / 2, float("-inf"))
+        if attn_mask.dtype not in (torch.float32, q.dtype):
+            attn_mask = attn_mask.float()
+    # A row that sees no key is zero: SDPA's math path gives that, its CUDA kernels need not
+    # (fp16 under a bool mask on the H200 gave such rows nonzero values).
+    seen = (attn_mask if attn_mask.dtype == torch.bool else attn_mask > float("-inf")).any(
+        -1, keepdim=True)
+    out = _masked_sdpa(q, k, v, attn_mask, is_causal, scale, enable_gqa, max_rows)
+    return out.masked_fill(~seen, 0)
+
+
+def _masked_sdpa(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor, is_causal: bool,
+                 scale: float, enable_gqa: bool, max_rows: Optional[int]) -> Tensor:
+    """SDPA under ``attn_mask`` (bool, or float with ``-inf``), GQA as :func:`_dense_sdpa`
+    says."""
+    B, Hq, Nq, _ = q.shape
+    Hkv, D = k.shape[1], k.shape[3]
+    group = Hq // max(Hkv, 1)
+    rows_bound = Nq if max_rows is None else max_rows
+    if enable_gqa and group > 1 and attn_mask.shape[1] == 1 and (
+            statically_known_true(group * rows_bound < 2 * (group - 1) * Hkv * D)):
+        rows = q.reshape(B, Hkv, group * Nq, D)  # head kv*G + g: rows (g, i)
+        mask = attn_mask  # one row for every query broadcasts as it is
+        if attn_mask.shape[2] != 1:
+            mask = attn_mask.expand(attn_mask.shape[0], 1, Nq, attn_mask.shape[3])
+            mask = mask.unsqueeze(2).expand(-1, -1, group, -1, -1)
+            mask = mask.reshape(mask.shape[0], 1, group * Nq, mask.shape[-1])
+        out = F.scaled_dot_product_attention(rows, k, v, attn_mask=mask, scale=scale)
+        return out.reshape(B, Hq, Nq, v.shape[-1])
+    if enable_gqa and group > 1:
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        enable_gqa = False
     return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
                                           scale=scale, enable_gqa=enable_gqa)
 

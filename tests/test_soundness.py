@@ -523,3 +523,40 @@ def test_negative_scale_after_an_additive_mask_stays_dense():
     q, k, v = _qkv(64)
     report = explain(fn, q, k, v, options=EXACT)
     assert not report[0].rewritten and "positive" in report[0].reason
+
+
+@pytest.mark.parametrize("mask_kind", ["bool", "float"])
+def test_a_row_that_sees_no_key_is_zero_whatever_sdpa_returns(monkeypatch, mask_kind):
+    """The dense path zeroes a row whose every key is masked, whatever SDPA gives it: on the
+    H200, fp16 SDPA under a bool mask gave such rows nonzero values (the batch row of
+    padding only in ``test_key_masked_dense_rows_take_the_split_k_kernel`` ran 0.45 off).
+    Here SDPA is replaced by one that averages V over every key for each row (what a
+    kernel that ignores an all-masked row returns); the other rows keep their value."""
+    from pisa_compile import ops
+    real = F.scaled_dot_product_attention
+
+    def averaging(q, k, v, attn_mask=None, **kw):
+        out = real(q, k, v, attn_mask=attn_mask, **kw)
+        if attn_mask is None:
+            return out
+        seen = (attn_mask if attn_mask.dtype == torch.bool else attn_mask > -math.inf).any(-1)
+        mean = v.mean(-2, keepdim=True).expand(*out.shape[:-2], 1, v.shape[-1])
+        return torch.where(seen.unsqueeze(-1).expand(out.shape), out, mean.expand(out.shape))
+    monkeypatch.setattr(ops.F, "scaled_dot_product_attention", averaging)
+    torch.manual_seed(0)
+    B, Hkv, G, N, D = 3, 2, 4, 40, 8
+    q = torch.randn(B, Hkv * G, N, D)
+    k, v = torch.randn(B, Hkv, N, D), torch.randn(B, Hkv, N, D)
+    key_mask = torch.ones(B, N, dtype=torch.bool)
+    key_mask[1, :10] = False
+    key_mask[2] = False  # a row of padding only
+    mask = key_mask[:, None, None, :].expand(B, 1, N, N)
+    if mask_kind == "float":
+        mask = torch.zeros(B, 1, N, N).masked_fill(~mask, torch.finfo(torch.float32).min)
+    cfg = PisaConfig(min_seq_len=10 ** 6)  # below min_seq_len: the dense path
+    out = pisa_attention(q, k, v, attn_mask=mask, enable_gqa=True, config=cfg)
+    assert torch.equal(out[2], torch.zeros_like(out[2]))
+    want = real(q, k.repeat_interleave(G, 1), v.repeat_interleave(G, 1),
+                attn_mask=mask if mask_kind == "bool" else mask.masked_fill(
+                    mask <= torch.finfo(torch.float32).min / 2, -math.inf))
+    torch.testing.assert_close(out[:2], want[:2])

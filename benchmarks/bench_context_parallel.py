@@ -32,15 +32,13 @@ score other ranks' keys exactly), in both rows. Spawns its ranks itself
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from benchmarks import _ranks
 
 
 def _sync(dev: torch.device) -> None:
@@ -74,12 +72,7 @@ def _worker(rank: int, world: int, init: str, args) -> None:
     from pisa_compile.context_parallel import (CP_CONFIG, context_parallel_attention,
                                                zigzag_shard, zigzag_unshard)
     from pisa_compile.ops import pisa_attention
-    cuda = args.device == "cuda"
-    if cuda:
-        torch.cuda.set_device(rank)
-    dev = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=init, rank=rank,
-                            world_size=world)
+    dev = _ranks.init(rank, world, init, args.device)
     cfg = CP_CONFIG
     rows = []
     try:
@@ -132,14 +125,10 @@ def _worker(rank: int, world: int, init: str, args) -> None:
                 print(row, flush=True)
                 rows.append(row)
             del q, k, v, go, part, single_out, cp_out, shards
-            if cuda:
+            if dev.type == "cuda":
                 torch.cuda.empty_cache()
-        if rank == 0 and args.json:
-            with open(args.json, "w") as fh:
-                json.dump(dict(device=torch.cuda.get_device_name(dev) if cuda else "cpu",
-                               torch=torch.__version__, config=repr(cfg),
-                               command="python -m benchmarks.bench_context_parallel " +
-                               " ".join(args.argv), rows=rows), fh, indent=1)
+        if rank == 0:
+            _ranks.save(args, "bench_context_parallel", dev, rows, config=repr(cfg))
     finally:
         dist.destroy_process_group()
 
@@ -147,30 +136,22 @@ def _worker(rank: int, world: int, init: str, args) -> None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--nproc", type=int, default=2, help="ranks (one GPU each on CUDA)")
+    _ranks.add_options(ap)
     ap.add_argument("--lengths", type=int, nargs="+", default=[262144])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--fetch-budget", type=float, default=None,
                     help="context_parallel_attention's fetch_budget (None: every chosen block)")
-    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--tiny", action="store_true", help="4/2 heads of 16, fp32 (CPU smoke)")
-    ap.add_argument("--json")
     args = ap.parse_args(argv)
-    args.argv = argv if argv is not None else __import__("sys").argv[1:]
-    if args.nproc < 2:
-        ap.error(f"--nproc must be at least 2, got {args.nproc}")
+    args.argv = argv
     if args.reps < 1:
         ap.error(f"--reps must be at least 1, got {args.reps}")
-    if args.device == "cuda" and torch.cuda.device_count() < args.nproc:
-        ap.error(f"--nproc {args.nproc} needs as many GPUs, found {torch.cuda.device_count()}")
     from pisa_compile.context_parallel import CP_CONFIG
     unit = 2 * args.nproc * max(CP_CONFIG.block_size, CP_CONFIG.query_tile)
     bad = [n for n in args.lengths if n < 1 or n % unit]
     if bad:
         ap.error(f"--lengths must be multiples of 2 * nproc * block size = {unit}, got {bad}")
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(args.nproc, f"file://{os.path.join(tmp, 'init')}", args),
-                 nprocs=args.nproc)
+    _ranks.spawn(ap, args, _worker)
 
 
 if __name__ == "__main__":

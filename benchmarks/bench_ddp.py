@@ -28,14 +28,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from benchmarks import _ranks
 
 
 def _steps(model, ids, n_steps: int, dev: torch.device, world: int) -> list[float]:
@@ -69,12 +68,8 @@ def _worker(rank: int, world: int, init: str, args) -> None:
 
     from benchmarks.bench_generate import _model
     from pisa_compile.backend import pisa_backend
-    cuda = args.device == "cuda"
-    if cuda:
-        torch.cuda.set_device(rank)
-    dev = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=init, rank=rank,
-                            world_size=world)
+    dev = _ranks.init(rank, world, init, args.device)
+    cuda = dev.type == "cuda"
     try:
         g = torch.Generator().manual_seed(rank)
         ids = torch.randint(3, 128 if args.tiny else 32000, (1, args.seq_len), generator=g)
@@ -109,12 +104,7 @@ def _worker(rank: int, world: int, init: str, args) -> None:
                        single_tokens_per_s=round(single_tps), ddp_tokens_per_s=round(ddp_tps),
                        scaling=round(ddp_tps / single_tps, 3))
             print(row, flush=True)
-            if args.json:
-                with open(args.json, "w") as fh:
-                    json.dump(dict(device=torch.cuda.get_device_name(dev) if cuda else "cpu",
-                                   torch=torch.__version__,
-                                   command="python -m benchmarks.bench_ddp " +
-                                   " ".join(args.argv), rows=[row]), fh, indent=1)
+            _ranks.save(args, "bench_ddp", dev, [row])
     finally:
         dist.destroy_process_group()
 
@@ -122,27 +112,19 @@ def _worker(rank: int, world: int, init: str, args) -> None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--nproc", type=int, default=2, help="ranks (one GPU each on CUDA)")
+    _ranks.add_options(ap)
     ap.add_argument("--seq-len", type=int, default=16384)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--options", type=json.loads, default={"min_seq_len": 0},
                     help="the pisa backend's options as JSON")
-    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--tiny", action="store_true", help="a 2-layer toy model (CPU smoke)")
-    ap.add_argument("--json")
     args = ap.parse_args(argv)
-    args.argv = argv if argv is not None else __import__("sys").argv[1:]
-    if args.nproc < 2:
-        ap.error(f"--nproc must be at least 2, got {args.nproc}")
+    args.argv = argv
     if args.steps < 1 or args.seq_len < 2:
         ap.error(f"--steps must be >= 1 and --seq-len >= 2, got {args.steps}, {args.seq_len}")
     if not isinstance(args.options, dict):
         ap.error(f"--options must be a JSON object, got {args.options!r}")
-    if args.device == "cuda" and torch.cuda.device_count() < args.nproc:
-        ap.error(f"--nproc {args.nproc} needs as many GPUs, found {torch.cuda.device_count()}")
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(args.nproc, f"file://{os.path.join(tmp, 'init')}", args),
-                 nprocs=args.nproc)
+    _ranks.spawn(ap, args, _worker)
 
 
 if __name__ == "__main__":

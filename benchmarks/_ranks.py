@@ -1,0 +1,57 @@
+"""What the benches over several ranks share (``bench_context_parallel``, ``bench_ddp``):
+their common options, the spawn of one process per rank, each rank's process group, and the
+JSON file rank 0 writes. Not a script."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def add_options(ap: argparse.ArgumentParser) -> None:
+    """``--nproc``, ``--device`` and ``--json``."""
+    ap.add_argument("--nproc", type=int, default=2, help="ranks (one GPU each on CUDA)")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    ap.add_argument("--json", help="rank 0 writes the rows here")
+
+
+def spawn(ap: argparse.ArgumentParser, args: argparse.Namespace, worker) -> None:
+    """Check ``--nproc`` against the GPUs (an ``ap.error`` names it), then run
+    ``worker(rank, world, init_method, args)`` in one process per rank."""
+    args.argv = getattr(args, "argv", None) or sys.argv[1:]
+    if args.nproc < 2:
+        ap.error(f"--nproc must be at least 2, got {args.nproc}")
+    if args.device == "cuda" and torch.cuda.device_count() < args.nproc:
+        ap.error(f"--nproc {args.nproc} needs as many GPUs, found {torch.cuda.device_count()}")
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(worker, args=(args.nproc, f"file://{os.path.join(tmp, 'init')}", args),
+                 nprocs=args.nproc)
+
+
+def init(rank: int, world: int, init_method: str, device: str) -> torch.device:
+    """Join the process group (NCCL on CUDA, one GPU per rank; gloo on the CPU); returns
+    the rank's device."""
+    cuda = device == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=init_method, rank=rank,
+                            world_size=world)
+    return torch.device("cuda", rank) if cuda else torch.device("cpu")
+
+
+def save(args: argparse.Namespace, module: str, dev: torch.device, rows: list, **extra) -> None:
+    """Rank 0's JSON file (``--json``): the device, torch, the command and the rows."""
+    if not args.json:
+        return
+    with open(args.json, "w") as fh:
+        json.dump(dict(device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+                       torch=torch.__version__, **extra,
+                       command=f"python -m benchmarks.{module} " + " ".join(args.argv),
+                       rows=rows), fh, indent=1)

@@ -25,7 +25,8 @@ def add_options(ap: argparse.ArgumentParser) -> None:
 def spawn(ap: argparse.ArgumentParser, args: argparse.Namespace, worker) -> None:
     """Check ``--nproc`` against the GPUs (an ``ap.error`` names it), then run
     ``worker(rank, world, init_method, args)`` in one process per rank."""
-    args.argv = getattr(args, "argv", None) or sys.argv[1:]
+    if getattr(args, "argv", None) is None:  # main(None): the command line's arguments
+        args.argv = sys.argv[1:]
     if args.nproc < 2:
         ap.error(f"--nproc must be at least 2, got {args.nproc}")
     if args.device == "cuda" and torch.cuda.device_count() < args.nproc:

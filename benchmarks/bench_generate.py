@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 
 import torch
@@ -94,10 +95,6 @@ class _StepClock(BaseStreamer):
         pass
 
 
-def _median(xs: list[float]) -> float:
-    return sorted(xs)[len(xs) // 2]
-
-
 def _timed(gen, reps: int, device: str) -> tuple[float, float, object]:
     """Medians over ``reps`` calls of ``gen(streamer=...)``: ms to the first new token, ms
     per new token after it; and the last call's output."""
@@ -111,7 +108,7 @@ def _timed(gen, reps: int, device: str) -> tuple[float, float, object]:
         t = clock.times  # [prompt, token 1, ..., token T]
         ttft.append((t[1] - t0) * 1e3)
         per_token.append((t[-1] - t[1]) * 1e3 / (len(t) - 2))
-    return _median(ttft), _median(per_token), out
+    return statistics.median(ttft), statistics.median(per_token), out
 
 
 def run(model, backend: str, n: int, batch: int, pad: int, new_tokens: int, reps: int,

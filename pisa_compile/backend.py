@@ -102,7 +102,7 @@ def pisa_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
         gm.recompile()
         _warn_pass_failure(err)
         sites = []
-    guard_inductor(sites, patches)
+    guard_inductor(gm, sites, patches)
     if any(s.rewritten for s in sites):
         # AOTAutograd's cache allows only known call_function targets; mark ours cacheable,
         # keyed by a fingerprint of the sources behind it, so the caches are not bypassed.

@@ -36,31 +36,6 @@ __all__ = ["pisa_attention", "select_blocks", "plan", "Plan", "check_causal_buff
 # the H200 but failed under torch.compile there; it has not been shown to help, so the
 # kernels stay behind custom ops, and Inductor compiles the rest of the graph.
 
-# Per key-mask tensor (while alive and unchanged): whether every key is live.
-_LIVE_MASKS: dict[int, tuple] = {}
-
-
-def _unless_all_live(key_mask: Optional[Tensor]) -> Optional[Tensor]:
-    """None for a key mask whose every key is live (a tokenizer's all-ones
-    ``attention_mask``), else ``key_mask``: the kernels' paths without a key mask are
-    equal there and faster (the window path by 16% at head dim 64, H200). Reads one flag on
-    the host per mask tensor and version (the layers of a call share one: a sync per call,
-    not per op); inside a CUDA-graph capture nothing is read and the mask is kept."""
-    if key_mask is None or (key_mask.is_cuda and torch.cuda.is_current_stream_capturing()):
-        return key_mask
-    import weakref
-    hit = _LIVE_MASKS.get(id(key_mask))
-    if hit is not None and hit[0]() is key_mask and hit[1] == key_mask._version:
-        live = hit[2]
-    else:
-        live = bool(key_mask.all())
-        if len(_LIVE_MASKS) > 64:  # dead entries of earlier calls
-            for key in [i for i, e in _LIVE_MASKS.items() if e[0]() is None]:
-                del _LIVE_MASKS[key]
-        _LIVE_MASKS[id(key_mask)] = (weakref.ref(key_mask), key_mask._version, live)
-    return None if live else key_mask
-
-
 @torch.library.custom_op("pisa::select_blocks", mutates_args=())
 def _select_blocks_op(
     q: Tensor, k: Tensor, attn_mask: Optional[Tensor], key_mask: Optional[Tensor],
@@ -72,7 +47,7 @@ def _select_blocks_op(
         q, k, attn_mask, is_causal, scale, impl, block_size=block_size, top_k=top_k,
         branching=branching, beam=beam, sink_blocks=sink_blocks, local_blocks=local_blocks,
         query_tile=query_tile, leaf_scoring=leaf_scoring, shortlist=shortlist,
-        bound_block=bound_block, flat_leaves=flat_leaves, key_mask=_unless_all_live(key_mask),
+        bound_block=bound_block, flat_leaves=flat_leaves, key_mask=key_mask,
         causal_offset=causal_offset)
 
 
@@ -95,8 +70,7 @@ def _attention_op(
 ) -> tuple[Tensor, Tensor]:
     return dispatch.attention_forward(q, k, v, attn_mask, is_causal, scale, block_indices,
                                       block_counts, impl, block_size=block_size,
-                                      query_tile=query_tile,
-                                      key_mask=_unless_all_live(key_mask),
+                                      query_tile=query_tile, key_mask=key_mask,
                                       causal_offset=causal_offset, window=window)
 
 
@@ -313,8 +287,8 @@ def _attention_backward_op(
     return dispatch.attention_backward(grad_out, q, k, v, attn_mask, out, lse, block_indices,
                                        block_counts, is_causal, scale, impl,
                                        block_size=block_size, query_tile=query_tile,
-                                       key_mask=_unless_all_live(key_mask),
-                                       causal_offset=causal_offset, window=window)
+                                       key_mask=key_mask, causal_offset=causal_offset,
+                                       window=window)
 
 
 @_attention_backward_op.register_fake
@@ -949,11 +923,11 @@ def _dense_sdpa(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is
     A float mask entry at or below ``finfo.min / 2`` of its dtype is masked (``-inf``; SDPA
     would average a row of such entries), a row that sees no key is zero (as on the sparse
     path), and a float mask SDPA refuses (float64, or a half dtype other than q's) is
-    computed in float32. With a mask, GQA is unrolled: SDPA's fused kernels take a mask or GQA, not
-    both, and its math fallback would build the ``Nq x Nk`` scores for every head. A mask
-    shared by the heads and smaller than the K/V copy (the dense tail, decode; ``max_rows``
-    bounds a symbolic ``Nq``) is repeated instead, with the ``G`` query heads of a KV head
-    as rows; otherwise K and V are."""
+    computed in float32. With a mask, GQA is unrolled: SDPA's fused kernels take a mask or
+    GQA, not both, and its math fallback would build the ``Nq x Nk`` scores for every head.
+    A mask shared by the heads and smaller than the K/V copy (the dense tail, decode;
+    ``max_rows`` bounds a symbolic ``Nq``) is repeated instead, with the ``G`` query heads
+    of a KV head as rows; otherwise K and V are."""
     if attn_mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale,
                                               enable_gqa=enable_gqa)
@@ -964,16 +938,18 @@ def _dense_sdpa(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is
             attn_mask = attn_mask.float()
     # A row that sees no key is zero: SDPA's math path gives that, its CUDA kernels need not
     # (fp16 under a bool mask on the H200 gave such rows nonzero values).
-    seen = (attn_mask if attn_mask.dtype == torch.bool else attn_mask > float("-inf")).any(
+    # (A NaN entry counts as seen: its row stays NaN, as in SDPA.)
+    seen = (attn_mask if attn_mask.dtype == torch.bool else attn_mask != float("-inf")).any(
         -1, keepdim=True)
-    out = _masked_sdpa(q, k, v, attn_mask, is_causal, scale, enable_gqa, max_rows)
+    out = _masked_sdpa(q, k, v, attn_mask, scale, enable_gqa, max_rows)
     return out.masked_fill(~seen, 0)
 
 
-def _masked_sdpa(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor, is_causal: bool,
-                 scale: float, enable_gqa: bool, max_rows: Optional[int]) -> Tensor:
-    """SDPA under ``attn_mask`` (bool, or float with ``-inf``), GQA as :func:`_dense_sdpa`
-    says."""
+def _masked_sdpa(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor, scale: float,
+                 enable_gqa: bool, max_rows: Optional[int]) -> Tensor:
+    """SDPA of ``q`` ``[B, Hq, Nq, D]`` over ``k``/``v`` ``[B, Hkv, Nk, D or Dv]`` under
+    ``attn_mask`` (bool, or float with ``-inf``; broadcastable to ``[B, Hq, Nq, Nk]``), GQA
+    as :func:`_dense_sdpa` says; ``[B, Hq, Nq, Dv]`` in q's dtype."""
     B, Hq, Nq, _ = q.shape
     Hkv, D = k.shape[1], k.shape[3]
     group = Hq // max(Hkv, 1)
@@ -991,8 +967,8 @@ def _masked_sdpa(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor, is_causal: 
     if enable_gqa and group > 1:
         k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
         enable_gqa = False
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
-                                          scale=scale, enable_gqa=enable_gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale,
+                                          enable_gqa=enable_gqa)
 
 
 class _ContiguousGrad(torch.autograd.Function):

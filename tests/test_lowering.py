@@ -434,6 +434,26 @@ def test_form_left_dense(fn, reason):
         assert "pattern matcher is off" in site.reason and "#196468" in site.reason
 
 
+def test_a_softmax_off_the_key_dim_is_kept_from_inductors_fusion_whatever_the_reason():
+    """A site refused for another reason first (a bias that requires grad, under no_grad)
+    never reaches the softmax-dim check, yet Inductor's fusion would still turn its
+    softmax(dim=-2) into attention over the keys (0.94 off eager): the guard reads the
+    graph, not the site's reason, so the output is eager's."""
+    q, k, v = _qkv()
+    bias = torch.randn(q.shape[-2], k.shape[-2], requires_grad=True)
+
+    def fn(q, k, v):
+        return (q @ k.mT * 0.25 + bias).softmax(-2) @ v
+
+    torch._dynamo.reset()
+    counters.clear()
+    with torch.no_grad():
+        ref = fn(q, k, v)
+        out = torch.compile(fn, backend="pisa", options=REWRITE)(q, k, v)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    assert counters["pisa"]["left_dense"] == 1
+
+
 def test_dropout_training_left_dense():
     def hand(q, k, v):
         return F.dropout((q @ k.mT * 0.25).softmax(-1), 0.1, training=True) @ v

@@ -47,7 +47,7 @@ def explain(model_or_fn, *args, options=None, **kwargs) -> Report:
         report.graphs += 1
         with torch._inductor.config.patch(patches):  # as the backend runs the pass
             sites = rewrite_graph(gm, config, apply=False)
-        guard_inductor(sites, dict(patches))  # the reasons, as the backend gives them
+        guard_inductor(gm, sites, dict(patches))  # the reasons, as the backend's
         for s in sites:
             s.graph = index
         record(sites, count=False)

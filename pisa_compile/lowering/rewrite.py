@@ -339,17 +339,32 @@ _SOFTMAX_DIM_GUARD = ("Inductor's pattern matcher is off for this graph: its att
                       "fusion ignores the softmax dim (pytorch/pytorch#196468)")
 
 
-def guard_inductor(sites: list, patches: dict) -> None:
+def _softmax_off_last_dim(node: Any) -> bool:
+    """Whether ``node`` is a softmax over another dim than its input's last one."""
+    if not P.is_softmax(node):
+        return False
+    x, dim, _ = P.softmax_input(node)
+    v = P.val(x)
+    return not (isinstance(dim, int) and isinstance(v, torch.Tensor) and v.dim() > 0
+                and dim % v.dim() == v.dim() - 1)
+
+
+def guard_inductor(gm: Any, sites: list, patches: dict) -> None:
     """Turn Inductor's pattern matcher off (in ``patches``, the graph's Inductor options)
-    where a site was left dense for a softmax over another dim than the keys', which
-    Inductor's attention fusion would turn into attention over the keys; say so in the
-    site's reason. A ``pattern_matcher`` the user set is left as set."""
-    hazards = [s for s in sites if not s.rewritten and s.reason.startswith("softmax over dim")]
+    where ``gm`` (or a subgraph of it: checkpoint bodies) holds a softmax over another dim
+    than its input's last, which
+    Inductor's attention fusion would turn into attention over the last dim, whatever
+    became of the site (left dense for any reason, or the pass failed); say so in the
+    reason of a site left dense at that softmax. A ``pattern_matcher`` the user set is left
+    as set."""
+    hazards = {n.name for m in gm.modules() if isinstance(m, torch.fx.GraphModule)
+               for n in m.graph.nodes if _softmax_off_last_dim(n)}
     if not hazards or "pattern_matcher" in patches:
         return
     patches["pattern_matcher"] = False
-    for s in hazards:
-        s.reason += f"; {_SOFTMAX_DIM_GUARD}"
+    for s in sites:
+        if not s.rewritten and s.node in hazards:
+            s.reason += f"; {_SOFTMAX_DIM_GUARD}"
 
 
 def _mask_kind(mask: Any, is_causal: bool) -> str:

@@ -156,8 +156,9 @@ def test_ddp_bench_smoke(tmp_path):
     out = tmp_path / "ddp.json"
     cmd = [sys.executable, "-m", "benchmarks.bench_ddp", "--nproc", "2", "--device", "cpu",
            "--tiny", "--seq-len", "128", "--steps", "1", "--json", str(out)]
+    # One compile thread per rank: no worker pool to start on a loaded machine.
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
-               TRANSFORMERS_OFFLINE="1")
+               TRANSFORMERS_OFFLINE="1", TORCHINDUCTOR_COMPILE_THREADS="1")
     env.pop("TRITON_INTERPRET", None)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and out.exists(), proc.stderr[-5000:]

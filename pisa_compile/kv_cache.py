@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 from typing import Optional
 
 import torch
@@ -28,6 +29,11 @@ from .kernels.persistent import BoxPyramid, box_pyramid
 
 _log = logging.getLogger("pisa_compile")
 _TOLD_MIN_SEQ_LEN = False  # the min_seq_len gate of PisaStaticKVCache, logged once
+# Single-token appends in a row that nothing read the pyramid after: a model whose attention
+# never reaches the cache (generate() on the module torch.compile returns runs the
+# original, uncompiled forward; a new user's trial). Warned once per process.
+_UNREAD_STEPS = 8
+_TOLD_UNREAD = False
 
 __all__ = ["PisaKVCache", "PisaStaticKVCache", "SPARSE_DECODE_BYTES", "SPARSE_DECODE_BYTES_FLAT",
            "decode_config"]
@@ -178,6 +184,7 @@ class PisaKVCache:
             beam=config.effective_beam)
         self.length = 0
         self.pyramid_length = 0  # keys the pyramid is up to date for
+        self._unread_steps = 0  # single-token appends since the pyramid was last read
         # Compiled models' decode steps find the pyramid through the keys they are handed.
         persistent.register(self.keys, self)
 
@@ -188,7 +195,7 @@ class PisaKVCache:
 
     def reset(self) -> None:
         """Empty the cache (the buffers are kept)."""
-        self.length = self.pyramid_length = 0
+        self.length = self.pyramid_length = self._unread_steps = 0
         self.key_mask = None
         self.pyramid.clear()
 
@@ -242,6 +249,22 @@ class PisaKVCache:
         # length catches the pyramid up in one pass.
         if self.decode_is_sparse(1):
             self._sync_pyramid()
+            if n == 1:
+                self._count_unread_step()
+
+    def _count_unread_step(self) -> None:
+        """Count a decode step's append; warn once per process when ``_UNREAD_STEPS`` came
+        in a row with no read of the pyramid (:meth:`_select` resets the count)."""
+        global _TOLD_UNREAD
+        self._unread_steps += 1
+        if self._unread_steps >= _UNREAD_STEPS and not _TOLD_UNREAD:
+            _TOLD_UNREAD = True
+            warnings.warn(
+                f"PisaKVCache: {self._unread_steps} decode steps were appended and no "
+                "attention read the pyramid, so the model's decode is not PISA's. With "
+                "transformers, compile model.forward with backend='pisa' (generate() on the "
+                "module torch.compile returns runs the original forward); with PisaKVCache "
+                "itself, call attend(). Said once.", stacklevel=4)
 
     def _key_mask_buffer(self) -> Tensor:
         """``key_mask`` (bool ``[B, max_len]``), allocated all real on first use."""
@@ -341,6 +364,7 @@ class PisaKVCache:
         """:meth:`select` on checked inputs (the decode paths checked them already)."""
         from .kernels import triton_select
         self._sync_pyramid()
+        self._unread_steps = 0
         n = self.length
         with stage_range("pisa.select", query):
             return triton_select.select_blocks(

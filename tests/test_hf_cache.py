@@ -79,6 +79,36 @@ def test_every_decode_step_reads_the_pyramid(fresh_dynamo, padded):
     assert counters["pisa"]["left_dense"] == 0
 
 
+def test_a_cache_no_attention_reads_warns_once(fresh_dynamo, monkeypatch):
+    """``torch.compile(model)`` then ``generate()`` runs the module's original forward (a
+    new user's trial): the decode steps append to the cache and nothing reads its pyramid.
+    After 8 such steps the cache says so, once; the recipe that compiles ``model.forward``
+    reads the pyramid every step and is not warned."""
+    import warnings
+
+    from pisa_compile import kv_cache
+    monkeypatch.setattr(kv_cache, "_TOLD_UNREAD", False)
+    m = tiny_generation_llama()
+    ids = torch.randint(3, 128, (1, 24), generator=torch.Generator().manual_seed(3))
+    kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=10,
+              do_sample=False)
+    pc = PisaConfig(block_size=4, top_k=64, kernel="triton", min_seq_len=0)
+    opts = dict(min_seq_len=0, kernel="triton")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.compile(m, backend="pisa", options=opts).generate(
+            **kw, past_key_values=PisaCache(40, config=pc, sparse_from=0))
+    unread = [w for w in caught if "no attention read the pyramid" in str(w.message)]
+    assert len(unread) == 1, [str(w.message) for w in caught]
+    monkeypatch.setattr(kv_cache, "_TOLD_UNREAD", False)
+    m.forward = torch.compile(m.forward, backend="pisa", dynamic=True, options=opts)
+    with warnings.catch_warnings(record=True) as caught, \
+            torch._dynamo.config.patch(recompile_limit=64):
+        warnings.simplefilter("always")
+        m.generate(**kw, past_key_values=PisaCache(40, config=pc, sparse_from=0))
+    assert not [w for w in caught if "no attention read the pyramid" in str(w.message)]
+
+
 def test_pisa_cache_bad_input():
     with pytest.raises(ValueError, match="max_cache_len"):
         PisaCache(0)

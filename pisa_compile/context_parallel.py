@@ -22,8 +22,8 @@ float sums (``tests/test_context_parallel.py``).
 from __future__ import annotations
 
 import math
-import struct
 import numbers
+import struct
 import zlib
 from typing import NamedTuple, Optional, Sequence
 

@@ -352,11 +352,16 @@ def _softmax_off_last_dim(node: Any) -> bool:
 def guard_inductor(gm: Any, sites: list, patches: dict) -> None:
     """Turn Inductor's pattern matcher off (in ``patches``, the graph's Inductor options)
     where ``gm`` (or a subgraph of it: checkpoint bodies) holds a softmax over another dim
-    than its input's last, which
-    Inductor's attention fusion would turn into attention over the last dim, whatever
-    became of the site (left dense for any reason, or the pass failed); say so in the
-    reason of a site left dense at that softmax. A ``pattern_matcher`` the user set is left
-    as set."""
+    than its input's last, which Inductor's attention fusion would turn into attention over
+    the last dim, whatever became of the site (left dense for any reason, or the pass
+    failed); say so in the reason of a site left dense at that softmax. A
+    ``pattern_matcher`` the user set is left as set.
+
+    Args:
+        gm: the Dynamo graph module after the pass (rewritten sites hold no softmax).
+        sites: the pass's :class:`Site` list for ``gm`` (reasons are extended in place).
+        patches: the Inductor config patches ``gm`` will compile with (updated in place).
+    """
     hazards = {n.name for m in gm.modules() if isinstance(m, torch.fx.GraphModule)
                for n in m.graph.nodes if _softmax_off_last_dim(n)}
     if not hazards or "pattern_matcher" in patches:

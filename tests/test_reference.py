@@ -91,7 +91,7 @@ def test_dense_decode_step_passes_sdpa_no_mask(monkeypatch):
     per_head = km[:, None, None, :].expand(2, 4, 1, 30).clone()
     per_head[0, 3, 0, 7] = False
     masked = pisa_attention(q, k, v, attn_mask=per_head, enable_gqa=True, config=cfg)
-    assert seen == [(False, False, True, 2), (True, None, None, 2), (True, False, False, 4)]
+    assert seen == [(False, False, True, 2), (True, None, None, 2), (True, None, False, 4)]
     kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
     torch.testing.assert_close(out, sdpa(q, kk, vv))
     torch.testing.assert_close(padded, sdpa(q, kk, vv, attn_mask=km[:, None, None, :]))

@@ -821,7 +821,7 @@ def _dense(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
                           key_mask, q.device)  # [B, 1, 1, Nk]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
                                              enable_gqa=q.shape[1] != k.shape[1])
-        return out.masked_fill(~mask.any(-1, keepdim=True), 0)  # a row of padding only
+        return _zero_unseen_rows(out, mask)  # a row of padding only
     if is_causal and key_mask is None and window is None:
         if statically_known_true(causal_offset >= k.shape[2] - 1):
             # Every query sees every key (a decode step over its cache): no mask, so SDPA
@@ -936,12 +936,17 @@ def _dense_sdpa(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is
             attn_mask <= torch.finfo(attn_mask.dtype).min / 2, float("-inf"))
         if attn_mask.dtype not in (torch.float32, q.dtype):
             attn_mask = attn_mask.float()
-    # A row that sees no key is zero: SDPA's math path gives that, its CUDA kernels need not
-    # (fp16 under a bool mask on the H200 gave such rows nonzero values).
-    # (A NaN entry counts as seen: its row stays NaN, as in SDPA.)
+    return _zero_unseen_rows(_masked_sdpa(q, k, v, attn_mask, scale, enable_gqa, max_rows),
+                             attn_mask)
+
+
+def _zero_unseen_rows(out: Tensor, attn_mask: Tensor) -> Tensor:
+    """``out`` ``[B, Hq, Nq, Dv]`` with zeros in the rows whose ``attn_mask`` (bool, or float
+    with ``-inf``; broadcastable to ``[B, Hq, Nq, Nk]``) lets no key through. SDPA's math
+    path gives such rows zeros, its CUDA kernels need not (fp16 under a bool mask on the
+    H200 gave them nonzero values). A NaN entry counts as seen: its row stays NaN."""
     seen = (attn_mask if attn_mask.dtype == torch.bool else attn_mask != float("-inf")).any(
         -1, keepdim=True)
-    out = _masked_sdpa(q, k, v, attn_mask, scale, enable_gqa, max_rows)
     return out.masked_fill(~seen, 0)
 
 

@@ -5,6 +5,8 @@ JSON file rank 0 writes. Not a script."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
 import os
 import sys
@@ -36,15 +38,30 @@ def spawn(ap: argparse.ArgumentParser, args: argparse.Namespace, worker) -> None
                  nprocs=args.nproc)
 
 
-def init(rank: int, world: int, init_method: str, device: str) -> torch.device:
-    """Join the process group (NCCL on CUDA, one GPU per rank; gloo on the CPU); returns
-    the rank's device."""
+@contextlib.contextmanager
+def group(rank: int, world: int, init_method: str, device: str):
+    """Join the process group (NCCL on CUDA, one GPU per rank; gloo on the CPU) and yield the
+    rank's device; on leaving, tear the group down.
+
+    The caller must have dropped what holds the group (a DDP module's reducer, compiled
+    graphs) before it leaves: if the last reference goes after ``destroy_process_group``, the
+    group's destructor joins gloo's worker threads while holding the GIL, and a thread still
+    freeing the last collective's Python tensors waits for that GIL (a hang, or an abort).
+    Hence ``gc.collect()`` and a barrier before the teardown on a clean exit."""
     cuda = device == "cuda"
     if cuda:
         torch.cuda.set_device(rank)
     dist.init_process_group("nccl" if cuda else "gloo", init_method=init_method, rank=rank,
                             world_size=world)
-    return torch.device("cuda", rank) if cuda else torch.device("cpu")
+    ok = False
+    try:
+        yield torch.device("cuda", rank) if cuda else torch.device("cpu")
+        ok = True
+    finally:
+        if ok:
+            gc.collect()
+            dist.barrier()
+        dist.destroy_process_group()
 
 
 def save(args: argparse.Namespace, module: str, dev: torch.device, rows: list, **extra) -> None:

@@ -72,10 +72,9 @@ def _worker(rank: int, world: int, init: str, args) -> None:
     from pisa_compile.context_parallel import (CP_CONFIG, context_parallel_attention,
                                                zigzag_shard, zigzag_unshard)
     from pisa_compile.ops import pisa_attention
-    dev = _ranks.init(rank, world, init, args.device)
     cfg = CP_CONFIG
     rows = []
-    try:
+    with _ranks.group(rank, world, init, args.device) as dev:
         for n in args.lengths:
             q, k, v, go = _inputs(n, args.tiny, dev, seed=n)
 
@@ -129,8 +128,6 @@ def _worker(rank: int, world: int, init: str, args) -> None:
                 torch.cuda.empty_cache()
         if rank == 0:
             _ranks.save(args, "bench_context_parallel", dev, rows, config=repr(cfg))
-    finally:
-        dist.destroy_process_group()
 
 
 def main(argv=None) -> None:

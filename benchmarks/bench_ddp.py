@@ -62,51 +62,55 @@ def _steps(model, ids, n_steps: int, dev: torch.device, world: int) -> list[floa
     return times
 
 
-def _worker(rank: int, world: int, init: str, args) -> None:
+def _measure(rank: int, world: int, dev: torch.device, args) -> dict:
+    """Rank 0's row (other ranks: ``{}``). The models and DDP's reducer live only here, so
+    they are gone before the process group is torn down (``_ranks.group``)."""
     from torch._dynamo.utils import counters
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from benchmarks.bench_generate import _model
     from pisa_compile.backend import pisa_backend
-    dev = _ranks.init(rank, world, init, args.device)
-    cuda = dev.type == "cuda"
-    try:
-        g = torch.Generator().manual_seed(rank)
-        ids = torch.randint(3, 128 if args.tiny else 32000, (1, args.seq_len), generator=g)
-        ids = ids.to(dev)
-        row = dict(seq_len=args.seq_len, world=world, options=args.options)
+    g = torch.Generator().manual_seed(rank)
+    ids = torch.randint(3, 128 if args.tiny else 32000, (1, args.seq_len), generator=g).to(dev)
+    row = dict(seq_len=args.seq_len, world=world, options=args.options)
 
-        def compiled(m):
-            torch._dynamo.reset()
-            counters.clear()
-            return torch.compile(m, backend=pisa_backend, options=args.options)
+    def compiled(m):
+        torch._dynamo.reset()
+        counters.clear()
+        return torch.compile(m, backend=pisa_backend, options=args.options)
 
-        def sites():
-            return dict(rewritten=int(counters["pisa"]["rewritten"]),
-                        left_dense=int(counters["pisa"]["left_dense"]),
-                        graphs=int(counters["stats"]["unique_graphs"]))
+    def sites():
+        return dict(rewritten=int(counters["pisa"]["rewritten"]),
+                    left_dense=int(counters["pisa"]["left_dense"]),
+                    graphs=int(counters["stats"]["unique_graphs"]))
 
+    if rank == 0:
+        t = _steps(compiled(_model(args.tiny, args.device).train()), ids, args.steps, dev, 1)
+        row.update(single_step_ms=round(1e3 * statistics.median(t), 2), single_sites=sites())
+    dist.barrier()
+    ddp = DDP(_model(args.tiny, args.device).train(),
+              device_ids=[rank] if dev.type == "cuda" else None)
+    t = _steps(compiled(ddp), ids, args.steps, dev, world)
+    every = [None] * world
+    dist.all_gather_object(every, sites())
+    torch._dynamo.reset()  # the compiled graphs hold the DDP module
+    if rank != 0:
+        return {}
+    ddp_ms = 1e3 * statistics.median(t)
+    single_tps = args.seq_len / (row["single_step_ms"] / 1e3)
+    ddp_tps = world * args.seq_len / (ddp_ms / 1e3)
+    row.update(ddp_step_ms=round(ddp_ms, 2), ddp_sites=every,
+               single_tokens_per_s=round(single_tps), ddp_tokens_per_s=round(ddp_tps),
+               scaling=round(ddp_tps / single_tps, 3))
+    return row
+
+
+def _worker(rank: int, world: int, init: str, args) -> None:
+    with _ranks.group(rank, world, init, args.device) as dev:
+        row = _measure(rank, world, dev, args)
         if rank == 0:
-            t = _steps(compiled(_model(args.tiny, args.device).train()), ids, args.steps, dev,
-                       1)
-            row.update(single_step_ms=round(1e3 * statistics.median(t), 2), single_sites=sites())
-        dist.barrier()
-        model = _model(args.tiny, args.device).train()
-        ddp = DDP(model, device_ids=[rank] if cuda else None)
-        t = _steps(compiled(ddp), ids, args.steps, dev, world)
-        every = [None] * world
-        dist.all_gather_object(every, sites())
-        if rank == 0:
-            ddp_ms = 1e3 * statistics.median(t)
-            single_tps = args.seq_len / (row["single_step_ms"] / 1e3)
-            ddp_tps = world * args.seq_len / (ddp_ms / 1e3)
-            row.update(ddp_step_ms=round(ddp_ms, 2), ddp_sites=every,
-                       single_tokens_per_s=round(single_tps), ddp_tokens_per_s=round(ddp_tps),
-                       scaling=round(ddp_tps / single_tps, 3))
             print(row, flush=True)
             _ranks.save(args, "bench_ddp", dev, [row])
-    finally:
-        dist.destroy_process_group()
 
 
 def main(argv=None) -> None:

@@ -240,7 +240,8 @@ class PisaStaticLayer(StaticLayer):
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``[B, Hkv, n, D]`` keys and values at the layer's length and update its
         pyramid; returns the whole buffers (as ``StaticLayer``). Writing past
-        ``max_cache_len`` fails in ``index_copy_`` (a device-side assert on CUDA)."""
+        ``max_cache_len`` is a ``ValueError`` when run eagerly; in a compiled step it fails
+        in ``index_copy_`` (a device-side assert on CUDA), as ``StaticCache``'s does."""
         if key_states.shape[2] > self.max_cache_len:  # a shape: checked without a sync
             raise ValueError(f"PisaStaticCache: max_cache_len={self.max_cache_len} is too small "
                              f"for {key_states.shape[2]} tokens at once (build it with at "

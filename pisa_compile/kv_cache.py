@@ -562,12 +562,14 @@ class PisaStaticKVCache:
         """Write ``[B, Hkv, n, D]`` keys and values at positions ``[length, length + n)``,
         advance ``length`` and update the pyramid: all on the device (traceable by
         ``torch.compile``, capturable in a CUDA graph). Writing past the capacity is an
-        index error of ``index_copy_`` (on CUDA a device-side assert): the length is not
-        read on the host to check it.
+        ``ValueError`` when run eagerly (the length read on the host, one sync); under
+        ``torch.compile`` or CUDA-graph capture the length is not read, and the write fails in
+        ``index_copy_`` (on CUDA a device-side assert).
 
         Raises:
             ValueError: ``key``/``value`` not ``[B, Hkv, n, D]``/``[B, Hkv, n, Dv]`` of the
-                cache's batch, heads, head dims, dtype and device.
+                cache's batch, heads, head dims, dtype and device; or, run eagerly, more
+                keys than the capacity (``max_cache_len``) has left.
         """
         B, Hkv, _, D = self.keys.shape
         n = key.shape[2] if key.dim() == 4 else -1
@@ -580,6 +582,14 @@ class PisaStaticKVCache:
                                  f"{tuple(t.shape)} {t.dtype} on {t.device}")
         if n == 0:
             return
+        if not (torch.compiler.is_compiling() or (key.is_cuda and
+                                                  torch.cuda.is_current_stream_capturing())):
+            # A device-side assert would end the process; eager steps can afford the sync.
+            used, cap = int(self.length), self.keys.shape[2]
+            if used + n > cap:
+                raise ValueError(f"PisaStaticKVCache.append: {n} key(s) after {used} overflow "
+                                 f"max_cache_len={cap} (build the cache with at least the "
+                                 f"prompt length plus max_new_tokens)")
         if self.pyramid is None:
             _write_at(self.keys, self.values, self.length, key, value)
             return

@@ -286,6 +286,12 @@ def test_static_cache_refuses_misplaced_arguments_and_a_long_prompt():
     k = torch.zeros(1, 2, 9, 16)
     with pytest.raises(ValueError, match="max_cache_len=8 is too small"):
         cache.layers[0].update(k, k)
+    # A prompt that fits, then steps past the end: named, not index_copy_'s IndexError.
+    cache.layers[0].update(k[:, :, :6], k[:, :, :6])
+    cache.layers[0].update(k[:, :, :2], k[:, :, :2])
+    with pytest.raises(ValueError, match=r"1 key\(s\) after 8 overflow max_cache_len=8"):
+        cache.layers[0].update(k[:, :, :1], k[:, :, :1])
+    assert int(cache.layers[0].cumulative_length) == 8  # the failed step wrote nothing
 
 
 def test_a_deep_copy_registers_its_own_buffers():

@@ -211,7 +211,7 @@ def test_nan_and_inf_reach_the_rows_that_see_them(p, exact):
 
 @pytest.mark.parametrize("kernel", ["reference", "triton"])
 def test_nan_value_reaches_its_tile_and_the_tiles_that_select_its_block(kernel):
-    """README "Limits": under ``is_causal`` a NaN value (key 100, leaf 6) reaches every row
+    """docs/limits.md: under ``is_causal`` a NaN value (key 100, leaf 6) reaches every row
     of its query tile, the 4 before it too (``0 * NaN`` in the block's product), no earlier
     tile, and a later tile exactly where its selection holds leaf 6 (keys rank it, not
     values)."""

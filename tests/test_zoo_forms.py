@@ -198,7 +198,7 @@ def test_multihead_attention(kw):
 
 
 def test_multihead_attention_masks_of_mixed_dtypes_are_not_captured():
-    """README "Limits": a float ``attn_mask`` beside a bool ``key_padding_mask`` (or the
+    """docs/limits.md: a float ``attn_mask`` beside a bool ``key_padding_mask`` (or the
     reverse) makes PyTorch warn in the module's forward, where Dynamo breaks the graph: no
     attention graph is captured. One dtype for both masks is captured."""
     from pisa_compile import explain

@@ -257,14 +257,17 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: Option
     # 1 and 1.0, or a numpy float and its value, are one budget on every rank.
     # The scale as the kernels read it (fp32): None, 1 / sqrt(D) and D ** -0.5 (an ulp
     # apart in fp64) are one scale on every rank.
-    scale_value = _as_float(scale) if scale is not None else (
+    scale = _as_float(scale) if scale is not None else (
         1.0 / math.sqrt(q.shape[-1]) if isinstance(q, Tensor) and q.dim() else None)
-    if isinstance(scale_value, float) and abs(scale_value) < 3e38:  # else pack overflows
-        scale_value = struct.unpack("f", struct.pack("f", scale_value))[0]
-    _agree(q, k, v, enable_gqa, (config, _as_float(fetch_budget)), scale_value, group, world)
+    scale_fp32 = scale
+    if isinstance(scale, float) and abs(scale) < 3e38:  # else pack overflows
+        scale_fp32 = struct.unpack("f", struct.pack("f", scale))[0]
+    _agree(q, k, v, enable_gqa, (config, _as_float(fetch_budget)), scale_fp32, group, world)
     check_fetch_budget(fetch_budget)
     Hkv, S = _check(q, k, v, enable_gqa, config, world)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if not isinstance(scale, float):
+        raise ValueError(f"context_parallel_attention: scale must be None or a real number, "
+                         f"got {scale!r}")
     lay = _Layout(world, rank, S, S // config.block_size)
     # The Triton selection where the kernels take the inputs (CUDA, or the interpreter with
     # kernel="triton"), else the reference: each rank builds its leaves as the single-process

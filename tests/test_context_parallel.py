@@ -358,6 +358,8 @@ def one_rank():
     (dict(config=cp.CP_CONFIG.replace(bound_block=16)), "bound_block=None"),
     (dict(config=SMALL.replace(dense_tail=16)), "dense_tail must be 0"),
     (dict(config=SMALL.replace(local_blocks=0)), "local_blocks must be >= 1"),
+    (dict(config=SMALL, scale="0.1"), "scale must be None or a real number"),
+    (dict(config=SMALL, scale=True), "scale must be None or a real number"),
 ])
 def test_bad_config_is_refused_by_name(one_rank, kwargs, match):
     x = torch.randn(1, 2, 64, 8)

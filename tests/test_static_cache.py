@@ -10,16 +10,13 @@ every step from the pyramid and, in the exact regime, gives dense attention's to
 
 from __future__ import annotations
 
-import os
-import sys
 from types import SimpleNamespace
 
 import pytest
 
-if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("triton was imported without TRITON_INTERPRET=1; run this module on its own",
-                allow_module_level=True)
-os.environ.setdefault("TRITON_INTERPRET", "1")
+from tests.interpreter import use_interpreter  # noqa: E402
+
+use_interpreter()
 
 import torch  # noqa: E402
 

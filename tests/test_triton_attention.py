@@ -7,17 +7,13 @@ broken in the interpreter). On a CUDA machine the same tests run the compiled ke
 
 from __future__ import annotations
 
-import os
-import sys
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("triton was imported without TRITON_INTERPRET=1 and there is no CUDA",
-                    allow_module_level=True)
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from tests.interpreter import use_interpreter  # noqa: E402
+
+use_interpreter(unless_cuda=True)
 
 triton = pytest.importorskip("triton")
 

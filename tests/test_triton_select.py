@@ -9,14 +9,12 @@ tile scores ``S`` within a tolerance, and at most a few tiles may be decided tha
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 
-if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("triton was imported without TRITON_INTERPRET=1; run this module on its own",
-                allow_module_level=True)
-os.environ.setdefault("TRITON_INTERPRET", "1")
+from tests.interpreter import use_interpreter  # noqa: E402
+
+use_interpreter()
 
 import torch  # noqa: E402
 

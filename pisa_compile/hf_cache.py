@@ -320,8 +320,9 @@ class PisaStaticCache(StaticCache):
     Raises:
         ValueError: ``max_cache_len`` < 1, ``sparse_from`` < 0, or ``offloading`` (its
             prefetch swaps the layers' buffers for copies the pyramid does not see); at an
-            update, more tokens at once than ``max_cache_len`` (a later overflow is an
-            index error of ``index_copy_``: the length is on the device).
+            update, more tokens at once than ``max_cache_len``, or, run eagerly, more than
+            it has left (in a compiled step an overflow is an index error of
+            ``index_copy_``, on CUDA a device-side assert: the length is on the device).
         TypeError: ``config`` is not a model config, ``pisa_config`` is not a PisaConfig, or
             a PisaConfig option is passed as a keyword.
 

@@ -11,6 +11,7 @@ import json
 import os
 import sys
 import tempfile
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -47,20 +48,28 @@ def group(rank: int, world: int, init_method: str, device: str):
     graphs) before it leaves: if the last reference goes after ``destroy_process_group``, the
     group's destructor joins gloo's worker threads while holding the GIL, and a thread still
     freeing the last collective's Python tensors waits for that GIL (a hang, or an abort).
-    Hence ``gc.collect()`` and a barrier before the teardown on a clean exit."""
+    Hence Dynamo's caches reset, ``gc.collect()`` and, on a clean exit, a barrier before the
+    teardown; on an error, the traceback's frames are cleared first."""
     cuda = device == "cuda"
     if cuda:
         torch.cuda.set_device(rank)
     dist.init_process_group("nccl" if cuda else "gloo", init_method=init_method, rank=rank,
                             world_size=world)
-    ok = False
     try:
         yield torch.device("cuda", rank) if cuda else torch.device("cpu")
-        ok = True
+    except BaseException as e:
+        # The traceback keeps the caller's frames (and a DDP reducer) alive: drop them
+        # before the teardown, then let spawn report the error.
+        traceback.clear_frames(e.__traceback__)
+        torch._dynamo.reset()
+        gc.collect()
+        dist.destroy_process_group()
+        raise
+    try:
+        torch._dynamo.reset()
+        gc.collect()
+        dist.barrier()
     finally:
-        if ok:
-            gc.collect()
-            dist.barrier()
         dist.destroy_process_group()
 
 

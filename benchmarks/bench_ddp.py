@@ -64,7 +64,8 @@ def _steps(model, ids, n_steps: int, dev: torch.device, world: int) -> list[floa
 
 def _measure(rank: int, world: int, dev: torch.device, args) -> dict:
     """Rank 0's row (other ranks: ``{}``). The models and DDP's reducer live only here, so
-    they are gone before the process group is torn down (``_ranks.group``)."""
+    they are gone (with Dynamo's caches, reset by ``_ranks.group``) before the process group
+    is torn down."""
     from torch._dynamo.utils import counters
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -93,7 +94,6 @@ def _measure(rank: int, world: int, dev: torch.device, args) -> dict:
     t = _steps(compiled(ddp), ids, args.steps, dev, world)
     every = [None] * world
     dist.all_gather_object(every, sites())
-    torch._dynamo.reset()  # the compiled graphs hold the DDP module
     if rank != 0:
         return {}
     ddp_ms = 1e3 * statistics.median(t)

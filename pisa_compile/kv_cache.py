@@ -508,6 +508,9 @@ class PisaStaticKVCache:
         self.config, self.sparse_from, self.cuda_graph = config, sparse_from, bool(cuda_graph)
         self.decode_config = decode_config(config)
         self.keys, self.values, self.length = keys, values, length
+        # A lower bound of ``length`` kept on the host (compiled steps do not advance it): an
+        # eager append checks the capacity against it without a sync.
+        self._known_length = 0
         B, Hkv, cap, D = keys.shape
         self.pyramid: Optional[BoxPyramid] = None
         if self._sparse_worthy():
@@ -562,14 +565,16 @@ class PisaStaticKVCache:
         """Write ``[B, Hkv, n, D]`` keys and values at positions ``[length, length + n)``,
         advance ``length`` and update the pyramid: all on the device (traceable by
         ``torch.compile``, capturable in a CUDA graph). Writing past the capacity is an
-        ``ValueError`` when run eagerly (the length read on the host, one sync); under
-        ``torch.compile`` or CUDA-graph capture the length is not read, and the write fails in
-        ``index_copy_`` (on CUDA a device-side assert).
+        ``ValueError`` when the keys appended eagerly since the last ``reset``/``rebuild``
+        already overflow (counted on the host: no sync); an overflow reached through compiled
+        or CUDA-graph-captured steps, which the host does not count, fails in ``index_copy_``
+        (on CUDA a device-side assert).
 
         Raises:
             ValueError: ``key``/``value`` not ``[B, Hkv, n, D]``/``[B, Hkv, n, Dv]`` of the
                 cache's batch, heads, head dims, dtype and device; or, run eagerly, more
-                keys than the capacity (``max_cache_len``) has left.
+                keys than the capacity (``max_cache_len``) has left after the keys appended
+                eagerly.
         """
         B, Hkv, _, D = self.keys.shape
         n = key.shape[2] if key.dim() == 4 else -1
@@ -582,33 +587,37 @@ class PisaStaticKVCache:
                                  f"{tuple(t.shape)} {t.dtype} on {t.device}")
         if n == 0:
             return
-        if not (torch.compiler.is_compiling() or (key.is_cuda and
-                                                  torch.cuda.is_current_stream_capturing())):
-            # A device-side assert would end the process; eager steps can afford the sync.
-            used, cap = int(self.length), self.keys.shape[2]
-            if used + n > cap:
-                raise ValueError(f"PisaStaticKVCache.append: {n} key(s) after {used} overflow "
-                                 f"max_cache_len={cap} (build the cache with at least the "
-                                 f"prompt length plus max_new_tokens)")
+        eager = not (torch.compiler.is_compiling() or (
+            key.is_cuda and torch.cuda.is_current_stream_capturing()))
+        if eager and self._known_length + n > self.keys.shape[2]:
+            # Named here: past this point it would be a device-side assert on CUDA.
+            raise ValueError(f"PisaStaticKVCache.append: {n} key(s) after at least "
+                             f"{self._known_length} overflow max_cache_len="
+                             f"{self.keys.shape[2]} (build the cache with at least the prompt "
+                             f"length plus max_new_tokens)")
         if self.pyramid is None:
             _write_at(self.keys, self.values, self.length, key, value)
-            return
-        p = self.pyramid
-        torch.ops.pisa.static_append(self.keys, self.values, self.length, p.hi, p.lo, p.cnt,
-                                     p.lc, key, value, p.block_size, p.branching, p.beam)
+        else:
+            p = self.pyramid
+            torch.ops.pisa.static_append(self.keys, self.values, self.length, p.hi, p.lo,
+                                         p.cnt, p.lc, key, value, p.block_size, p.branching,
+                                         p.beam)
+        if eager:
+            self._known_length += n
 
     def reset(self) -> None:
         """Empty the pyramid (the caller zeroes the buffers and the length)."""
+        self._known_length = 0
         if self.pyramid is not None:
             self.pyramid.clear()
 
     def rebuild(self) -> None:
         """Rebuild the pyramid over the first ``length`` keys (after the length was cut:
         transformers' ``crop``). Eager: reads the length on the host, ``O(length)``."""
+        n = self._known_length = int(self.length)
         if self.pyramid is None:
             return
         self.pyramid.clear()
-        n = int(self.length)
         if n > 0:
             from .kernels.triton_pyramid import append_boxes
             append_boxes(self.pyramid, self.keys, 0, n)

@@ -100,6 +100,23 @@ def test_padded_and_future_keys_do_not_leak(case, cfg, data):
         assert torch.equal(out3[:, :, : i + 1], out[:, :, : i + 1])
 
 
+@settings(max_examples=40, deadline=None)
+@given(case=structured(), cfg=sparse_configs())
+def test_an_explicit_mask_selects_as_its_structure(case, cfg):
+    """The same mask as an ``Nq x Nk`` tensor (what a graph break hands the op) and as
+    structure give the same output on every row that sees a key: in particular a left-padded
+    row's sink leaves start at its first real key under both (they once stayed at leaf 0,
+    all padding, under the tensor). A tensor carries no query positions: the op places the
+    queries last (offset ``Nk - Nq``), so the causal offset here is that one."""
+    q, k, v, km, causal, _ = case
+    off = k.shape[2] - q.shape[2] if causal else 0
+    case = (q, k, v, km, causal, off)
+    vis = dense_mask(q.shape[0], q.shape[2], k.shape[2], causal, off, km)  # [B, 1, Nq, Nk]
+    explicit = pisa_attention(q, k, v, attn_mask=vis, enable_gqa=True, config=cfg)
+    rows = vis.any(-1, keepdim=True).expand_as(explicit)
+    torch.testing.assert_close(explicit[rows], _run(case, cfg)[rows], atol=2e-5, rtol=2e-5)
+
+
 @settings(max_examples=25, deadline=None)
 @given(case=structured(), cfg=sparse_configs())
 def test_nan_in_padded_keys_reaches_no_output_or_gradient(case, cfg):

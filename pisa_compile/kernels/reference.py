@@ -507,6 +507,13 @@ def select_blocks(q: Tensor, k: Tensor, attn_mask: Optional[Tensor], is_causal: 
     dev = q.device
     states, key_live = leaf_states(p)
     states = states.to(dev)
+    # Sinks start at each batch row's first attendable key: the key mask's, or under an
+    # explicit mask the mask's own, so that a left-padded row's sink is its text there too.
+    live = p.key_mask
+    if p.allowed is not None:
+        live = key_live.any(1).to(dev) if live is None else key_live.any(1).to(dev) & live
+    sink_from = sink_start(live, p.C)
+    sink_from = 0 if sink_from is None else sink_from.to(dev).expand(p.B).reshape(p.B, 1, 1, 1)
     if pyramid is None:
         with stage_range("pisa.pyramid", k):
             mus, counts = build_pyramid(k, key_live.to(dev), block_size, branching, beam)
@@ -539,7 +546,7 @@ def select_blocks(q: Tensor, k: Tensor, attn_mask: Optional[Tensor], is_causal: 
         per_tile += 4 * P * (p.C // bound_block) * (R + p.D)
     for t0, t1 in _tile_chunks(p.T, p.B * p.Hkv * per_tile):
         idx, cnt = _select_chunk(p, sel, q_rows[:, :, t0:t1].float(), k, mus, counts, biases,
-                                 flags, states, t0, t1, scale, e_max, M, boxes)
+                                 flags, states, t0, t1, scale, e_max, M, sink_from, boxes)
         block_indices[:, :, t0:t1] = idx
         block_counts[:, :, t0:t1] = cnt
     return block_indices, block_counts
@@ -574,16 +581,14 @@ def _gather_tile_flags(f: Tensor, idx: Tensor) -> Tensor:
 
 
 def _select_chunk(p, sel, q_rows, k, mus, counts, biases, flags, states, t0, t1, scale,
-                  e_max, M, boxes=None):
+                  e_max, M, s0, boxes=None):
     g, beam, top_k = sel.branching, sel.beam, sel.top_k
     dev = q_rows.device
     nt = t1 - t0
     t = torch.arange(t0, t1, device=dev)
     n_sink, lo, hi = forced_ranges(t, p.Nq, p.Nk, p.offset, p.C, p.Tq, sel.sink_blocks,
                                    sel.local_blocks)
-    s0 = sink_start(p.key_mask, p.C)  # sinks: the first n_sink leaves from there
-    s0 = 0 if s0 is None else s0.to(dev).view(p.B, 1, 1, 1)
-    s1 = s0 + n_sink
+    s1 = s0 + n_sink  # sinks: the first n_sink leaves from s0 ([B, 1, 1, 1] or 0)
     row_ok = _row_valid(p, t0, t1, dev)  # [B, Hkv, nt, R]
     level = len(mus) - 1
     n_top = mus[level].shape[2]

@@ -274,6 +274,49 @@ def test_attention_inside_activation_checkpointing_is_rewritten(fn):
         torch.testing.assert_close(a, b)
 
 
+def test_explain_reports_the_graph_breaks_it_met():
+    """A break splits the capture; ``explain`` says so under its head line, with the reason,
+    and lists the sites of both graphs."""
+    def fn(q, k, v):
+        x = sdpa(q, k, v)
+        torch._dynamo.graph_break()
+        return sdpa(x, k, v)
+
+    report = pisa_compile.explain(fn, *_qkv(), options=dict(min_seq_len=0))
+    assert len(report.sites) == 2 and report.graphs == 2, str(report)
+    assert sum(n for _, n in report.graph_breaks) == 1, report.graph_breaks
+    head = str(report).splitlines()
+    assert head[1].startswith("1 graph break(s)") and "graph_break" in head[2], head[:3]
+    no_break = pisa_compile.explain(sdpa, *_qkv(), options=dict(min_seq_len=0))
+    assert no_break.graph_breaks == [] and "graph break" not in str(no_break)
+
+
+def test_transformers_gradient_checkpointing_is_never_a_silent_zero_sites():
+    """A new user's trial: transformers' own gradient checkpointing (5.x with the
+    ``kernels`` package) mutates a context variable inside each checkpointed layer, Dynamo
+    skips the layers' frame, and their attention runs eagerly, dense, in no graph. ``explain``
+    must then say why it found nothing; with Dynamo's setting its hint names, every layer's
+    site is rewritten (docs/limits.md)."""
+    pytest.importorskip("transformers")
+    from tests.hf_models import tiny_generation_llama
+    model = tiny_generation_llama().train()
+    model.gradient_checkpointing_enable()
+    ids = torch.randint(3, 128, (2, 64))
+    opts = dict(min_seq_len=0, block_size=16, dense_tail=0)
+    report = pisa_compile.explain(model, input_ids=ids, labels=ids, use_cache=False,
+                                  options=opts)
+    assert len(report.rewritten) == 2 or report.graph_breaks, str(report)
+    if len(report.rewritten) < 2:
+        assert "graph break(s)" in str(report)
+    setting = "skip_fwd_side_effects_in_bwd_under_checkpoint"
+    if not hasattr(torch._dynamo.config, setting):
+        pytest.skip(f"this torch has no torch._dynamo.config.{setting}")
+    with torch._dynamo.config.patch(**{setting: True}):
+        report = pisa_compile.explain(model, input_ids=ids, labels=ids, use_cache=False,
+                                      options=opts)
+    assert len(report.rewritten) == 2, str(report)
+
+
 @pytest.mark.parametrize("writes", [True, False], ids=["body_writes_mask", "body_reads_mask"])
 def test_a_checkpoint_body_that_writes_a_mask_keeps_it_explicit(writes):
     """A mask handed to a checkpointed region that fills it in place is not the mask it was

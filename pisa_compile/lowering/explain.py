@@ -31,7 +31,10 @@ def explain(model_or_fn, *args, options=None, **kwargs) -> Report:
         selects blocks also says how at its key length (``Site.selection``, from
         ``PisaConfig.selection_kind``): e.g. ``"selection: flat scan (512 leaves <= flat_leaves
         512)"`` or ``"selection: pyramid walk (2048 leaves, 6 levels; flat_leaves 512)"`` (for
-        a symbolic length, up to which length it scans).
+        a symbolic length, up to which length it scans). ``report.graph_breaks`` lists
+        Dynamo's graph-break reasons met on the way, which ``str(report)`` prints under its
+        head line: attention in a frame Dynamo skipped (e.g. transformers' gradient
+        checkpointing, docs/limits.md) is in no graph and so not in the table.
 
     Raises:
         ValueError: bad ``options`` (see :func:`pisa_compile.config.split_options`).
@@ -54,10 +57,16 @@ def explain(model_or_fn, *args, options=None, **kwargs) -> Report:
         report.sites.extend(sites)
         return gm.forward
 
+    from torch._dynamo.utils import counters
+    before = dict(counters["graph_break"])
     torch._dynamo.reset()
     try:
         torch.compile(model_or_fn, backend=analyse)(*args, **kwargs)
     finally:
         torch._dynamo.reset()
+    # Sites in a frame Dynamo skipped never reach the pass: the breaks say why there are none.
+    report.graph_breaks = [(reason, n - before.get(reason, 0))
+                           for reason, n in counters["graph_break"].items()
+                           if n > before.get(reason, 0)]
     return report
 

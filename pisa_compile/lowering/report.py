@@ -86,10 +86,14 @@ class Report:
 
     ``str(report)`` is an aligned table; ``report.sites`` is the list of :class:`Site`;
     ``len(report)`` counts sites; ``report.rewritten`` / ``report.left_dense`` filter them.
+    ``report.graph_breaks``: Dynamo's graph-break reasons met while capturing, with their
+    counts (code past a break runs in another graph, or eagerly where Dynamo skipped the
+    frame: attention there is in no graph, so it is neither rewritten nor reported).
     """
 
     sites: list[Site] = field(default_factory=list)
     graphs: int = 0
+    graph_breaks: list[tuple[str, int]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.sites)
@@ -111,12 +115,31 @@ class Report:
     def __str__(self) -> str:
         head = (f"pisa_compile report: {len(self.sites)} attention site(s) in {self.graphs} "
                 f"graph(s): {len(self.rewritten)} rewritten, {len(self.left_dense)} left dense")
+        if self.graph_breaks:
+            head += (f"\n{sum(n for _, n in self.graph_breaks)} graph break(s): attention in a "
+                     f"frame Dynamo skipped runs eagerly, dense, and is not listed "
+                     f"(TORCH_LOGS=graph_breaks shows where)")
+            head += "".join(f"\n  {n}x {_brief(reason)}" for reason, n in self.graph_breaks)
         if not self.sites:
             return head
         rows = [[str(getattr(s, attr)) or "-" for _, attr in _COLUMNS] for s in self.sites]
         return format_table([name for name, _ in _COLUMNS], rows, head).rstrip("\n")
 
     __repr__ = __str__
+
+
+def _brief(reason: str, width: int = 300) -> str:
+    """A graph-break reason in one line: its first line, and Dynamo's hint if it gives one
+    (e.g. the config that lets a checkpointed layer be captured)."""
+    lines = [ln.strip() for ln in reason.splitlines() if ln.strip()]
+    hint = next((ln for ln in lines if ln.startswith("Hint:")), "")
+    text = lines[0] if lines else reason
+    code = hint.split("`")[1] if hint.count("`") >= 2 else ""
+    if code:  # the setting or call the hint names, rather than its prose
+        text += f" (Dynamo's hint: `{code}`)"
+    elif hint:
+        text += f". {hint}"
+    return text if len(text) <= width else text[:width - 3] + "..."
 
 
 def record(sites: list[Site], count: bool = True) -> None:

@@ -132,7 +132,8 @@ def check_config(config: PisaConfig, where: str = "context_parallel_attention") 
     names the caller in the message.
 
     Raises:
-        TypeError: ``config`` is not a :class:`~pisa_compile.PisaConfig`.
+        TypeError: ``config`` is not a :class:`~pisa_compile.PisaConfig`, ``group`` not a
+            ``ProcessGroup``, or ``enable_gqa`` not a bool.
         ValueError: exact leaf scores, box bounds, a dense tail or no local blocks; the
             message names the option.
     """
@@ -228,7 +229,8 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: Option
 
     Raises:
         RuntimeError: ``torch.distributed`` is not initialized.
-        TypeError: ``config`` is not a :class:`~pisa_compile.PisaConfig`.
+        TypeError: ``config`` is not a :class:`~pisa_compile.PisaConfig`, ``group`` not a
+            ``ProcessGroup``, or ``enable_gqa`` not a bool.
         ValueError: bad shapes, dtypes or options in ``config``, or ``fetch_budget`` not
             None or in ``(0, 1]``; the message names the argument. A small all-gather first
             compares every rank's shapes, dtypes, whether q, k, v want gradients,
@@ -250,6 +252,12 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: Option
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("context_parallel_attention: torch.distributed is not initialized "
                            "(call torch.distributed.init_process_group first)")
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"context_parallel_attention: group must be None or a "
+                        f"torch.distributed ProcessGroup, got {type(group).__name__}")
+    if not isinstance(enable_gqa, bool):
+        raise TypeError(f"context_parallel_attention: enable_gqa must be a bool, got "
+                        f"{type(enable_gqa).__name__}")
     config = CP_CONFIG if config is None else config
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     # First, so that a call some rank makes differently is refused by every rank together,

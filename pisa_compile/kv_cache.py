@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 import warnings
 from typing import Optional
 
@@ -126,7 +127,7 @@ class PisaKVCache:
             (ints >= 1).
         value_dim: ``Dv`` (default ``head_dim``).
         dtype: the keys' and values' dtype (the pyramid's boxes are stored in it).
-        device: where the cache lives.
+        device: where the cache lives; default CUDA where available, else the CPU.
         config: :class:`~pisa_compile.PisaConfig` for the selection (``block_size``,
             ``top_k``, ``branching``, ``beam``, ``sink_blocks``, ``local_blocks``,
             ``shortlist``) and for prefill. Default ``PisaConfig()``.
@@ -160,14 +161,18 @@ class PisaKVCache:
 
     def __init__(self, batch_size: int, num_kv_heads: int, max_len: int, head_dim: int, *,
                  value_dim: Optional[int] = None, dtype: torch.dtype = torch.bfloat16,
-                 device="cuda", config: Optional[PisaConfig] = None,
+                 device=None, config: Optional[PisaConfig] = None,
                  sparse_from: Optional[int] = None, cuda_graph: bool = False):
         value_dim = head_dim if value_dim is None else value_dim
-        for name, val in (("batch_size", batch_size), ("num_kv_heads", num_kv_heads),
-                          ("max_len", max_len), ("head_dim", head_dim),
-                          ("value_dim", value_dim)):
-            if not isinstance(val, int) or isinstance(val, bool) or val < 1:
+        sizes = {"batch_size": batch_size, "num_kv_heads": num_kv_heads, "max_len": max_len,
+                 "head_dim": head_dim, "value_dim": value_dim}
+        for name, val in sizes.items():
+            if not isinstance(val, numbers.Integral) or isinstance(val, bool) or val < 1:
                 raise ValueError(f"PisaKVCache: {name} must be an int >= 1, got {val!r}")
+        # numpy ints too, as transformers' caches take them
+        batch_size, num_kv_heads, max_len, head_dim, value_dim = map(int, sizes.values())
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
         if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise ValueError(f"PisaKVCache: dtype must be a floating dtype, got {dtype!r}")
         config = check_options(config, sparse_from, "PisaKVCache")
@@ -488,17 +493,28 @@ class PisaStaticKVCache:
     ``leaf_scoring="pooled"`` (no exact scores) a padded leaf can take a ``top_k`` slot.
 
     Raises:
-        ValueError: buffers or length of the wrong shape, dtype or device.
-        TypeError: ``config`` is not a PisaConfig.
+        ValueError: buffers or length of the wrong shape, dtype or device (the buffers
+            floating, of one dtype and device).
+        TypeError: ``keys``, ``values`` or ``length`` not a tensor; ``config`` not a
+            PisaConfig.
     """
 
     def __init__(self, keys: Tensor, values: Tensor, length: Tensor, *,
                  config: Optional[PisaConfig] = None, sparse_from: Optional[int] = None,
                  cuda_graph: bool = True):
+        for name, t in (("keys", keys), ("values", values), ("length", length)):
+            if not isinstance(t, Tensor):
+                raise TypeError(f"PisaStaticKVCache: {name} must be a torch.Tensor, got "
+                                f"{type(t).__name__}")
         if keys.dim() != 4 or values.dim() != 4 or keys.shape[:3] != values.shape[:3]:
             raise ValueError(f"PisaStaticKVCache: keys and values must be [B, Hkv, capacity, "
                              f"D] buffers of one B, Hkv, capacity; got {tuple(keys.shape)} and "
                              f"{tuple(values.shape)}")
+        if (not keys.is_floating_point() or values.dtype != keys.dtype
+                or values.device != keys.device):
+            raise ValueError(f"PisaStaticKVCache: keys and values must be floating buffers of "
+                             f"one dtype and device, got {keys.dtype} on {keys.device} and "
+                             f"{values.dtype} on {values.device}")
         if (length.numel() != 1 or length.dtype != torch.int64
                 or length.device != keys.device):
             raise ValueError(f"PisaStaticKVCache: length must be one int64 on "

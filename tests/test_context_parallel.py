@@ -367,6 +367,10 @@ def test_bad_config_is_refused_by_name(one_rank, kwargs, match):
         cp.context_parallel_attention(x, x, x, **kwargs)
     with pytest.raises(TypeError, match="config must be a PisaConfig"):
         cp.context_parallel_attention(x, x, x, config={"top_k": 3})
+    with pytest.raises(TypeError, match="group must be None or a torch.distributed"):
+        cp.context_parallel_attention(x, x, x, group="x")
+    with pytest.raises(TypeError, match="enable_gqa must be a bool"):
+        cp.context_parallel_attention(x, x, x, enable_gqa="yes")
 
 
 @pytest.mark.parametrize("q, k, v, match", [

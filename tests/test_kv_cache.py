@@ -221,6 +221,12 @@ def test_bad_input_names_the_argument():
         PisaKVCache(1, 1, 8, 8, device="cpu", sparse_from=-1)
     with pytest.raises(TypeError, match="config"):
         PisaKVCache(1, 1, 8, 8, device="cpu", config={"top_k": 2})
+    with pytest.raises(ValueError, match="max_len must be an int >= 1"):
+        PisaKVCache(1, 1, 8.0, 8, device="cpu")
+    import numpy as np  # numpy sizes are sizes, as transformers' caches take them
+    assert PisaKVCache(np.int64(1), 1, np.int64(8), 8, device="cpu").keys.shape[2] == 8
+    if not torch.cuda.is_available():  # the default device is one this machine has
+        assert PisaKVCache(1, 1, 8, 8, dtype=torch.float32).keys.device.type == "cpu"
     pyr = cache.pyramid
     with pytest.raises(ValueError, match="start < end"):
         tp.append_boxes(pyr, cache.keys, 3, 3)

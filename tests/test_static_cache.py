@@ -192,6 +192,12 @@ def test_bad_input_names_the_argument():
         PisaStaticKVCache(keys, keys.clone(), torch.zeros((), dtype=torch.long), config={})
     with pytest.raises(ValueError, match="length must be one int64"):
         PisaStaticKVCache(keys, keys.clone(), torch.zeros((), dtype=torch.int32))
+    with pytest.raises(TypeError, match="length must be a torch.Tensor"):
+        PisaStaticKVCache(keys, keys.clone(), 0)
+    with pytest.raises(ValueError, match="floating buffers of one dtype"):
+        PisaStaticKVCache(keys.long(), keys.long(), torch.zeros((), dtype=torch.long))
+    with pytest.raises(ValueError, match="floating buffers of one dtype"):
+        PisaStaticKVCache(keys, keys.half(), torch.zeros((), dtype=torch.long))
     from pisa_compile.kernels.triton_pyramid import append_boxes_at
     cache = _static(1, 2, 16, 8, _cfg())
     with pytest.raises(ValueError, match="n_new"):

@@ -132,8 +132,7 @@ def check_config(config: PisaConfig, where: str = "context_parallel_attention") 
     names the caller in the message.
 
     Raises:
-        TypeError: ``config`` is not a :class:`~pisa_compile.PisaConfig`, ``group`` not a
-            ``ProcessGroup``, or ``enable_gqa`` not a bool.
+        TypeError: ``config`` is not a :class:`~pisa_compile.PisaConfig`.
         ValueError: exact leaf scores, box bounds, a dense tail or no local blocks; the
             message names the option.
     """

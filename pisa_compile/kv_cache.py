@@ -524,9 +524,11 @@ class PisaStaticKVCache:
         self.config, self.sparse_from, self.cuda_graph = config, sparse_from, bool(cuda_graph)
         self.decode_config = decode_config(config)
         self.keys, self.values, self.length = keys, values, length
-        # A lower bound of ``length`` kept on the host (compiled steps do not advance it): an
-        # eager append checks the capacity against it without a sync.
-        self._known_length = 0
+        # ``length`` as the host knows it, while ``_known_exact``: eager appends advance it,
+        # so they check the capacity without a sync; a compiled or captured append clears
+        # the flag (Dynamo replays the store on every call), and the next eager one reads
+        # the device length once.
+        self._known_length, self._known_exact = 0, False
         B, Hkv, cap, D = keys.shape
         self.pyramid: Optional[BoxPyramid] = None
         if self._sparse_worthy():
@@ -581,16 +583,15 @@ class PisaStaticKVCache:
         """Write ``[B, Hkv, n, D]`` keys and values at positions ``[length, length + n)``,
         advance ``length`` and update the pyramid: all on the device (traceable by
         ``torch.compile``, capturable in a CUDA graph). Writing past the capacity is an
-        ``ValueError`` when the keys appended eagerly since the last ``reset``/``rebuild``
-        already overflow (counted on the host: no sync); an overflow reached through compiled
-        or CUDA-graph-captured steps, which the host does not count, fails in ``index_copy_``
-        (on CUDA a device-side assert).
+        ``ValueError`` when run eagerly (the length counted on the host, read from the device
+        once after compiled or captured appends); a compiled or CUDA-graph-captured append
+        reads no length, and its overflow fails in ``index_copy_`` (on CUDA a device-side
+        assert).
 
         Raises:
             ValueError: ``key``/``value`` not ``[B, Hkv, n, D]``/``[B, Hkv, n, Dv]`` of the
                 cache's batch, heads, head dims, dtype and device; or, run eagerly, more
-                keys than the capacity (``max_cache_len``) has left after the keys appended
-                eagerly.
+                keys than the capacity (``max_cache_len``) has left.
         """
         B, Hkv, _, D = self.keys.shape
         n = key.shape[2] if key.dim() == 4 else -1
@@ -605,12 +606,17 @@ class PisaStaticKVCache:
             return
         eager = not (torch.compiler.is_compiling() or (
             key.is_cuda and torch.cuda.is_current_stream_capturing()))
-        if eager and self._known_length + n > self.keys.shape[2]:
-            # Named here: past this point it would be a device-side assert on CUDA.
-            raise ValueError(f"PisaStaticKVCache.append: {n} key(s) after at least "
-                             f"{self._known_length} overflow max_cache_len="
-                             f"{self.keys.shape[2]} (build the cache with at least the prompt "
-                             f"length plus max_new_tokens)")
+        if not eager:
+            self._known_exact = False
+        else:
+            if not self._known_exact:  # once after compiled steps (or at first use)
+                self._known_length, self._known_exact = int(self.length), True
+            if self._known_length + n > self.keys.shape[2]:
+                # Named here: past this point it would be a device-side assert on CUDA.
+                raise ValueError(f"PisaStaticKVCache.append: {n} key(s) after "
+                                 f"{self._known_length} overflow max_cache_len="
+                                 f"{self.keys.shape[2]} (build the cache with at least the "
+                                 f"prompt length plus max_new_tokens)")
         if self.pyramid is None:
             _write_at(self.keys, self.values, self.length, key, value)
         else:
@@ -623,7 +629,7 @@ class PisaStaticKVCache:
 
     def reset(self) -> None:
         """Empty the pyramid (the caller zeroes the buffers and the length)."""
-        self._known_length = 0
+        self._known_length, self._known_exact = 0, True
         if self.pyramid is not None:
             self.pyramid.clear()
 
@@ -631,6 +637,7 @@ class PisaStaticKVCache:
         """Rebuild the pyramid over the first ``length`` keys (after the length was cut:
         transformers' ``crop``). Eager: reads the length on the host, ``O(length)``."""
         n = self._known_length = int(self.length)
+        self._known_exact = True
         if self.pyramid is None:
             return
         self.pyramid.clear()

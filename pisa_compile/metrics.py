@@ -16,7 +16,7 @@ from torch import Tensor
 
 from .config import PisaConfig
 from .kernels import reference
-from .kernels.geometry import forced_ranges, query_offset
+from .kernels.geometry import forced_ranges, query_offset, sink_start
 from .ops import select_blocks
 
 __all__ = ["SelectionQuality", "selection_recall", "block_mass"]
@@ -106,7 +106,7 @@ def selection_recall(q: Tensor, k: Tensor, config: Optional[PisaConfig] = None, 
     chosen = chosen[..., :L]
 
     # Forced blocks are attended regardless; they are left out of the ranking on both sides.
-    forced = _forced_mask(q, k, is_causal, config, T, L)
+    forced = _forced_mask(q, k, attn_mask, is_causal, config, T, L)
     scorable = ~forced & (tile_mass > 0)
     k_eff = torch.minimum(scorable.sum(-1), torch.tensor(config.top_k, device=q.device))
     ranked = torch.sort(tile_mass.masked_fill(~scorable, -1.0), -1, descending=True).indices
@@ -125,11 +125,19 @@ def selection_recall(q: Tensor, k: Tensor, config: Optional[PisaConfig] = None, 
     return SelectionQuality(recall=recall, mass_ratio=mass_ratio, n_tiles=int(counted.sum()))
 
 
-def _forced_mask(q, k, is_causal, config, T, L) -> Tensor:
+def _forced_mask(q, k, attn_mask, is_causal, config, T, L) -> Tensor:
+    """The leaves the selection forces, ``[B, Hkv, T, L]``: sinks from each row's first
+    attendable key (as :func:`~pisa_compile.ops.select_blocks` places them) and the local
+    leaves."""
+    B = q.shape[0]
     offset = query_offset(q.shape[2], k.shape[2], is_causal)
     t = torch.arange(T, device=q.device)
     n_sink, lo, hi = forced_ranges(t, q.shape[2], k.shape[2], offset, config.block_size,
                                    config.query_tile, config.sink_blocks, config.local_blocks)
+    s0 = sink_start(None, config.block_size, reference.mask_parts(attn_mask)[0])
+    s0 = torch.zeros(B, dtype=torch.int32, device=q.device) if s0 is None else (
+        s0.to(q.device).expand(B))
     b = torch.arange(L, device=q.device)
-    f = (b[None, :] < n_sink) | ((b[None, :] >= lo[:, None]) & (b[None, :] <= hi[:, None]))
-    return f[None, None].expand(q.shape[0], k.shape[1], T, L)
+    sink = (b >= s0[:, None, None]) & (b < s0[:, None, None] + n_sink)  # [B, 1, L]
+    local = (b[None, :] >= lo[:, None]) & (b[None, :] <= hi[:, None])  # [T, L]
+    return (sink | local[None])[:, None].expand(B, k.shape[1], T, L)

@@ -291,6 +291,51 @@ def test_explain_reports_the_graph_breaks_it_met():
     assert no_break.graph_breaks == [] and "graph break" not in str(no_break)
 
 
+class _ContextVar:
+    """Shaped as the ``kernels`` package's ``CompileableContextVar`` under compile: ``set``
+    leaves a flag behind, which a checkpointed region cannot replay."""
+
+    def __init__(self):
+        self.value, self.used = None, False
+
+    def set(self, value):
+        previous, self.value, self.used = self.value, value, True
+        return previous
+
+    def reset(self, token):
+        self.value = token
+
+
+def test_a_side_effect_in_a_checkpointed_layer_is_reported_not_silent():
+    """What transformers' gradient checkpointing does with the ``kernels`` package, by hand:
+    a checkpointed body that leaves a change on an object from outside it. Dynamo drops the
+    region (0 sites, the attention runs eagerly); ``explain`` lists the break; with
+    Dynamo's ``skip_fwd_side_effects_in_bwd_under_checkpoint`` the site is captured inside
+    the region and rewritten."""
+    from torch.utils.checkpoint import checkpoint
+    var = _ContextVar()
+
+    def body(q, k, v):
+        token = var.set("layer")
+        out = sdpa(q, k, v)
+        var.reset(token)
+        return out
+
+    def fn(q, k, v):
+        return checkpoint(body, q, k, v, use_reentrant=False)
+
+    if not hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+        pytest.skip("this torch has no skip_fwd_side_effects_in_bwd_under_checkpoint")
+    args = _qkv(requires_grad=True)
+    report = pisa_compile.explain(fn, *args, options=dict(min_seq_len=0))
+    assert report.graph_breaks and not report.sites, str(report)
+    assert "graph break(s)" in str(report).splitlines()[1], str(report)
+    with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
+        report = pisa_compile.explain(fn, *args, options=dict(min_seq_len=0))
+    assert not report.graph_breaks and len(report.rewritten) == 1, str(report)
+    assert report.sites[0].node.startswith("wrap_body"), str(report)
+
+
 def test_transformers_gradient_checkpointing_is_never_a_silent_zero_sites():
     """A new user's trial: transformers' own gradient checkpointing (5.x with the
     ``kernels`` package) mutates a context variable inside each checkpointed layer, Dynamo

@@ -74,3 +74,26 @@ def test_a_given_oracle_gives_the_same_quality():
     other[..., 0] = 1.0
     assert (selection_recall(q, k, cfg, is_causal=True, scale=0.25, mass=other)
             != selection_recall(q, k, cfg, is_causal=True, scale=0.25, mass=oracle))
+
+
+def test_forced_sinks_sit_where_the_selection_puts_them():
+    """Under a left-padded explicit mask the selection's sink is the leaf of the row's first
+    real key; the metrics leave that leaf (not leaf 0, all padding) out of the ranking, or
+    it would count as a free hit. Checked against ``select_blocks``' own forced leaves."""
+    from pisa_compile.metrics import _forced_mask
+    B, H, N, D, C = 2, 2, 128, 16, 16
+    cfg = PisaConfig(block_size=C, top_k=1, query_tile=16, sink_blocks=1, local_blocks=1,
+                     min_seq_len=0, dense_tail=0, kernel="reference")
+    pads = torch.tensor([40, 0])  # row 0: leaves 0-1 padding, its text from leaf 2
+    km = torch.arange(N)[None, :] >= pads[:, None]
+    mask = torch.ones(N, N, dtype=torch.bool).tril()[None, None] & km[:, None, None, :]
+    q, k = torch.randn(B, H, N, D), torch.randn(B, H, N, D)
+    T, L = N // 16, N // C
+    forced = _forced_mask(q, k, mask, False, cfg, T, L)
+    assert forced[0, :, :, 2].all() and not forced[0, :, 4:, 0].any()
+    assert forced[1, :, :, 0].all()
+    # Every tile's block list holds its forced leaves (plus top_k=1 scored one).
+    bi, _ = select_blocks(q, k, mask, config=cfg)
+    chosen = torch.zeros(B, H, T, L + 1, dtype=torch.bool)
+    chosen.scatter_(-1, torch.where(bi < 0, L, bi).long(), True)
+    assert (chosen[..., :L] | ~forced).all()

@@ -78,13 +78,25 @@ def forced_ranges(tiles: Tensor, n_queries: int, n_keys: int, offset: Optional[i
     return n_sink, lo, hi
 
 
-def sink_start(key_mask: Optional[Tensor], block_size: int) -> Optional[Tensor]:
-    """The leaf of each batch row's first attendable key: int32 ``[B]`` (0 for a row with
-    none), or None without a key mask. The sink leaves of a row start there, so a left-padded
-    row keeps the start of its text, where attention sinks form, instead of its padding."""
-    if key_mask is None:
+def sink_start(key_mask: Optional[Tensor], block_size: int,
+               allowed: Optional[Tensor] = None) -> Optional[Tensor]:
+    """The leaf of each batch row's first attendable key: int32 ``[B]`` (``[1]`` for a mask
+    broadcast over the batch; 0 for a row with none), or None without a mask. The sink
+    leaves of a row start there, so a left-padded row keeps the start of its text, where
+    attention sinks form, instead of its padding.
+
+    ``key_mask``: bool ``[B, Nk]``; ``allowed``: an explicit mask's visibility (bool, batch
+    first, keys last, any dims between, broadcast ones included): a key some query of the
+    row sees is attendable. With both, a key must pass both."""
+    live = key_mask
+    if allowed is not None:
+        seen = allowed.any(-2)
+        while seen.dim() > 2:
+            seen = seen.any(1)
+        live = seen if live is None else seen & live
+    if live is None:
         return None
-    return (key_mask.to(torch.int32).argmax(-1) // block_size).to(torch.int32)
+    return (live.to(torch.int32).argmax(-1) // block_size).to(torch.int32)
 
 
 def flat_applies(leaf_scoring: str, shortlist: Optional[int], bound_block: Optional[int]) -> bool:

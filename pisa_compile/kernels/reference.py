@@ -507,12 +507,9 @@ def select_blocks(q: Tensor, k: Tensor, attn_mask: Optional[Tensor], is_causal: 
     dev = q.device
     states, key_live = leaf_states(p)
     states = states.to(dev)
-    # Sinks start at each batch row's first attendable key: the key mask's, or under an
-    # explicit mask the mask's own, so that a left-padded row's sink is its text there too.
-    live = p.key_mask
-    if p.allowed is not None:
-        live = key_live.any(1).to(dev) if live is None else key_live.any(1).to(dev) & live
-    sink_from = sink_start(live, p.C)
+    # Sinks start at each batch row's first attendable key, under a key mask or an explicit
+    # one alike: a left-padded row's sink is its text, not its padding.
+    sink_from = sink_start(p.key_mask, p.C, p.allowed)
     sink_from = 0 if sink_from is None else sink_from.to(dev).expand(p.B).reshape(p.B, 1, 1, 1)
     if pyramid is None:
         with stage_range("pisa.pyramid", k):

@@ -58,15 +58,17 @@ def explain(model_or_fn, *args, options=None, **kwargs) -> Report:
         return gm.forward
 
     from torch._dynamo.utils import counters
-    before = dict(counters["graph_break"])
+    before = {key: dict(counters[key]) for key in ("graph_break", "unimplemented")}
     torch._dynamo.reset()
     try:
         torch.compile(model_or_fn, backend=analyse)(*args, **kwargs)
     finally:
         torch._dynamo.reset()
     # Sites in a frame Dynamo skipped never reach the pass: the breaks say why there are none.
-    report.graph_breaks = [(reason, n - before.get(reason, 0))
-                           for reason, n in counters["graph_break"].items()
-                           if n > before.get(reason, 0)]
+    new = {key: {r: n - before[key].get(r, 0) for r, n in counters[key].items()
+                 if n > before[key].get(r, 0)} for key in before}
+    report.graph_breaks = list(new["graph_break"].items()) + [
+        (r, n) for r, n in new["unimplemented"].items()
+        if r not in new["graph_break"] and "frame skipped" in str(r)]
     return report
 

@@ -86,9 +86,10 @@ class Report:
 
     ``str(report)`` is an aligned table; ``report.sites`` is the list of :class:`Site`;
     ``len(report)`` counts sites; ``report.rewritten`` / ``report.left_dense`` filter them.
-    ``report.graph_breaks``: Dynamo's graph-break reasons met while capturing, with their
-    counts (code past a break runs in another graph, or eagerly where Dynamo skipped the
-    frame: attention there is in no graph, so it is neither rewritten nor reported).
+    ``report.graph_breaks``: Dynamo's graph-break reasons met while capturing, and the
+    frames it skipped, with their counts (code past a break runs in another graph, or
+    eagerly where Dynamo skipped the frame: attention there is in no graph, so it is neither
+    rewritten nor reported).
     """
 
     sites: list[Site] = field(default_factory=list)
@@ -116,9 +117,10 @@ class Report:
         head = (f"pisa_compile report: {len(self.sites)} attention site(s) in {self.graphs} "
                 f"graph(s): {len(self.rewritten)} rewritten, {len(self.left_dense)} left dense")
         if self.graph_breaks:
-            head += (f"\n{sum(n for _, n in self.graph_breaks)} graph break(s): attention in a "
-                     f"frame Dynamo skipped runs eagerly, dense, and is not listed "
-                     f"(TORCH_LOGS=graph_breaks shows where)")
+            head += (f"\n{sum(n for _, n in self.graph_breaks)} graph break(s) or skipped "
+                     f"frame(s): code after a break runs in another graph; attention in a frame "
+                     f"Dynamo skipped runs eagerly and is not listed (TORCH_LOGS=graph_breaks "
+                     f"shows where)")
             head += "".join(f"\n  {n}x {_brief(reason)}" for reason, n in self.graph_breaks)
         if not self.sites:
             return head
@@ -129,17 +131,23 @@ class Report:
 
 
 def _brief(reason: str, width: int = 300) -> str:
-    """A graph-break reason in one line: its first line, and Dynamo's hint if it gives one
-    (e.g. the config that lets a checkpointed layer be captured)."""
-    lines = [ln.strip() for ln in reason.splitlines() if ln.strip()]
+    """A graph-break reason in one line: its first line, the frame Dynamo skipped if it says
+    so, and Dynamo's hint (cut to ``width``, keeping a setting or call it names in backticks
+    whole)."""
+    lines = [ln.strip() for ln in str(reason).splitlines() if ln.strip()]
+    text = lines[0] if lines else str(reason)
+    skipped = next((ln.split("frame skipped:", 1)[1].strip() for ln in lines
+                    if "frame skipped:" in ln), "")
+    if skipped:
+        text += f"; frame skipped: {skipped}"
     hint = next((ln for ln in lines if ln.startswith("Hint:")), "")
-    text = lines[0] if lines else reason
-    code = hint.split("`")[1] if hint.count("`") >= 2 else ""
-    if code:  # the setting or call the hint names, rather than its prose
-        text += f" (Dynamo's hint: `{code}`)"
-    elif hint:
+    if hint:
         text += f". {hint}"
-    return text if len(text) <= width else text[:width - 3] + "..."
+    if len(text) <= width:
+        return text
+    code = hint.split("`")[1] if hint.count("`") >= 2 else ""
+    tail = f" ... `{code}`" if code else " ..."
+    return text[:max(0, width - len(tail))] + tail
 
 
 def record(sites: list[Site], count: bool = True) -> None:

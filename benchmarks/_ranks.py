@@ -55,22 +55,23 @@ def group(rank: int, world: int, init_method: str, device: str):
         torch.cuda.set_device(rank)
     dist.init_process_group("nccl" if cuda else "gloo", init_method=init_method, rank=rank,
                             world_size=world)
+    clean = False
     try:
         yield torch.device("cuda", rank) if cuda else torch.device("cpu")
+        clean = True
     except BaseException as e:
         # The traceback keeps the caller's frames (and a DDP reducer) alive: drop them
         # before the teardown, then let spawn report the error.
         traceback.clear_frames(e.__traceback__)
-        torch._dynamo.reset()
-        gc.collect()
-        dist.destroy_process_group()
         raise
-    try:
-        torch._dynamo.reset()
-        gc.collect()
-        dist.barrier()
     finally:
-        dist.destroy_process_group()
+        try:
+            torch._dynamo.reset()
+            gc.collect()
+            if clean:
+                dist.barrier()
+        finally:
+            dist.destroy_process_group()
 
 
 def save(args: argparse.Namespace, module: str, dev: torch.device, rows: list, **extra) -> None:

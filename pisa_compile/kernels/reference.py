@@ -508,8 +508,9 @@ def select_blocks(q: Tensor, k: Tensor, attn_mask: Optional[Tensor], is_causal: 
     states, key_live = leaf_states(p)
     states = states.to(dev)
     # Sinks start at each batch row's first attendable key, under a key mask or an explicit
-    # one alike: a left-padded row's sink is its text, not its padding.
-    sink_from = sink_start(p.key_mask, p.C, p.allowed)
+    # one alike: a left-padded row's sink is its text, not its padding. Under an explicit
+    # mask, key_live is that mask reduced over queries already ([B, h, Nk]).
+    sink_from = sink_start(p.key_mask, p.C, key_live if p.allowed is not None else None)
     sink_from = 0 if sink_from is None else sink_from.to(dev).expand(p.B).reshape(p.B, 1, 1, 1)
     if pyramid is None:
         with stage_range("pisa.pyramid", k):

@@ -4,10 +4,9 @@ regime the greedy tokens are dense attention's (tiny Llama, Triton's interpreter
 
 from __future__ import annotations
 
-
 import pytest
 
-from tests.interpreter import use_interpreter  # noqa: E402
+from tests.interpreter import use_interpreter
 
 use_interpreter()
 

@@ -13,10 +13,9 @@
 
 from __future__ import annotations
 
-
 import pytest
 
-from tests.interpreter import use_interpreter  # noqa: E402
+from tests.interpreter import use_interpreter
 
 use_interpreter()
 

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.interpreter import use_interpreter  # noqa: E402
+from tests.interpreter import use_interpreter
 
 use_interpreter()
 

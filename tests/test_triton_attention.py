@@ -7,11 +7,10 @@ broken in the interpreter). On a CUDA machine the same tests run the compiled ke
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
-from tests.interpreter import use_interpreter  # noqa: E402
+from tests.interpreter import use_interpreter
 
 use_interpreter(unless_cuda=True)
 

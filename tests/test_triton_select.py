@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from tests.interpreter import use_interpreter  # noqa: E402
+from tests.interpreter import use_interpreter
 
 use_interpreter()
 

@@ -81,6 +81,10 @@ TUNE_RESCORE = {
     "rb64_w4_r128": dict(row_block=64, num_warps=4, maxnreg=128),
     "rb64_w4_r128_p8": dict(row_block=64, num_warps=4, maxnreg=128, programs_per_sm=8),
     "rb64_w4_r152": dict(row_block=64, num_warps=4, maxnreg=152),
+    # The exact scores' dots on float8 copies of q and k (triton_select.fp8_operands).
+    "rb64_w4_r128_fp8": dict(row_block=64, num_warps=4, maxnreg=128, fp8=True),
+    "rb64_w4_r128_p6_fp8": dict(row_block=64, num_warps=4, maxnreg=128, programs_per_sm=6,
+                                fp8=True),
 }
 
 # --tune-flat: launch options of the flat kernel (flat_leaves; the defaults up to 32K keys).

@@ -260,6 +260,82 @@ def test_rescoring_programs_do_not_change_the_selection():
     check_selection(q, k, True, 0.25, cfg, key_mask=km)
 
 
+
+def test_fp8_operands_keep_float8_precision():
+    """:func:`ts.fp8_operands`: each (batch, KV head) scaled so that its largest finite
+    magnitude is float8's largest; every finite value comes back within float8's relative
+    precision (2**-4, or its smallest step near 0); non-finite values become NaN; masked
+    keys (here 1e4 garbage) do not set the keys' scale."""
+    torch.manual_seed(0)
+    B, Hkv, G, N, D = 2, 2, 3, 40, 16
+    q = torch.randn(B, Hkv * G, N, D).half()
+    q[:, G:] *= 30  # the KV heads' query groups differ in magnitude
+    k = torch.randn(B, Hkv, N, D).half()
+    q[1, 4, 3, 5] = float("inf")
+    k[0, 1, 7, 2] = float("nan")
+    km = torch.ones(B, N, dtype=torch.bool)
+    km[1, :5] = False
+    k[1, :, :5] = 1e4
+    q8, k8, dq = ts.fp8_operands(q, k, km)
+    assert q8.dtype == k8.dtype == torch.float8_e4m3fn and dq.shape == (B * Hkv,)
+    top = torch.finfo(torch.float8_e4m3fn).max
+    # Per (batch, KV head), over [group, position, channel]: q as [B, Hkv, G * N, D].
+    groups = [(q.view(B, Hkv, G * N, D), q8.view(B, Hkv, G * N, D), None),
+              (k, k8, km[:, None, :, None].expand_as(k))]
+    scales = []
+    for x, x8, keep in groups:
+        fin = torch.isfinite(x) if keep is None else torch.isfinite(x) & keep
+        a = torch.where(fin, x.float().abs(), 0).amax((2, 3))
+        scales.append(a)
+        back = x8.float() * (a / top)[:, :, None, None]
+        assert bool(torch.isnan(back[~torch.isfinite(x)]).all())
+        err = (back - x.float()).abs()[fin]
+        step = (a / top)[:, :, None, None].expand_as(back)[fin] * 2.0**-9
+        assert bool((err <= torch.maximum(x.float().abs()[fin] * 2.0**-4, step)).all())
+        # The largest finite (kept) magnitude lands on float8's largest value.
+        assert torch.equal(torch.where(fin, x8.float().abs(), 0).amax((2, 3)),
+                           torch.full_like(a, top))
+    assert torch.allclose(dq, (scales[0] * scales[1] / top**2).reshape(-1))
+    assert float(k8[1, :, :5].float().abs().max()) <= top  # masked garbage: clamped, finite
+
+
+@pytest.mark.parametrize("pads", [None, [0, 21]], ids=["no_mask", "left_padding"])
+def test_fp8_rescoring_scores_the_dequantised_operands(pads, monkeypatch):
+    """``RESCORE_TUNING["fp8"]``: the rescoring kernel's float8 dots pick what the same
+    kernel picks from the dequantised operands in fp32 (float8 products are exact in fp32),
+    per (batch, KV head) scale included: the heads' magnitudes differ 5x, and the padded
+    keys hold garbage that must not set a scale. The shortlist (flat kernel, on the fp16
+    inputs) is the same in both runs."""
+    cfg = PisaConfig(block_size=16, bound_block=4, top_k=4, shortlist=8, query_tile=16,
+                     beam=4, flat_leaves=64, min_seq_len=0, kernel="triton")
+    B, Hkv, G, N = 2, 2, 4, 300
+    q, k = _qk(B, Hkv, G, N, N, 16, torch.float16, seed=11)
+    k[:, 1] *= 5
+    k[:, :, N // 3] *= 4  # a strong key: the tiles that see it should keep picking it
+    km = None if pads is None else _left_padding(B, N, pads)
+    if km is not None:
+        k[1, :, :pads[1]] = 1e4
+    monkeypatch.setattr(ts, "WALK_MAX_POOL", 0)
+    opts = cfg.selection_options()
+    fp8 = ts.select_blocks(q, k, True, 0.25, **opts, key_mask=km,
+                           tuning={"rescore": {"fp8": True}})
+    q8, k8, _ = ts.fp8_operands(q, k, km)
+    top = torch.finfo(torch.float8_e4m3fn).max
+    aq = q.float().view(B, Hkv, G, N, 16).abs().amax((2, 3, 4))
+    keep = torch.ones(B, 1, N, 1) if km is None else km[:, None, :, None].float()
+    ak = (k.float().abs() * keep).amax((2, 3))
+    q_deq = q8.float() * (aq / top).repeat_interleave(G, 1)[:, :, None, None]
+    k_deq = k8.float() * (ak / top)[:, :, None, None]
+    real = ts._rescore
+    monkeypatch.setattr(ts, "_rescore", lambda q_, k_, *a, **kw: real(q_deq, k_deq, *a, **kw))
+    deq = ts.select_blocks(q, k, True, 0.25, **opts, key_mask=km)
+    assert torch.equal(fp8[0], deq[0]) and torch.equal(fp8[1], deq[1])
+    monkeypatch.setattr(ts, "_rescore", real)
+    plain = ts.select_blocks(q, k, True, 0.25, **opts, key_mask=km)
+    assert bool((fp8[0][:, :, N // 3 // 16 + 1:] == N // 3 // 16).any(-1).all())
+    # Not a guarantee, a sanity bound: float8 rounding flips few of these picks.
+    assert float((fp8[0] != plain[0]).any(-1).float().mean()) < 0.25
+
 @pytest.mark.parametrize("case", [CASES[2], CASES[3], CASES[9]],
                          ids=["g3_G6", "fp16_partial_tile", "tile16"])
 def test_unrolled_row_chunks_match(case):

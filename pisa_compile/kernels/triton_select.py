@@ -655,13 +655,13 @@ def _leaf_lse2(qv, qpos, kbase, skn, skd, km_row, skmn, leaf, Nk, q_first, offse
 @triton.jit
 def _rescore_kernel(
     q_ptr, k_ptr, km_ptr, lcnt_ptr, short_ptr, fidx_ptr, fcnt_ptr, idx_ptr, bcnt_ptr, trace_ptr,
-    scr_ptr, perm_ptr, lse_ptr, sqb, sqh, sqn, sqd, skb, skh, skn, skd, skmb, skmn,
+    scr_ptr, perm_ptr, lse_ptr, dq_ptr, sqb, sqh, sqn, sqd, skb, skh, skn, skd, skmb, skmn,
     Hkv, Nq, Nk, total, T, n_tiles, M, offset, scale, trace_stride, len_ptr,
     D: tl.constexpr, G: tl.constexpr, TQ: tl.constexpr, C: tl.constexpr, KC: tl.constexpr,
     BD: tl.constexpr, TOPK: tl.constexpr, W: tl.constexpr, RB: tl.constexpr, MP: tl.constexpr,
     TW: tl.constexpr, CAUSAL: tl.constexpr, HAS_KEY_MASK: tl.constexpr, LOWP: tl.constexpr,
     TRACE: tl.constexpr, SPLIT: tl.constexpr, FULL_BY_COUNT: tl.constexpr,
-    DEV_LEN: tl.constexpr,
+    DEV_LEN: tl.constexpr, FP8: tl.constexpr,
 ):
     """Persistent programs over the ``n_tiles = B * Hkv * T`` (query tile, batch * KV head)
     pairs, tile-major within a head so that concurrent programs share the head's keys in L2:
@@ -689,6 +689,10 @@ def _rescore_kernel(
     With ``SPLIT`` (few tiles of at most ``RB`` rows: decode) the scores were computed by
     :func:`_rescore_split_kernel`, many programs per tile, into ``lse_ptr`` ``[tiles, W, RB]``;
     this kernel only reads them and picks. ``DEV_LEN``: as :func:`_select_kernel`.
+
+    ``FP8``: ``q_ptr``/``k_ptr`` hold float8 copies scaled per batch * KV head
+    (:func:`fp8_operands`), whose dequantisation factor ``dq_ptr[bh]`` joins the scale: the
+    dots run at twice bf16's tensor-core rate on half the key bytes.
     """
     scale = tl.cast(scale, tl.float32)
     if DEV_LEN:
@@ -697,11 +701,11 @@ def _rescore_kernel(
     perm = perm_ptr + tl.program_id(0).to(tl.int64) * (2 * W)
     for tid in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
         _rescore_tile(tid % T, tid // T, q_ptr, k_ptr, km_ptr, lcnt_ptr, short_ptr, fidx_ptr,
-                      fcnt_ptr, idx_ptr, bcnt_ptr, trace_ptr, scr, perm, lse_ptr, sqb, sqh, sqn,
-                      sqd,
+                      fcnt_ptr, idx_ptr, bcnt_ptr, trace_ptr, scr, perm, lse_ptr, dq_ptr, sqb,
+                      sqh, sqn, sqd,
                       skb, skh, skn, skd, skmb, skmn, Hkv, Nq, Nk, total, T, M, offset, scale,
                       trace_stride, D, G, TQ, C, KC, BD, TOPK, W, RB, MP, TW, CAUSAL,
-                      HAS_KEY_MASK, LOWP, TRACE, SPLIT, FULL_BY_COUNT)
+                      HAS_KEY_MASK, LOWP, TRACE, SPLIT, FULL_BY_COUNT, FP8)
 
 
 @triton.jit
@@ -750,12 +754,12 @@ def _rescore_split_kernel(
 @triton.jit
 def _rescore_tile(
     t, bh, q_ptr, k_ptr, km_ptr, lcnt_ptr, short_ptr, fidx_ptr, fcnt_ptr, idx_ptr, bcnt_ptr,
-    trace_ptr, scr, perm, lse_ptr, sqb, sqh, sqn, sqd, skb, skh, skn, skd, skmb, skmn,
+    trace_ptr, scr, perm, lse_ptr, dq_ptr, sqb, sqh, sqn, sqd, skb, skh, skn, skd, skmb, skmn,
     Hkv, Nq, Nk, total, T, M, offset, scale, trace_stride,
     D: tl.constexpr, G: tl.constexpr, TQ: tl.constexpr, C: tl.constexpr, KC: tl.constexpr,
     BD: tl.constexpr, TOPK: tl.constexpr, W: tl.constexpr, RB: tl.constexpr, MP: tl.constexpr,
     TW: tl.constexpr, CAUSAL: tl.constexpr, HAS_KEY_MASK: tl.constexpr, LOWP: tl.constexpr,
-    TRACE: tl.constexpr, SPLIT: tl.constexpr, FULL_BY_COUNT: tl.constexpr,
+    TRACE: tl.constexpr, SPLIT: tl.constexpr, FULL_BY_COUNT: tl.constexpr, FP8: tl.constexpr,
 ):
     """One tile of :func:`_rescore_kernel`: query tile ``t`` of batch * KV head ``bh``."""
     b = bh // Hkv
@@ -780,6 +784,8 @@ def _rescore_tile(
         kbase = k_ptr + b.to(tl.int64) * skb + h.to(tl.int64) * skh
         km_row = km_ptr + b.to(tl.int64) * skmb
         qk_scale = scale * LOG2E
+        if FP8:
+            qk_scale = qk_scale * tl.load(dq_ptr + bh)
         n_first = n_ok  # slots [0, n_first) of the visit order need no key mask
         leaves = short_row
         slots = ws  # unused without a key mask: the visit order is the slot order
@@ -1025,8 +1031,13 @@ SELECT_TUNING = dict(row_block=64, num_warps=None, num_stages=None, maxnreg=None
 # registers on the H200, so two 4-warp programs share an SM; at 128 (56 spilled) four do, and
 # selection at 32K takes 12.93 ms instead of 15.15 (128K: 48.94 against 57.91; the same
 # blocks; 168 with three programs per SM: 13.26; profiles/select_rescore_regs.json).
+# fp8: the exact scores' dots on float8 copies of q and k (:func:`fp8_operands`; calls
+# without a persistent pyramid, not split): twice bf16's tensor-core rate on half the key
+# bytes, at float8's rounding of the scores. Off until measured on the H200 (speed:
+# bench_select.py --tune-rescore; quality: eval_llm on the Qwen model); the interpreter
+# tests check it scores the dequantised operands.
 RESCORE_TUNING = dict(row_block=64, key_block=64, num_warps=4, num_stages=None,
-                      programs_per_sm=4, split=None, split_leaves=2, maxnreg=128)
+                      programs_per_sm=4, split=None, split_leaves=2, maxnreg=128, fp8=False)
 
 # Launch settings of the flat kernel (one-level pools wider than the walk's): rows per chunk,
 # leaves per chunk (leaf_block * block_size / bound_block sub-blocks per dot), warps. At 32K
@@ -1380,6 +1391,52 @@ def select_blocks(q: Tensor, k: Tensor, is_causal: bool, scale: float, *, block_
     return idx, counts
 
 
+def fp8_operands(q: Tensor, k: Tensor, key_mask: Optional[Tensor] = None
+                 ) -> tuple[Tensor, Tensor, Tensor]:
+    """float8 (e4m3) copies of ``q`` and ``k`` for the exact leaf scores, each scaled so that
+    its largest finite magnitude per (batch, KV head) is float8's largest value, and the
+    factor that undoes both scalings in a score.
+
+    Args:
+        q: ``[B, Hq, Nq, D]`` and k: ``[B, Hkv, Nk, D]``, fp16/bf16/fp32, ``Hq % Hkv == 0``.
+        key_mask: None or bool ``[B, Nk]``: masked keys (which may hold anything) are left
+            out of k's scale.
+
+    Returns:
+        ``q8`` ``[B, Hq, Nq, D]`` and ``k8`` ``[B, Hkv, Nk, D]`` float8_e4m3fn (non-finite
+        values become NaN, as their scores are in q's dtype), and ``dq`` float32
+        ``[B * Hkv]``: ``q . k = dq[b * Hkv + h] * (q8 . k8)``.
+
+    float8 keeps 3 mantissa bits (a relative error of at most 2**-4 per element); scores are
+    sums of D such products, so their error is about 2**-4 * |q| |k| / sqrt(D) where the
+    rounding errors are independent. Per-tensor scaling as in FP8 attention kernels
+    (FlashAttention-3, Shah et al. 2024), per KV head here, without their block rotation.
+    """
+    B, Hq, Nq, D = q.shape
+    Hkv = k.shape[1]
+    f8 = torch.float8_e4m3fn
+    top = torch.finfo(f8).max
+
+    def amax(x: Tensor, keep: Optional[Tensor], dims) -> Tensor:
+        a = torch.where(torch.isfinite(x), x.abs(), 0)
+        if keep is not None:
+            a = a.masked_fill(~keep, 0)
+        return a.amax(dim=dims).float().clamp_min(torch.finfo(torch.float32).tiny)
+
+    aq = amax(q.view(B, Hkv, Hq // Hkv, Nq, D), None, (2, 3, 4))  # [B, Hkv]
+    ak = amax(k, None if key_mask is None else key_mask.bool()[:, None, :, None], (2, 3))
+    sq = (top / aq).repeat_interleave(Hq // Hkv, dim=1)[:, :, None, None]
+    sk = (top / ak)[:, :, None, None]
+    def cast(x: Tensor, s: Tensor) -> Tensor:
+        # In fp32, clamped: a value past float8's largest (rounding, or a masked key's
+        # garbage) would become NaN. A non-finite value becomes NaN, not a clamped finite one.
+        y = (x.float() * s).clamp(-top, top)
+        return torch.where(torch.isfinite(x), y, float("nan")).to(f8)
+
+    q8, k8 = cast(q, sq), cast(k, sk)
+    return q8, k8, (aq * ak / (top * top)).reshape(-1).contiguous()
+
+
 def _rescore(q, k, km, lcnt, short_idx, sel_idx, sel_counts, idx, counts, trace, key_mask,
              is_causal, offset, scale, total, T, M, meta, tuning, full_by_count=False,
              key_length=None):
@@ -1420,19 +1477,21 @@ def _rescore(q, k, km, lcnt, short_idx, sel_idx, sel_counts, idx, counts, trace,
         lse = counts  # unused
     scr = torch.empty(n_prog * W * RBx if not split else 1, dtype=torch.float32,
                       device=q.device)
+    fp8 = bool(rt["fp8"]) and not split and full_by_count and q.dtype != torch.float32
+    q_dot, k_dot, dq = (q, k, lcnt) if not fp8 else fp8_operands(q, k, key_mask)
     perm = torch.empty(n_prog * 2 * W if key_mask is not None else 1,
                        dtype=torch.int32, device=q.device)
     launcher(_rescore_kernel, q)[(n_prog,)](
-        q, k, km, lcnt, short_idx, sel_idx, sel_counts, idx, counts,
-        counts if trace is None else trace, scr, perm, lse,
-        *q.stride(), *k.stride(), *((0, 0) if key_mask is None else km.stride()),
+        q_dot, k_dot, km, lcnt, short_idx, sel_idx, sel_counts, idx, counts,
+        counts if trace is None else trace, scr, perm, lse, dq,
+        *q_dot.stride(), *k_dot.stride(), *((0, 0) if key_mask is None else km.stride()),
         Hkv, Nq, Nk, total, T, n_tiles, M, 0 if offset is None else offset, float(scale),
         0 if trace is None else trace.shape[3] * TW, len_arg,
         D=D, G=G, TQ=Tq, C=meta["C"], KC=max(16, min(meta["C"], rt["key_block"])),
         BD=meta["BD"], TOPK=meta["TOPK"], W=W, RB=RBx, MP=meta["MP"], TW=TW,
         CAUSAL=bool(is_causal), HAS_KEY_MASK=key_mask is not None,
         LOWP=q.dtype != torch.float32, TRACE=trace is not None, SPLIT=bool(split),
-        FULL_BY_COUNT=bool(full_by_count), DEV_LEN=key_length is not None,
+        FULL_BY_COUNT=bool(full_by_count), DEV_LEN=key_length is not None, FP8=fp8,
         num_warps=rt["num_warps"],
         **{key: rt[key] for key in ("num_stages", "maxnreg") if rt[key] is not None})
     return idx, counts

@@ -58,6 +58,7 @@ training); softcapping (``tanh``) or any other score transform; softmax over ano
 
 from __future__ import annotations
 
+import inspect
 import math
 import operator
 from dataclasses import dataclass
@@ -77,7 +78,8 @@ __all__ = [
     "SDPA_TARGETS", "val", "is_tensor_node", "arg", "is_softmax", "softmax_input",
     "matmul_kind", "as_scale", "as_cast", "as_dropout", "as_view_perm", "as_contiguous",
     "as_repeat_kv", "as_mask_add", "as_masked_fill", "as_where", "parse_einsum", "describe",
-    "constant_of", "is_softcap", "as_noop_cast", "known_equal",
+    "constant_of", "is_softcap", "as_noop_cast", "known_equal", "autocast_enter",
+    "is_autocast_exit",
 ]
 
 # -- node helpers ----------------------------------------------------------------------------
@@ -130,6 +132,33 @@ def is_checkpoint(node: Any) -> bool:
     return (isinstance(node, Node) and node.op == "call_function" and hop is not None
             and node.target is hop and bool(node.args)
             and getattr(node.args[0], "op", None) == "get_attr")
+
+
+def autocast_enter(node: Any) -> Optional[tuple]:
+    """``(device_type, dtype, enabled)`` of a ``torch.autocast`` region entered inside the
+    graph (Dynamo: ``torch.amp.autocast_mode._enter_autocast(device, dtype, enabled,
+    cache)``), else None. A dtype of None is the device's autocast dtype now (as
+    ``torch.autocast`` reads it on entry)."""
+    if not (isinstance(node, Node) and node.op == "call_function"
+            and node.target is torch.amp.autocast_mode._enter_autocast):
+        return None
+    try:
+        bound = inspect.signature(torch.autocast.__init__).bind(None, *node.args, **node.kwargs)
+    except TypeError:
+        return None
+    bound.apply_defaults()
+    device, dtype, enabled = (bound.arguments[k] for k in ("device_type", "dtype", "enabled"))
+    if not isinstance(device, str) or not isinstance(enabled, bool):
+        return None
+    if dtype is None:
+        dtype = torch.get_autocast_dtype(device)
+    return (device, dtype, enabled) if isinstance(dtype, torch.dtype) else None
+
+
+def is_autocast_exit(node: Any) -> bool:
+    """The end of a region :func:`autocast_enter` recognises: ``_exit_autocast(enter)``."""
+    return (isinstance(node, Node) and node.op == "call_function"
+            and node.target is torch.amp.autocast_mode._exit_autocast)
 
 
 def checkpoint_operands(call: Node, body: Any) -> Optional[dict]:

@@ -18,7 +18,7 @@ import math
 import operator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch.fx import GraphModule, Node
@@ -85,6 +85,9 @@ class _Plan:
     enable_gqa: bool = False
     rank3: bool = False              # [B*H, N, D] inputs: run as [1, B*H, N, D]
     dtype: Any = None                # q's dtype (float masks are cast to it)
+    # torch.autocast's dtype where it casts the site's q, k, v (and SDPA's float mask) to it
+    # (_autocast_cast), else None.
+    autocast: Optional[torch.dtype] = None
     owned: list = field(default_factory=list)     # nodes the site consumes (erased if dead)
 
 
@@ -139,6 +142,61 @@ class _Outer:
 
 # The checkpoint body being rewritten (set by _rewrite_subgraphs around its rewrite_graph).
 _OUTER: ContextVar[Optional[_Outer]] = ContextVar("pisa_outer", default=None)
+
+# The autocast state a graph starts in: None for a graph Dynamo hands the backend (the
+# caller's state then, read when the pass runs: the backend compiles inside the user's
+# ``torch.autocast``, and Dynamo guards on it), or for a checkpoint body a function of the
+# device type giving the state at its call in the enclosing graph.
+_AUTOCAST_AT_START: ContextVar[Optional[Callable]] = ContextVar("pisa_autocast", default=None)
+_FROM_CONTEXT = object()
+
+
+def _autocast_dtype(node: Node, device_type: str, start: Any = _FROM_CONTEXT
+                    ) -> Optional[torch.dtype]:
+    """The dtype ``torch.autocast`` runs ``node`` in on ``device_type``, None where it is
+    off or not known: the innermost region entered in the graph before ``node`` and not yet
+    left, else the state the graph starts in (``start``: as :data:`_AUTOCAST_AT_START`)."""
+    regions: dict = {}
+    for n in node.graph.nodes:
+        if n is node:
+            break
+        if n.op == "call_function" and n.target is torch.amp.autocast_mode._enter_autocast:
+            regions[n] = P.autocast_enter(n)  # None: arguments not read, state unknown
+        elif P.is_autocast_exit(n) and n.args:
+            regions.pop(n.args[0], None)
+    for state in reversed(list(regions.values())):
+        if state is None:
+            return None
+        dev, dtype, enabled = state
+        if dev == device_type:
+            return dtype if enabled else None
+    start = _AUTOCAST_AT_START.get() if start is _FROM_CONTEXT else start
+    if start is not None:
+        return start(device_type)
+    return (torch.get_autocast_dtype(device_type)
+            if torch.is_autocast_enabled(device_type) else None)
+
+
+def _autocast_cast(products: list, q: Any, k: Any, v: Any) -> Optional[torch.dtype]:
+    """The dtype autocast casts the site's ``q``, ``k`` and ``v`` to (their example values),
+    where it does: each node of ``products`` (SDPA, or a hand-written site's two matmuls) runs
+    inside an enabled region for their device, its traced output is in that region's dtype,
+    q, k and v are floating and not float64 (autocast leaves those), and one of them is in
+    another dtype. Else None."""
+    ts = (q, k, v)
+    if not all(isinstance(t, torch.Tensor) and t.is_floating_point()
+               and t.dtype != torch.float64 for t in ts):
+        return None
+    if all(t.dtype == q.dtype for t in ts) and all(
+            getattr(P.val(n), "dtype", None) == q.dtype for n in products):
+        return None  # nothing was cast (the common case: no graph walk)
+    dtypes = {_autocast_dtype(n, q.device.type) for n in products}
+    if len(dtypes) != 1 or None in dtypes:
+        return None
+    (dtype,) = dtypes
+    if not all(getattr(P.val(n), "dtype", None) == dtype for n in products):
+        return None
+    return None if all(t.dtype == dtype for t in ts) else dtype
 
 
 def _through_boundary(mask: Any) -> Any:
@@ -203,6 +261,8 @@ def _added_dtype(plan: "_Plan", q_dtype: Any) -> Optional[torch.dtype]:
     if plan.mask is not None and not plan.masks:
         mv = P.val(plan.mask)
         if isinstance(mv, torch.Tensor) and mv.dtype.is_floating_point:
+            if plan.autocast is not None:  # SDPA's mask is cast with q, k and v
+                return plan.autocast
             return mv.dtype if q_dtype is None else torch.promote_types(mv.dtype, q_dtype)
         return None
     if plan.mask is None and len(plan.masks) == 1 and plan.masks[0][0] == "add":
@@ -281,6 +341,8 @@ def _take_structure(graph, plan: _Plan, s: M.Struct, qv: Any, kv: Any, site: Sit
             site.mask += f"(causal offset {_fmt_offset(s.upper)} not provably >= 0)"
             return False
     one_fill, added = _one_fill(plan), _added_dtype(plan, getattr(qv, "dtype", None))
+    # Autocast casts SDPA's mask (not a hand-written site's: its sum is traced as is).
+    cast_fill = plan.autocast if plan.mask is not None and not plan.masks else None
     plan.mask, plan.masks = None, []
     plan.is_causal = s.upper is not None
     plan.causal_offset = s.upper if s.upper is not None and s.upper != (0, ()) else None
@@ -294,7 +356,11 @@ def _take_structure(graph, plan: _Plan, s: M.Struct, qv: Any, kv: Any, site: Sit
     if s.key is None:
         plan.empty_rows = None
     elif s.fill is not None:  # a float mask: its fill was added
-        plan.empty_rows = _empty_rows_kind("add", s.fill, added)
+        fill = s.fill
+        if cast_fill is not None and isinstance(fill, (int, float)):
+            # As autocast hands it to SDPA: finfo(float32).min is -inf in bfloat16.
+            fill = float(torch.tensor(fill, dtype=torch.float64).to(cast_fill))
+        plan.empty_rows = _empty_rows_kind("add", fill, added)
     elif one_fill:
         plan.empty_rows = _empty_rows_kind("replace", plan.fills[0], None)
     plan.window = window
@@ -471,8 +537,9 @@ def _check_shapes(plan: _Plan) -> tuple:
         raise LeaveDense(f"unsupported rank: q {fmt_shape(q)}, k {fmt_shape(k)}, v {fmt_shape(v)} "
                     "(need 4-D [B, H, N, D] or 3-D [B*H, N, D])")
     plan.rank3 = q.dim() == 3
-    plan.dtype = q.dtype
-    if not (q.dtype == k.dtype == v.dtype) or not q.is_floating_point():
+    plan.dtype = q.dtype if plan.autocast is None else plan.autocast
+    if plan.autocast is None and (not (q.dtype == k.dtype == v.dtype)
+                                  or not q.is_floating_point()):
         raise LeaveDense(f"dtypes differ or are not floating: q {q.dtype}, k {k.dtype}, v {v.dtype}")
     if not (P.known_equal(q.shape[0], k.shape[0]) and P.known_equal(k.shape[0], v.shape[0])):
         raise LeaveDense("batch dims of q, k, v differ (broadcast matmul)")
@@ -491,8 +558,8 @@ def _check_shapes(plan: _Plan) -> tuple:
     if not (_may_eq(q.shape[-1], k.shape[-1]) and _may_eq(k.shape[-2], v.shape[-2])):
         raise LeaveDense("q/k head dims or k/v lengths differ")
     out = P.val(plan.anchor)
-    if isinstance(out, torch.Tensor) and out.dtype != q.dtype:
-        raise LeaveDense(f"output dtype {out.dtype} differs from q dtype {q.dtype}")
+    if isinstance(out, torch.Tensor) and out.dtype != plan.dtype:
+        raise LeaveDense(f"output dtype {out.dtype} differs from q dtype {plan.dtype}")
     return q, k, v
 
 
@@ -529,9 +596,13 @@ def _analyze_sdpa(node: Node, site: Site) -> _Plan:
         _check_mask_grad(mask)
     plan = _Plan(anchor=node, q=q, k=k, v=v, mask=mask, is_causal=b["is_causal"],
                  enable_gqa=b["enable_gqa"], owned=[node])
+    plan.autocast = _autocast_cast([node], P.val(q), P.val(k), P.val(v))
+    if plan.autocast is not None:
+        site.form += f"+autocast({str(plan.autocast).replace('torch.', '')})"
     if mask is not None and P.is_tensor_node(q) and P.is_tensor_node(k):
         kind = "bool" if P.val(mask).dtype == torch.bool else "add"
-        s = _structure([(kind, mask, True if kind == "bool" else [], P.val(q).dtype)],
+        s = _structure([(kind, mask, True if kind == "bool" else [],
+                         plan.autocast or P.val(q).dtype)],
                        P.val(q).shape[-2], P.val(k).shape[-2])
         if s is not None:
             _take_structure(node.graph, plan, s, P.val(q), P.val(k), site)
@@ -749,6 +820,10 @@ def _analyze_softmax(sm: Node, site: Site) -> Optional[_Plan]:
 
     plan = _Plan(anchor=pv, q=q, k=k, v=v, q_perm=q_perm, k_perm=k_perm, v_perm=v_perm,
                  out_perm=None if _identity(out_perm) else out_perm, owned=owned)
+    # The masks' dtypes are the traced sums', which already say what autocast did.
+    plan.autocast = _autocast_cast([qk, pv], P.val(q), P.val(k), P.val(v))
+    if plan.autocast is not None:
+        site.form += f"+autocast({str(plan.autocast).replace('torch.', '')})"
     if _identity(plan.k_perm) and _identity(plan.v_perm):
         kk, vv, form = _strip_repeat(k, v, owned)
         if form is not None:
@@ -859,6 +934,15 @@ def _apply(gm: GraphModule, plan: _Plan, config: PisaConfig) -> Node:
         return n if _identity(p) else emit("call_method", "permute", (n, *p))
 
     q, k, v = perm(plan.q, plan.q_perm), perm(plan.k, plan.k_perm), perm(plan.v, plan.v_perm)
+    if plan.autocast is not None:
+        # What autocast does to SDPA's (or the matmuls') inputs, written out: the op is not
+        # on autocast's lists. SDPA's float mask is cast with them.
+        q, k, v = (t if getattr(P.val(t), "dtype", None) == plan.autocast
+                   else emit("call_method", "to", (t, plan.autocast)) for t in (q, k, v))
+        mv = P.val(plan.mask) if plan.mask is not None else None
+        if isinstance(mv, torch.Tensor) and mv.dtype.is_floating_point \
+                and mv.dtype != plan.autocast:
+            plan.mask = emit("call_method", "to", (plan.mask, plan.autocast))
     if plan.key_outer is not None:
         plan.key_mask = plan.key_outer.thread(plan.key_mask)
     if plan.key_mask is None and plan.empty_rows is None:
@@ -1044,9 +1128,14 @@ def _rewrite_subgraphs(gm: GraphModule, node: Node, config: PisaConfig, apply: b
                        for u in a.users]
             token = _OUTER.set(_Outer(node, body, rewrite)
                                if checkpoint and callers == [node] else None)
+            # The body runs in the autocast state of its call.
+            outer_start = _AUTOCAST_AT_START.get()
+            started = _AUTOCAST_AT_START.set(
+                lambda dev, n=node, s=outer_start: _autocast_dtype(n, dev, s))
             try:
                 inner = rewrite_graph(body, config, rewrite)
             finally:
+                _AUTOCAST_AT_START.reset(started)
                 _OUTER.reset(token)
             if rewrite and any(s.rewritten for s in inner):
                 setattr(gm, name, body)

@@ -512,15 +512,23 @@ def plan(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None,
          key_mask: Optional[Tensor] = None) -> Plan:
     """Which implementation runs each stage of ``pisa_attention(q, k, v, ...)``.
 
-    Args: as :func:`pisa_attention` (shapes ``[B, H, N, D]``); the inputs are not checked.
+    Args: as :func:`pisa_attention` (shapes ``[B, H, N, D]``; ``Hq`` a multiple of ``Hkv``,
+        as with ``enable_gqa=True``).
 
     Returns:
         A :class:`~pisa_compile.kernels.dispatch.Plan`: ``select`` and ``attention``
         (``"sdpa"``, ``"triton"``, ``"triton-decode"``, ``"flex-window"``,
         ``"triton-window"``, ``"runtime-mask"`` or ``"reference"``) and the ``reason``
         a stage does not take the fused Triton path. See ``kernels.dispatch.plan``.
+
+    Raises:
+        TypeError, ValueError: the arguments :func:`pisa_attention` would refuse (shapes,
+            dtypes, devices, masks, ``window``, ``causal_offset``), with the same messages.
     """
     config = _config(config)
+    _check_inputs(q, k, v, attn_mask, is_causal, True, config)
+    key_mask = _check_structure(q, k, attn_mask, key_mask, is_causal, causal_offset)
+    window = _check_window(window, is_causal, attn_mask)
     how = _plan(q, k, v, attn_mask, is_causal, config=config, window=window,
                 causal_offset=causal_offset, key_mask=key_mask)
     if (how.reason == dispatch.IN_DENSE_TAIL and how.attention == dispatch.SDPA

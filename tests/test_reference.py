@@ -9,7 +9,7 @@ import torch.nn.functional as F
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from pisa_compile import PisaConfig, pisa_attention, select_blocks
+from pisa_compile import PisaConfig, pisa_attention, plan, select_blocks
 from pisa_compile.kernels import reference
 from pisa_compile.kernels.geometry import block_width, forced_ranges, query_offset
 from tests.select_check import opcheck_stages
@@ -288,6 +288,11 @@ def test_bad_inputs_name_the_argument(case, match):
     for cfg in (PisaConfig(), PisaConfig(min_seq_len=0)):  # the dense and the sparse path
         with pytest.raises((ValueError, TypeError), match=match):
             pisa_attention(q, k, v, **{"config": cfg, **kwargs})
+    # plan() refuses what the op refuses (it takes GQA as given, and no dropout or scale).
+    if case not in ("gqa_flag", "dropout", "scale", "scale_meta"):
+        plan_kw = {n: x for n, x in kwargs.items() if n in ("attn_mask", "is_causal", "config")}
+        with pytest.raises((ValueError, TypeError), match=match):
+            plan(q, k, v, **plan_kw)
 
 
 def test_masks_of_any_rank_and_dtype_on_both_paths():

@@ -254,3 +254,40 @@ def test_dense_sdpa_gradients_from_a_slice_under_compile(fold):
     got = torch.autograd.grad(torch.compile(f, fullgraph=True)(q, k, v), (q, k, v), go)
     for a, b in zip(got, want):
         assert _rel(a, b) < 3e-2
+
+
+def test_llama_training_step_under_cuda_autocast():
+    """The usual mixed-precision step on CUDA (float32 weights, ``torch.autocast`` in bfloat16
+    around the call): every site rewritten (Llama's rotary step hands SDPA float32 q and k
+    beside a bfloat16 v), no reference stage, and in the exact regime the loss and every
+    weight's gradient equal eager autocast's within bfloat16 rounding."""
+    import transformers
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512,
+                                   num_hidden_layers=2, num_attention_heads=8,
+                                   num_key_value_heads=2, max_position_embeddings=8192)
+    cfg._attn_implementation = "sdpa"
+    model = transformers.LlamaForCausalLM(cfg).cuda().train()
+    ids = torch.randint(0, 256, (2, 4096), device="cuda")
+    am = torch.ones_like(ids)
+    am[1, :500] = 0
+    labels = ids.masked_fill(am == 0, -100)
+    exact = {"min_seq_len": 0, "top_k": 64, "dense_tail": 0}  # 64 blocks of 64: every key
+
+    def step(fn):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = fn(input_ids=ids, attention_mask=am, labels=labels).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    ref_loss, ref = step(model)
+    loss, grads = step(torch.compile(model, backend="pisa", options=exact))
+    assert counters["pisa"]["rewritten"] == 2 and not counters["pisa"]["left_dense"]
+    assert not counters["pisa"]["reference_select"], dict(counters["pisa"])
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-2, atol=1e-2)
+    for name, g in grads.items():
+        assert _rel(g, ref[name]) < 5e-2, name

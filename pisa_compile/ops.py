@@ -11,6 +11,7 @@ at trace time, and is visible in the graph.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import numbers
 from typing import Optional
@@ -36,7 +37,24 @@ __all__ = ["pisa_attention", "select_blocks", "plan", "Plan", "check_causal_buff
 # the H200 but failed under torch.compile there; it has not been shown to help, so the
 # kernels stay behind custom ops, and Inductor compiles the rest of the graph.
 
+def _autocast_off(body):
+    """A custom op's body with autocast off on its inputs' device. A custom op is on no
+    autocast list, so an ambient ``torch.autocast`` (a compiled graph called inside one)
+    would otherwise recast the reference's own matmuls: its outputs drifted in precision and
+    its backward mixed dtypes (``scatter_add_`` raised). Autocast's casts of the op's inputs
+    are the caller's: the rewrite writes them out before the op."""
+    @functools.wraps(body)
+    def run(*args, **kwargs):
+        dev = next((a.device.type for a in args if isinstance(a, Tensor)), None)
+        if dev is None or not torch.is_autocast_enabled(dev):
+            return body(*args, **kwargs)
+        with torch.autocast(dev, enabled=False):
+            return body(*args, **kwargs)
+    return run
+
+
 @torch.library.custom_op("pisa::select_blocks", mutates_args=())
+@_autocast_off
 def _select_blocks_op(
     q: Tensor, k: Tensor, attn_mask: Optional[Tensor], key_mask: Optional[Tensor],
     is_causal: bool, causal_offset: int, scale: float, block_size: int, top_k: int,
@@ -63,6 +81,7 @@ def _(q, k, attn_mask, key_mask, is_causal, causal_offset, scale, block_size, to
 
 
 @torch.library.custom_op("pisa::attention", mutates_args=())
+@_autocast_off
 def _attention_op(
     q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], key_mask: Optional[Tensor],
     block_indices: Tensor, block_counts: Tensor, is_causal: bool, causal_offset: int,
@@ -84,6 +103,7 @@ def _(q, k, v, attn_mask, key_mask, block_indices, block_counts, is_causal, caus
 
 
 @torch.library.custom_op("pisa::cached_decode", mutates_args=())
+@_autocast_off
 def _cached_decode_op(q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor],
                       causal_offset: int, scale: float, kernel: str) -> Tensor:
     # At run time: keys that are a PisaKVCache's decode from its pyramid, the rest densely.
@@ -135,6 +155,7 @@ _HOST_SYNC = {"tags": (torch.Tag.cudagraph_unsafe,)} if hasattr(torch.Tag, "cuda
 
 
 @torch.library.custom_op("pisa::structured_from_mask", mutates_args=(), **_HOST_SYNC)
+@_autocast_off
 def _structured_from_mask_op(
     q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor, scale: float, block_size: int,
     top_k: int, branching: int, beam: Optional[int], sink_blocks: int, local_blocks: int,
@@ -194,6 +215,7 @@ if _CONFIG_FIELDS != PisaConfig.field_names():  # the op's schema lists them one
 
 
 @torch.library.custom_op("pisa::structured_from_mask_backward", mutates_args=(), **_HOST_SYNC)
+@_autocast_off
 def _structured_from_mask_backward_op(
     grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor, scale: float,
     block_size: int, top_k: int, branching: int, beam: Optional[int], sink_blocks: int,
@@ -278,6 +300,7 @@ class _StructuredFromMask(torch.autograd.Function):
 
 
 @torch.library.custom_op("pisa::attention_backward", mutates_args=())
+@_autocast_off
 def _attention_backward_op(
     grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
     key_mask: Optional[Tensor], out: Tensor, lse: Tensor, block_indices: Tensor,
@@ -477,6 +500,11 @@ def _check_structure(q: Tensor, k: Tensor, attn_mask: Optional[Tensor],
     return key_mask
 
 
+def _check_mask_wants_no_grad(attn_mask: Optional[Tensor]) -> None:
+    if attn_mask is not None and attn_mask.requires_grad:
+        raise ValueError("attn_mask must not require grad: PISA gives no gradient for the mask")
+
+
 def _check_scale(scale, q: Tensor):
     """``scale``, or ``1 / sqrt(D)`` for None: a real number or a 0-d tensor (as SDPA's)."""
     if scale is None:
@@ -529,6 +557,7 @@ def plan(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None,
     _check_inputs(q, k, v, attn_mask, is_causal, True, config)
     key_mask = _check_structure(q, k, attn_mask, key_mask, is_causal, causal_offset)
     window = _check_window(window, is_causal, attn_mask)
+    _check_mask_wants_no_grad(attn_mask)
     how = _plan(q, k, v, attn_mask, is_causal, config=config, window=window,
                 causal_offset=causal_offset, key_mask=key_mask)
     if (how.reason == dispatch.IN_DENSE_TAIL and how.attention == dispatch.SDPA
@@ -640,8 +669,7 @@ def pisa_attention(
     window = _check_window(window, is_causal, attn_mask)
     window = _effective_window(window, q.shape[2], causal_offset)
     scale = _check_scale(scale, q)
-    if attn_mask is not None and attn_mask.requires_grad:
-        raise ValueError("attn_mask must not require grad: PISA gives no gradient for the mask")
+    _check_mask_wants_no_grad(attn_mask)
     how = _plan(q, k, v, attn_mask, is_causal, config=config, window=window,
                causal_offset=causal_offset, key_mask=key_mask)
     return _run(q, k, v, attn_mask, key_mask, is_causal, causal_offset, window, scale,

@@ -151,6 +151,73 @@ def test_sdpa_float_mask_is_cast_with_its_inputs(fill, built):
     torch.testing.assert_close(out.float(), ref.float(), **BF16)
 
 
+def test_a_float32_mask_beside_bfloat16_inputs_is_judged_as_cast():
+    """q, k and v already bfloat16 under autocast, the mask float32 (built in the graph, causal
+    AND padding, ``finfo(float32).min``): autocast still casts the mask, to ``-inf``, so the
+    left-padded rows that see no key are SDPA's zeros, not eager float32's mean of v (a
+    review's repro: 0.496 apart before)."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 48, 16).bfloat16() for _ in range(3))
+    pad = torch.ones(2, 48, dtype=torch.bool)
+    pad[1, :20] = False
+
+    def fn(q, k, v, pad):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            seen = torch.ones(48, 48, dtype=torch.bool).tril() & pad[:, None, None, :]
+            m = torch.zeros(2, 1, 48, 48).masked_fill(~seen, torch.finfo(torch.float32).min)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+
+    with torch.no_grad():
+        ref = fn(q, k, v, pad)
+        out = torch.compile(fn, backend="pisa", options=EXACT)(q, k, v, pad)
+        report = pisa_compile.explain(fn, q, k, v, pad, options=EXACT)
+    assert report.sites[0].form == "sdpa+autocast(bfloat16)", str(report)
+    assert torch.equal(ref[1, :, :20], torch.zeros_like(ref[1, :, :20]))
+    torch.testing.assert_close(out.float(), ref.float(), **BF16)
+
+
+def test_a_float32_bias_is_added_in_float32():
+    """A hand-written site under autocast adds a float32 bias to bfloat16 scores in float32, as
+    eager does: a bias with a large common offset (absolute-position ALiBi) keeps its
+    differences (rounded to bfloat16 first, they were 0.75 apart from eager)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 64, 16, generator=g) for _ in range(3))
+    bias = torch.randn(1, 2, 64, 64, generator=g) * 2 + 300
+
+    def fn(q, k, v, bias):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            s = (q @ k.transpose(-1, -2)) * 0.25 + bias
+            return torch.softmax(s, dim=-1) @ v
+
+    with torch.no_grad():
+        ref = fn(q, k, v, bias)
+        out = torch.compile(fn, backend="pisa", options=EXACT)(q, k, v, bias)
+    assert counters["pisa"]["rewritten"] == 1, dict(counters["pisa"])
+    torch.testing.assert_close(out.float(), ref.float(), **BF16)
+
+
+def test_the_op_ignores_an_ambient_autocast():
+    """``pisa_attention`` on bfloat16 inputs inside an autocast region computes what it
+    computes outside (its body runs with autocast off), and its backward runs there (the
+    reference backward mixed dtypes under autocast and raised in ``scatter_add_``)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 96, 16, generator=g).bfloat16().requires_grad_()
+               for _ in range(3))
+    km = torch.ones(1, 96, dtype=torch.bool)
+    km[0, :10] = False
+    cfg = pisa_compile.PisaConfig(min_seq_len=0, block_size=16, top_k=4, dense_tail=0)
+
+    def run():
+        out = pisa_compile.pisa_attention(q, k, v, is_causal=True, key_mask=km, config=cfg)
+        return (out, *torch.autograd.grad(out.float().sum(), (q, k, v)))
+
+    plain = run()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        inside = run()
+    for a, b in zip(inside, plain):
+        assert torch.equal(a, b)
+
+
 def test_a_region_with_autocast_off_runs_in_its_own_dtype():
     """A site inside ``autocast(enabled=False)`` nested in an enabled region is not cast: it
     runs in float32 (no ``+autocast`` in its form) and equals eager to float32 tolerance."""

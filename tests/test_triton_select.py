@@ -297,6 +297,13 @@ def test_fp8_operands_keep_float8_precision():
                            torch.full_like(a, top))
     assert torch.allclose(dq, (scales[0] * scales[1] / top**2).reshape(-1))
     assert float(k8[1, :, :5].float().abs().max()) <= top  # masked garbage: clamped, finite
+    # A head of zeros, and a batch row whose keys are all masked, stay zeros (not NaN).
+    q[:, :G] = 0
+    k[:, 1] = 0
+    q8, k8, dq = ts.fp8_operands(q, k, torch.zeros(B, N, dtype=torch.bool))
+    assert torch.equal(q8[:, :G].float(), torch.zeros(B, G, N, D))
+    assert torch.equal(k8[:, 1].float(), torch.zeros(B, N, D))
+    assert bool(torch.isfinite(dq).all())
 
 
 @pytest.mark.parametrize("pads", [None, [0, 21]], ids=["no_mask", "left_padding"])

@@ -1421,12 +1421,15 @@ def fp8_operands(q: Tensor, k: Tensor, key_mask: Optional[Tensor] = None
         a = torch.where(torch.isfinite(x), x.abs(), 0)
         if keep is not None:
             a = a.masked_fill(~keep, 0)
-        return a.amax(dim=dims).float().clamp_min(torch.finfo(torch.float32).tiny)
+        # At least top / float32's largest: a zero (or fully masked) head's scale stays
+        # finite, so its zeros stay zeros (0 * inf would be NaN).
+        return a.amax(dim=dims).float().clamp_min(top / torch.finfo(torch.float32).max)
 
     aq = amax(q.view(B, Hkv, Hq // Hkv, Nq, D), None, (2, 3, 4))  # [B, Hkv]
     ak = amax(k, None if key_mask is None else key_mask.bool()[:, None, :, None], (2, 3))
     sq = (top / aq).repeat_interleave(Hq // Hkv, dim=1)[:, :, None, None]
     sk = (top / ak)[:, :, None, None]
+
     def cast(x: Tensor, s: Tensor) -> Tensor:
         # In fp32, clamped: a value past float8's largest (rounding, or a masked key's
         # garbage) would become NaN. A non-finite value becomes NaN, not a clamped finite one.

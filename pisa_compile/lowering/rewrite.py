@@ -177,17 +177,24 @@ def _autocast_dtype(node: Node, device_type: str, start: Any = _FROM_CONTEXT
             if torch.is_autocast_enabled(device_type) else None)
 
 
-def _autocast_cast(products: list, q: Any, k: Any, v: Any) -> Optional[torch.dtype]:
-    """The dtype autocast casts the site's ``q``, ``k`` and ``v`` to (their example values),
-    where it does: each node of ``products`` (SDPA, or a hand-written site's two matmuls) runs
-    inside an enabled region for their device, its traced output is in that region's dtype,
-    q, k and v are floating and not float64 (autocast leaves those), and one of them is in
-    another dtype. Else None."""
+def _autocast_cast(products: list, q: Any, k: Any, v: Any, mask: Any = None
+                   ) -> Optional[torch.dtype]:
+    """The dtype autocast casts the site's ``q``, ``k`` and ``v`` (their example values) and
+    SDPA's float ``mask`` to, where it does: each node of ``products`` (SDPA, or a hand-written
+    site's two matmuls) runs inside an enabled region for their device, its traced output is
+    in that region's dtype, q, k and v are floating and not float64 (autocast leaves those),
+    and one of them or the mask is in another dtype. Else None.
+
+    The region is found by walking the graph up to each product (``_autocast_dtype``), only
+    for a site whose dtypes disagree: ``O(nodes)`` per such site."""
     ts = (q, k, v)
     if not all(isinstance(t, torch.Tensor) and t.is_floating_point()
                and t.dtype != torch.float64 for t in ts):
         return None
-    if all(t.dtype == q.dtype for t in ts) and all(
+    cast = list(ts)
+    if isinstance(mask, torch.Tensor) and mask.is_floating_point():
+        cast.append(mask)
+    if all(t.dtype == q.dtype for t in cast) and all(
             getattr(P.val(n), "dtype", None) == q.dtype for n in products):
         return None  # nothing was cast (the common case: no graph walk)
     dtypes = {_autocast_dtype(n, q.device.type) for n in products}
@@ -196,7 +203,13 @@ def _autocast_cast(products: list, q: Any, k: Any, v: Any) -> Optional[torch.dty
     (dtype,) = dtypes
     if not all(getattr(P.val(n), "dtype", None) == dtype for n in products):
         return None
-    return None if all(t.dtype == dtype for t in ts) else dtype
+    return None if all(t.dtype == dtype for t in cast) else dtype
+
+
+def _autocast_form(plan: "_Plan") -> str:
+    """The report's suffix for a site whose inputs the rewrite casts as autocast does."""
+    return "" if plan.autocast is None else \
+        f"+autocast({str(plan.autocast).replace('torch.', '')})"
 
 
 def _through_boundary(mask: Any) -> Any:
@@ -596,9 +609,8 @@ def _analyze_sdpa(node: Node, site: Site) -> _Plan:
         _check_mask_grad(mask)
     plan = _Plan(anchor=node, q=q, k=k, v=v, mask=mask, is_causal=b["is_causal"],
                  enable_gqa=b["enable_gqa"], owned=[node])
-    plan.autocast = _autocast_cast([node], P.val(q), P.val(k), P.val(v))
-    if plan.autocast is not None:
-        site.form += f"+autocast({str(plan.autocast).replace('torch.', '')})"
+    plan.autocast = _autocast_cast([node], P.val(q), P.val(k), P.val(v),
+                                   None if mask is None else P.val(mask))
     if mask is not None and P.is_tensor_node(q) and P.is_tensor_node(k):
         kind = "bool" if P.val(mask).dtype == torch.bool else "add"
         s = _structure([(kind, mask, True if kind == "bool" else [],
@@ -822,8 +834,6 @@ def _analyze_softmax(sm: Node, site: Site) -> Optional[_Plan]:
                  out_perm=None if _identity(out_perm) else out_perm, owned=owned)
     # The masks' dtypes are the traced sums', which already say what autocast did.
     plan.autocast = _autocast_cast([qk, pv], P.val(q), P.val(k), P.val(v))
-    if plan.autocast is not None:
-        site.form += f"+autocast({str(plan.autocast).replace('torch.', '')})"
     if _identity(plan.k_perm) and _identity(plan.v_perm):
         kk, vv, form = _strip_repeat(k, v, owned)
         if form is not None:
@@ -1027,7 +1037,10 @@ def _emit_offset(emit, graph, off: tuple):
 
 
 def _folded_additive(emit, m: Node, factors: list, sum_dtype, q_dtype) -> Node:
-    """An additive mask ``m`` with the scales that follow it folded in, in ``q_dtype``.
+    """An additive mask ``m`` with the scales that follow it folded in, in ``q_dtype``, or in
+    ``sum_dtype`` where that is wider: eager adds a float32 bias to bfloat16 scores in float32
+    (a mixed-precision model, autocast), and a bias of large common offset (absolute-position
+    ALiBi) loses its differences in bfloat16 (the op takes a mask of any float dtype).
 
     Where the mask is added, an entry at or below ``finfo(sum_dtype).min / 2`` (or ``-inf``)
     masks its key (DESIGN.md, "The algorithm"). Scaling or casting can move such an entry
@@ -1046,9 +1059,13 @@ def _folded_additive(emit, m: Node, factors: list, sum_dtype, q_dtype) -> Node:
     else:  # pragma: no cover - the sum of a float mask and float scores is float
         for f, div in factors:
             m = emit("call_function", operator.truediv if div else operator.mul, (m, f))
+    target = q_dtype
+    if isinstance(sum_dtype, torch.dtype) and sum_dtype.is_floating_point and \
+            isinstance(q_dtype, torch.dtype) and torch.promote_types(sum_dtype, q_dtype) == sum_dtype:
+        target = sum_dtype
     mv = P.val(m)
-    if not (isinstance(mv, torch.Tensor) and mv.dtype == q_dtype):  # unknown: cast
-        m = emit("call_method", "to", (m, q_dtype))
+    if not (isinstance(mv, torch.Tensor) and mv.dtype == target):  # unknown: cast
+        m = emit("call_method", "to", (m, target))
     return m
 
 
@@ -1279,6 +1296,7 @@ def rewrite_graph(gm: GraphModule, config: PisaConfig, apply: bool = True) -> li
             if apply:
                 _apply(gm, plan, config)
             site.decision, site.reason = REWRITTEN, ""
+            site.form += _autocast_form(plan)
             _describe(site, k.shape[-2], plan.mask is not None or bool(plan.masks), config,
                       k.device, window=plan.window, padded=plan.key_mask is not None,
                       n_queries=q.shape[-2], causal=plan.is_causal)

@@ -150,7 +150,15 @@ def test_fp8_rescoring_on_the_gpu(N):
     cfg = PisaConfig(min_seq_len=0)
     opts = cfg.selection_options()
     q, k = _qk(1, 8, 4, N, N, 128, torch.bfloat16, 64, seed=N)
-    fp8 = ts.select_blocks(q, k, True, 128 ** -0.5, **opts, tuning={"rescore": {"fp8": True}})
+    calls = []
+    real = ts.fp8_operands
+    ts.fp8_operands = lambda *a: calls.append(1) or real(*a)  # the fp8 branch ran
+    try:
+        fp8 = ts.select_blocks(q, k, True, 128 ** -0.5, **opts,
+                               tuning={"rescore": {"fp8": True}})
+    finally:
+        ts.fp8_operands = real
+    assert calls
     bf16 = ts.select_blocks(q, k, True, 128 ** -0.5, **opts)
     assert torch.equal(fp8[1], bf16[1])
     assert float((fp8[0] != bf16[0]).any(-1).float().mean()) < 0.10

@@ -143,6 +143,12 @@ class PisaCache(Cache):
                              past_key_values=PisaCache(inputs["input_ids"].shape[1] + 64))
         # (transformers >= 5.24 names the argument ``cache=``)
 
+    Decoder-only models. An encoder-decoder model (T5, Whisper) takes it as the
+    self-attention half of transformers' ``EncoderDecoderCache(PisaCache(n),
+    DynamicCache(config=model.config))``: passed alone, the cross-attention's keys land in
+    the same layers (as they would in a ``DynamicCache`` passed alone) and the tokens are
+    wrong, which this cache cannot tell from inside.
+
     Raises:
         ValueError: ``max_cache_len`` < 1 or ``sparse_from`` < 0; at an update, more tokens
             than ``max_cache_len``.

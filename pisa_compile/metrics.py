@@ -79,7 +79,9 @@ def selection_recall(q: Tensor, k: Tensor, config: Optional[PisaConfig] = None, 
             selections against one oracle (computed here if None).
 
     Returns:
-        :class:`SelectionQuality`. Tiles with no scorable block are left out of the recall.
+        :class:`SelectionQuality`. Tiles with no scorable block are left out of the recall,
+        rows that see no key out of the mass ratio; with none left, each is NaN (a fully
+        masked input, or blocks all forced), not a perfect 1.
 
     Cost: O(Nq * Nk * D) (the oracle is dense); use it on evaluation-sized inputs.
     Source: recall and mass follow the PISA paper's selection study; the tile mass is the
@@ -115,13 +117,16 @@ def selection_recall(q: Tensor, k: Tensor, config: Optional[PisaConfig] = None, 
     oracle = scorable & (rank_of < k_eff[..., None])
     hit = (oracle & chosen).sum(-1).float()
     counted = k_eff > 0
-    recall = (hit[counted] / k_eff[counted].float()).mean().item() if counted.any() else 1.0
+    # Nothing to score (every block forced, or no key seen): undefined, not perfect.
+    recall = (hit[counted] / k_eff[counted].float()).mean().item() if counted.any() \
+        else math.nan
 
     kept_mass = m * chosen.view(B, Hkv, 1, T, 1, L)
     row_mass = kept_mass.sum(-1).reshape(B, Hq, T * Tq)[..., :Nq]
     row_total = mass.sum(-1)
     valid = row_total > 0
-    mass_ratio = (row_mass[valid] / row_total[valid]).mean().item() if valid.any() else 1.0
+    mass_ratio = (row_mass[valid] / row_total[valid]).mean().item() if valid.any() \
+        else math.nan
     return SelectionQuality(recall=recall, mass_ratio=mass_ratio, n_tiles=int(counted.sum()))
 
 

@@ -513,6 +513,9 @@ def _check_scale(scale, q: Tensor):
             isinstance(scale, (numbers.Real, torch.SymFloat, torch.SymInt))
             or (isinstance(scale, Tensor) and scale.dim() == 0)):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__} {scale!r}")
+    if isinstance(scale, Tensor) and scale.requires_grad:
+        raise ValueError("scale must not require grad: PISA gives no gradient for the scale "
+                         "(pass a float, or scale.detach())")
     if isinstance(scale, Tensor) and scale.is_meta:  # its value is read on the host
         raise ValueError("scale must be a float or None (or a 0-d tensor holding a value), got "
                          "a 0-d tensor on the meta device, which holds none")

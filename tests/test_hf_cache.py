@@ -119,3 +119,25 @@ def test_pisa_cache_bad_input():
         PisaCache(8, sparse_from=-1)
     with pytest.raises(NotImplementedError, match="crop"):
         cache.layers[0].crop(2)
+
+
+def test_an_encoder_decoder_model_takes_it_inside_encoder_decoder_cache(fresh_dynamo):
+    """T5 (random init, greedy, 20 new tokens over a 200-token encoder input): with
+    ``EncoderDecoderCache(PisaCache(n), DynamicCache())`` as documented, the tokens equal the
+    default cache's; the decoder's self-attention keys went into the pyramid."""
+    from transformers import T5Config, T5ForConditionalGeneration
+    from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+    torch.manual_seed(0)
+    cfg = T5Config(vocab_size=128, d_model=64, d_kv=16, d_ff=128, num_layers=2,
+                   num_decoder_layers=2, num_heads=4, decoder_start_token_id=0,
+                   pad_token_id=0, eos_token_id=1, initializer_factor=10.0)
+    m = T5ForConditionalGeneration(cfg).eval()
+    ids = torch.randint(2, 128, (2, 200))
+    kw = dict(input_ids=ids, max_new_tokens=20, do_sample=False)
+    pisa = PisaCache(64, config=PisaConfig(kernel="reference"))
+    with torch.no_grad():
+        ref = m.generate(**kw)
+        out = m.generate(**kw, past_key_values=EncoderDecoderCache(pisa,
+                                                                   DynamicCache(config=cfg)))
+    assert torch.equal(out, ref)
+    assert pisa.get_seq_length() == out.shape[1] - 1  # the decoder's own tokens, not 200

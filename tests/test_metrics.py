@@ -1,5 +1,7 @@
 """(h) selection_recall on planted needles, and its bounds."""
 
+import math
+
 import torch
 from hypothesis import given, settings, strategies as st
 
@@ -97,3 +99,13 @@ def test_forced_sinks_sit_where_the_selection_puts_them():
     chosen = torch.zeros(B, H, T, L + 1, dtype=torch.bool)
     chosen.scatter_(-1, torch.where(bi < 0, L, bi).long(), True)
     assert (chosen[..., :L] | ~forced).all()
+
+
+def test_nothing_to_judge_is_nan_not_perfect():
+    """A fully masked input has no scorable tile and no row that sees a key: recall and mass
+    ratio are NaN and no tile is counted (they once read 1.0, a perfect score)."""
+    q, k = torch.randn(1, 2, 64, 16), torch.randn(1, 2, 64, 16)
+    cfg = PisaConfig(block_size=8, top_k=2, query_tile=16, min_seq_len=0)
+    quality = selection_recall(q, k, cfg, attn_mask=torch.zeros(64, 64, dtype=torch.bool))
+    assert quality.n_tiles == 0
+    assert math.isnan(quality.recall) and math.isnan(quality.mass_ratio)

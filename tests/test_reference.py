@@ -246,6 +246,7 @@ def test_gradients_match_masked_dense(p: Problem, cfg: PisaConfig):
     ("scale_meta", "scale must be a float or None .*meta device"),
     ("causal_int", "is_causal must be a bool"),
     ("mask_grad", "attn_mask must not require grad"),
+    ("scale_grad", "scale must not require grad"),
     ("k_none", "k must be a torch.Tensor, got NoneType"),
     ("v_none", "v must be a torch.Tensor, got NoneType"),
 ])
@@ -286,13 +287,15 @@ def test_bad_inputs_name_the_argument(case, match):
         kwargs["scale"] = torch.tensor(0.25, device="meta")
     elif case == "causal_int":
         kwargs["is_causal"] = 1
+    elif case == "scale_grad":  # its gradient would be dropped silently
+        kwargs["scale"] = torch.tensor(0.25, requires_grad=True)
     elif case == "mask_grad":
         kwargs["attn_mask"] = torch.zeros(1, 1, 8, 8, requires_grad=True)
     for cfg in (PisaConfig(), PisaConfig(min_seq_len=0)):  # the dense and the sparse path
         with pytest.raises((ValueError, TypeError), match=match):
             pisa_attention(q, k, v, **{"config": cfg, **kwargs})
     # plan() refuses what the op refuses (it takes GQA as given, and no dropout or scale).
-    if case not in ("gqa_flag", "dropout", "scale", "scale_meta"):
+    if case not in ("gqa_flag", "dropout", "scale", "scale_meta", "scale_grad"):
         plan_kw = {n: x for n, x in kwargs.items() if n in ("attn_mask", "is_causal", "config")}
         with pytest.raises((ValueError, TypeError), match=match):
             plan(q, k, v, **plan_kw)

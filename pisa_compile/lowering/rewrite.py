@@ -480,7 +480,8 @@ def _check_mask_grad(mask: Any) -> None:
     v = P.val(mask)
     if isinstance(v, torch.Tensor) and v.requires_grad:
         raise LeaveDense("the mask requires grad (a learned bias, e.g. T5's relative position "
-                    "bias, in training): PISA gives no gradient for the mask")
+                    "bias, with grad mode on: under torch.no_grad() or inference_mode() it "
+                    "is rewritten): PISA gives no gradient for the mask")
 
 
 def _peel_one(node: Node, factors: Optional[list], owned: list) -> Optional[Node]:

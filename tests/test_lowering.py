@@ -632,3 +632,30 @@ def test_report_does_not_call_a_tril_built_mask_causal():
         assert "causal" not in site.mask.split("(keys")[0], site.mask
     (site,) = pisa_compile.explain(causal, q, q, q, options=dict(min_seq_len=0)).sites
     assert site.mask.startswith("bool(tril/triu)->is_causal"), site.mask
+
+
+def test_bloom_forms_are_reported_left_dense():
+    """BLOOM's attention (a new user's finding: it reached no report line): the scores from
+    ``alibi.baddbmm(q, k)``, and the weights viewed as ``[B*H, Nq, Nk]`` for the ``bmm`` with
+    v. Both forms are listed, left dense by name, and compute what eager computes."""
+    B, H, N, D = 1, 4, 64, 16
+    g = torch.Generator().manual_seed(0)
+    q, v = torch.randn(B * H, N, D, generator=g), torch.randn(B * H, N, D, generator=g)
+    k = torch.randn(B * H, D, N, generator=g)
+    alibi = torch.randn(B * H, 1, N, generator=g)
+
+    def bloom(q, k, v, alibi):
+        s = alibi.baddbmm(batch1=q, batch2=k, beta=1.0, alpha=D ** -0.5)
+        p = F.softmax(s.view(B, H, N, -1), dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.bmm(p.view(B * H, N, -1), v)
+
+    def baddbmm_only(q, k, v, alibi):
+        s = alibi.baddbmm(batch1=q, batch2=k, beta=1.0, alpha=D ** -0.5)
+        return torch.bmm(torch.softmax(s, dim=-1), v)
+
+    check(bloom, q, k, v, alibi, expect="left_dense",
+          reason="the attention weights are reshaped (Tensor.view) before the matmul with v")
+    torch._dynamo.reset()
+    counters.clear()
+    check(baddbmm_only, q, k, v, alibi, expect="left_dense",
+          reason="a product with a bias added in")

@@ -627,8 +627,18 @@ def _analyze_sdpa(node: Node, site: Site) -> _Plan:
     return plan
 
 
+def _is_reshape_of(u: Node, cur: Node) -> bool:
+    """``u`` reshapes ``cur`` (``view``, ``reshape``, ``flatten``, ``unflatten``)."""
+    return (bool(u.args) and u.args[0] is cur
+            and (P._meth(u, "view", "reshape", "flatten", "unflatten")
+                 or P._fn(u, torch.reshape, torch.flatten, torch.unflatten)))
+
+
 def _forward_chain(sm: Node):
-    """From the softmax to the matmul with ``v``: ``(pv, chain, used_elsewhere, dropout)``."""
+    """From the softmax to the matmul with ``v``: ``(pv, chain, used_elsewhere, dropout)``.
+    A reshape on the way (BLOOM's ``[B, H, Nq, Nk]`` weights viewed as ``[B*H, Nq, Nk]`` for
+    a ``bmm``) is followed so that the site is found, then left dense by name: the layouts
+    are not taken apart."""
     cur, chain, elsewhere, dropout = sm, [], False, None
     while True:
         nxt = pv = None
@@ -641,13 +651,17 @@ def _forward_chain(sm: Node):
                     continue
             d = P.as_dropout(u)
             if (P.as_cast(u) is cur or P.as_contiguous(u) is cur
-                    or (d is not None and d.input is cur)):
+                    or (d is not None and d.input is cur) or _is_reshape_of(u, cur)):
                 nxt = nxt or u
         if pv is None and nxt is None:
             return None
         if len(cur.users) > 1:
             elsewhere = True
         if pv is not None:
+            reshaped = next((n for n in chain if _is_reshape_of(n, n.args[0])), None)
+            if reshaped is not None:
+                raise LeaveDense(f"the attention weights are reshaped ({P.describe(reshaped)}) "
+                                 "before the matmul with v: not rewritten")
             return pv, chain, elsewhere, dropout
         d = P.as_dropout(nxt)
         if d is not None and d.active:
@@ -715,6 +729,9 @@ def _score_chain(x: Any, site: Site, owned: list) -> _Scores:
         if P.is_softcap(s):
             raise LeaveDense(f"score transform {P.describe(s)} between matmul and softmax "
                              "(logit softcapping, c*tanh(s/c): PISA has no softcap)")
+        if P._fn(s, torch.baddbmm, torch.addbmm) or P._meth(s, "baddbmm", "addbmm"):
+            raise LeaveDense(f"the scores come from {P.describe(s)}, a product with a bias "
+                             "added in (BLOOM's ALiBi), which the pass does not take apart")
         raise LeaveDense(f"score transform {P.describe(s)} between matmul and softmax")
 
 

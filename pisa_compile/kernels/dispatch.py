@@ -17,7 +17,6 @@ import torch
 from torch import Tensor
 
 from . import reference
-from .geometry import padding_queries
 from .runtime import (DECODE_MAX_QUERIES, MAX_HEAD_DIM, stage_range, tracing,
                       triton_available, triton_interpreting, triton_targets_gpu)
 
@@ -269,18 +268,7 @@ def select_blocks(q: Tensor, k: Tensor, attn_mask: Optional[Tensor], is_causal: 
     """``(block_indices, block_counts)`` by ``impl`` (a :class:`Plan`'s ``select``); the
     pyramid is built inside the selection, so one range covers both. ``options``: the
     selection options (``block_size`` ... ``leaf_scoring``) as plain values, and the
-    structured mask (``key_mask``, ``causal_offset``).
-
-    Under a key mask, padding queries (:func:`~.geometry.padding_queries`) vote for nothing:
-    their rows of q are NaN for the selection (a non-finite query votes for nothing), so
-    what sits in the padding never changes which blocks the real rows of its query tile get,
-    and a sequence selects as it would alone in a right-padded batch. (It costs a copy of q
-    per call with a key mask; the attention reads the real q. An explicit mask carries no
-    query positions: its padding queries still vote.)"""
-    pad = padding_queries(options.get("key_mask"), q.shape[2], is_causal,
-                          options.get("causal_offset", 0))
-    if pad is not None:
-        q = q.masked_fill(pad[:, None, :, None], float("nan"))
+    structured mask (``key_mask``, ``causal_offset``)."""
     with stage_range("pisa.select", q):
         if impl == TRITON:
             from . import triton_select

@@ -15,7 +15,6 @@ import torch
 from torch import Tensor
 
 __all__ = ["cdiv", "local_bound", "block_width", "query_offset", "forced_ranges",
-           "padding_queries",
            "flat_applies", "flat_beam", "level_sizes", "dense_mask"]
 
 
@@ -98,26 +97,6 @@ def sink_start(key_mask: Optional[Tensor], block_size: int,
     if live is None:
         return None
     return (live.to(torch.int32).argmax(-1) // block_size).to(torch.int32)
-
-
-def padding_queries(key_mask: Optional[Tensor], n_queries: int, is_causal: bool,
-                    causal_offset: int = 0) -> Optional[Tensor]:
-    """Which queries are padding tokens: bool ``[B, Nq]``, or None where that is not known.
-    A causal call is a sequence attending to itself: query ``i`` is the token of key
-    ``i + causal_offset`` (a KV cache's offset included), padding where the key mask hides
-    that key (a query past the keys is not). A non-causal call is taken as one only with as
-    many queries as keys (an encoder); other calls (cross-attention) say nothing, nor does a
-    call without a key mask. It steers only which queries vote in the selection (an
-    equal-length cross-attention's rows would vote by the wrong keys, nothing more).
-
-    ``key_mask``: bool ``[B, Nk]`` (True = a real key)."""
-    if key_mask is None:
-        return None
-    n_keys = key_mask.shape[-1]
-    if not is_causal and n_queries != n_keys:
-        return None
-    pos = torch.arange(n_queries, device=key_mask.device) + (causal_offset if is_causal else 0)
-    return ~key_mask[:, pos.clamp(max=n_keys - 1)] & (pos < n_keys)
 
 
 def flat_applies(leaf_scoring: str, shortlist: Optional[int], bound_block: Optional[int]) -> bool:

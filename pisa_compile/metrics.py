@@ -26,7 +26,8 @@ __all__ = ["SelectionQuality", "selection_recall", "block_mass"]
 class SelectionQuality:
     """``recall``: mean over tiles of |chosen ∩ oracle top-k| / |oracle top-k| (scored blocks
     only, forced blocks excluded from both sides); ``mass_ratio``: mean over valid rows of the
-    attention mass inside the attended blocks (forced included); ``n_tiles``: tiles counted."""
+    attention mass inside the attended blocks (forced included); ``n_tiles``: tiles counted.
+    Each is NaN where nothing was left to count (no scorable tile, no row that sees a key)."""
 
     recall: float
     mass_ratio: float

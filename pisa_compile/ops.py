@@ -506,20 +506,21 @@ def _check_mask_wants_no_grad(attn_mask: Optional[Tensor]) -> None:
 
 
 def _check_scale(scale, q: Tensor):
-    """``scale``, or ``1 / sqrt(D)`` for None: a real number or a 0-d tensor (as SDPA's)."""
+    """``scale``, or ``1 / sqrt(D)`` for None: a real number, or a 0-d tensor read once as
+    one (SDPA takes no tensor: the dense path once failed on it)."""
     if scale is None:
         return 1.0 / math.sqrt(q.shape[-1])
     if isinstance(scale, bool) or not (
             isinstance(scale, (numbers.Real, torch.SymFloat, torch.SymInt))
             or (isinstance(scale, Tensor) and scale.dim() == 0)):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__} {scale!r}")
-    if isinstance(scale, Tensor) and scale.requires_grad:
+    if isinstance(scale, Tensor) and scale.requires_grad and torch.is_grad_enabled():
         raise ValueError("scale must not require grad: PISA gives no gradient for the scale "
                          "(pass a float, or scale.detach())")
     if isinstance(scale, Tensor) and scale.is_meta:  # its value is read on the host
         raise ValueError("scale must be a float or None (or a 0-d tensor holding a value), got "
                          "a 0-d tensor on the meta device, which holds none")
-    return scale
+    return float(scale) if isinstance(scale, Tensor) else scale
 
 
 def _mask4(attn_mask: Optional[Tensor]) -> Optional[Tensor]:

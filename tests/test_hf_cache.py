@@ -122,9 +122,10 @@ def test_pisa_cache_bad_input():
 
 
 def test_an_encoder_decoder_model_takes_it_inside_encoder_decoder_cache(fresh_dynamo):
-    """T5 (random init, greedy, 20 new tokens over a 200-token encoder input): with
+    """T5 (random init, greedy, 20 new tokens over a 200-token encoder input, eager): with
     ``EncoderDecoderCache(PisaCache(n), DynamicCache())`` as documented, the tokens equal the
-    default cache's; the decoder's self-attention keys went into the pyramid."""
+    default cache's, and the PisaCache holds the decoder's own tokens, not the encoder's 200
+    (the cache's routing; its sparse decode has the tests above)."""
     from transformers import T5Config, T5ForConditionalGeneration
     from transformers.cache_utils import DynamicCache, EncoderDecoderCache
     torch.manual_seed(0)

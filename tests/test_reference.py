@@ -748,3 +748,12 @@ def test_exact_scoring_gathers_the_shortlist_not_the_pool(monkeypatch):
         n_partial = int((reference.leaf_states(p)[0] == reference.PARTIAL).sum(-1).max())
         assert pools and set(pools) == {L}  # the flat scan: every leaf in the pool
         assert widths and max(widths) <= (cfg.effective_shortlist + n_partial) * C < L * C
+
+
+def test_a_scale_that_wants_a_gradient_runs_where_none_is_taken():
+    """Under ``torch.no_grad()`` a learned scale is a number like any other: no gradient is
+    dropped, so it is not refused (with grad mode on it is, see the bad-input test)."""
+    q = torch.randn(1, 2, 16, 8)
+    with torch.no_grad():
+        out = pisa_attention(q, q, q, scale=torch.tensor(0.25, requires_grad=True))
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, q, q, scale=0.25))

@@ -628,10 +628,18 @@ def _analyze_sdpa(node: Node, site: Site) -> _Plan:
 
 
 def _is_reshape_of(u: Node, cur: Node) -> bool:
-    """``u`` reshapes ``cur`` (``view``, ``reshape``, ``flatten``, ``unflatten``)."""
-    return (bool(u.args) and u.args[0] is cur
-            and (P._meth(u, "view", "reshape", "flatten", "unflatten")
-                 or P._fn(u, torch.reshape, torch.flatten, torch.unflatten)))
+    """``u`` merges the batch and head dims of the weights ``cur``: ``[B, H, Nq, Nk]`` as
+    ``[B*H, Nq, Nk]`` for a ``bmm`` (BLOOM), by ``view`` or ``reshape``. Other reshapes (a
+    MoE gate's ``[T, E]`` as ``[T, 1, E]``) are not followed: no attention site there."""
+    if not (bool(u.args) and u.args[0] is cur
+            and (P._meth(u, "view", "reshape") or P._fn(u, torch.reshape))):
+        return False
+    a, b = P.val(cur), P.val(u)
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+            and a.dim() == 4 and b.dim() == 3):
+        return False
+    return (P.known_equal(b.shape[0], a.shape[0] * a.shape[1])
+            and P.known_equal(b.shape[1], a.shape[2]) and P.known_equal(b.shape[2], a.shape[3]))
 
 
 def _forward_chain(sm: Node):

@@ -23,7 +23,7 @@ pytest.importorskip("triton")
 from hypothesis import given, settings, strategies as st  # noqa: E402
 
 from pisa_compile import PisaConfig  # noqa: E402
-from pisa_compile.ops import plan  # noqa: E402
+from pisa_compile.ops import _plan, plan  # noqa: E402
 from pisa_compile.kernels import reference as ref  # noqa: E402
 from pisa_compile.kernels.geometry import local_bound  # noqa: E402
 from pisa_compile.kernels import triton_select as ts  # noqa: E402
@@ -412,7 +412,9 @@ def test_explicit_mask_plans_the_reference_selection():
     q, k = _qk(1, 1, 2, 40, 40, 16, torch.float32)
     mask = torch.rand(1, 1, 40, 40) > 0.3
     bias = torch.zeros(1, 1, 40, 40).masked_fill(~mask, -torch.inf).requires_grad_()
-    how = plan(q.requires_grad_(), k, k, bias, False, config=cfg)
+    with pytest.raises(ValueError, match="attn_mask must not require grad"):
+        plan(q.requires_grad_(), k, k, bias, False, config=cfg)  # as pisa_attention refuses it
+    how = _plan(q, k, k, bias, False, config=cfg, window=None, causal_offset=0, key_mask=None)
     assert (how.select, how.attention) == ("reference", "triton")
     assert "attn_mask" in how.reason
     for qq in (q, q.detach()):

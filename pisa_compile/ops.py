@@ -282,18 +282,14 @@ class _StructuredFromMask(torch.autograd.Function):
         q, k, v, attn_mask, scale, config = inputs
         ctx.save_for_backward(q, k, v, attn_mask)
         ctx.scale, ctx.config = scale, config
-        # The recomputation runs under the forward's autocast, as torch.utils.checkpoint's.
-        dev = q.device.type
-        ctx.autocast = ((dev, torch.get_autocast_dtype(dev))
-                        if torch.is_autocast_enabled(dev) else None)
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, attn_mask = ctx.saved_tensors
         _refuse_double_backward(grad_out, (q, k, v))
-        autocast = (torch.autocast(ctx.autocast[0], dtype=ctx.autocast[1]) if ctx.autocast
-                    else contextlib.nullcontext())
-        with torch.no_grad(), autocast:
+        # Both ops' bodies run with autocast off (_autocast_off): forward and recomputation
+        # alike, whatever autocast state the backward runs in.
+        with torch.no_grad():
             dq, dk, dv = _structured_from_mask_backward_op(grad_out.contiguous(), q, k, v,
                                                            attn_mask, ctx.scale, *ctx.config)
         return dq, dk, dv, None, None, None

@@ -29,7 +29,7 @@ from .kernels.geometry import block_width, cdiv, dense_mask
 from .kernels.window import WINDOW_QUERY_TILE, window_blocks
 
 __all__ = ["pisa_attention", "select_blocks", "plan", "Plan", "check_causal_buffer",
-           "eager_empty_rows"]
+           "eager_empty_rows", "self_attention_query_mask"]
 
 
 # -- ops ------------------------------------------------------------------------------------
@@ -604,7 +604,7 @@ def pisa_attention(
     q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None, dropout_p: float = 0.0,
     is_causal: bool = False, scale: Optional[float] = None, enable_gqa: bool = False, *,
     config: Optional[PisaConfig] = None, key_mask: Optional[Tensor] = None,
-    causal_offset: int = 0, window: Optional[int] = None,
+    causal_offset: int = 0, window: Optional[int] = None, query_mask: Optional[Tensor] = None,
 ) -> Tensor:
     """Pyramid top-K sparse attention with the semantics of ``F.scaled_dot_product_attention``.
 
@@ -651,6 +651,12 @@ def pisa_attention(
             ``kernel="triton"``, through PISA's Triton kernels over the window's leaf blocks;
             otherwise dense SDPA under the window's mask (which builds that mask). The
             selection options of ``config`` do not apply to it.
+        query_mask: ``[B, Nq]`` bool or integer, or None: zero marks a padding query, which
+            votes for nothing in its query tile's selection (its row of q reaches the
+            selection as NaN), so what sits in the padding never changes which blocks the
+            tile's real rows get. Its own output row is computed as any other. Needs the
+            structured arguments (not ``attn_mask``). The pass hands it on where it proves
+            self-attention under a key mask (:func:`self_attention_query_mask`).
 
     Returns:
         ``[B, Hq, Nq, Dv]`` in ``q.dtype``. Rows with no visible key are zero, as in SDPA.
@@ -670,15 +676,69 @@ def pisa_attention(
     window = _effective_window(window, q.shape[2], causal_offset)
     scale = _check_scale(scale, q)
     _check_mask_wants_no_grad(attn_mask)
+    query_mask = _check_query_mask(q, attn_mask, query_mask)
     how = _plan(q, k, v, attn_mask, is_causal, config=config, window=window,
                causal_offset=causal_offset, key_mask=key_mask)
     return _run(q, k, v, attn_mask, key_mask, is_causal, causal_offset, window, scale,
-                enable_gqa, config, how)
+                enable_gqa, config, how, query_mask)
+
+
+def _check_query_mask(q: Tensor, attn_mask: Optional[Tensor],
+                      query_mask: Optional[Tensor]) -> Optional[Tensor]:
+    """Check ``query_mask``; returns it as bool (or None)."""
+    if query_mask is None:
+        return None
+    if not isinstance(query_mask, Tensor):
+        raise TypeError(f"query_mask must be a Tensor or None, got {type(query_mask).__name__}")
+    if attn_mask is not None:
+        raise ValueError("attn_mask and query_mask cannot both be set: query_mask goes with "
+                         "the structured arguments (is_causal, causal_offset, key_mask)")
+    B, Nq = q.shape[0], q.shape[2]
+    if tuple(query_mask.shape) != (B, Nq):
+        raise ValueError(f"query_mask must be [B={B}, Nq={Nq}] (False = a padding query), got "
+                         f"shape {tuple(query_mask.shape)}")
+    if query_mask.device != q.device:
+        raise ValueError(f"query_mask must be on q's device ({q.device}), got "
+                         f"{query_mask.device}")
+    if query_mask.dtype != torch.bool:
+        if query_mask.is_floating_point() or query_mask.is_complex():
+            raise ValueError(f"query_mask must be bool or integer (nonzero = a real query), "
+                             f"got dtype {query_mask.dtype}")
+        query_mask = query_mask != 0
+    return query_mask
+
+
+def self_attention_query_mask(key_mask: Tensor, n_queries: int) -> Tensor:
+    """The queries' mask of a self-attention call under a key padding mask: query ``i`` is
+    the token of key ``Nk - Nq + i`` (a KV cache's keys come first), and it is a padding
+    query where that key lies in the row's leading or trailing run of masked keys (a
+    tokenizer's left or right padding). Masked keys between real ones (a mask hiding some
+    real tokens' keys) leave their queries voting: only the runs are padding.
+
+    Args:
+        key_mask: ``[B, Nk]`` bool or integer (nonzero = a real key).
+        n_queries: ``Nq <= Nk``.
+
+    Returns:
+        ``[B, Nq]`` bool, False = a padding query (``pisa_attention``'s ``query_mask``). A
+        row with no real key has none real.
+
+    Method: the rewrite calls it where it proves q and k one token sequence
+    (``lowering/tokens.py``); plain tensor ops, so it compiles with the graph.
+    """
+    live = key_mask != 0
+    n_keys = live.shape[1]
+    pos = torch.arange(n_keys, device=live.device)
+    first = torch.where(live, pos, n_keys).amin(1, keepdim=True)
+    last = torch.where(live, pos, -1).amax(1, keepdim=True)
+    own = pos[n_keys - n_queries:]
+    return (own >= first) & (own <= last)
 
 
 def _run(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
          key_mask: Optional[Tensor], is_causal: bool, causal_offset, window: Optional[int],
-         scale, enable_gqa: bool, config: PisaConfig, how: Plan) -> Tensor:
+         scale, enable_gqa: bool, config: PisaConfig, how: Plan,
+         query_mask: Optional[Tensor] = None) -> Tensor:
     """:func:`pisa_attention` on checked arguments, as the plan ``how`` says."""
     if how.attention == dispatch.WINDOW:
         from .kernels.window import window_attention
@@ -736,8 +796,12 @@ def _run(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
         if tail.requires_grad:
             tail = _ContiguousGrad.apply(tail)
     # The selection has no gradient: detached inputs keep it out of autograd (and torch.func).
+    q_select = q.detach()
+    if query_mask is not None:
+        # A non-finite query votes for nothing, in the reference and the Triton selections.
+        q_select = q_select.masked_fill(~query_mask[:, None, :q.shape[2], None], float("nan"))
     block_indices, block_counts = _select_blocks_op(
-        q.detach(), k.detach(), attn_mask, key_mask, is_causal, causal_offset, scale,
+        q_select, k.detach(), attn_mask, key_mask, is_causal, causal_offset, scale,
         *config.selection_args(), how.select)
     out, _lse = _Attention.apply(q, k, v, attn_mask, key_mask, block_indices, block_counts,
                                  is_causal, causal_offset, scale, config.block_size,

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..config import PisaConfig
-from ..ops import pisa_attention
+from ..ops import pisa_attention, self_attention_query_mask
 
 __all__ = ["MHA_TARGET", "MHA_SIGNATURE", "pisa_multi_head_attention_forward",
            "ENCODER_LAYER_TARGET", "pisa_transformer_encoder_layer_fwd"]
@@ -85,8 +85,11 @@ def pisa_multi_head_attention_forward(
     elif key_padding_mask is not None:             # [B, S], additive float
         kpm = key_padding_mask.view(bsz, 1, 1, src_len)
         attn_mask = kpm if attn_mask is None else attn_mask + kpm
+    # `query is key`: self-attention, as PyTorch's own function reads it (packed projection).
+    query_mask = (self_attention_query_mask(key_mask, tgt_len)
+                  if key_mask is not None and query is key else None)
     out = pisa_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, config=config,
-                         key_mask=key_mask)
+                         key_mask=key_mask, query_mask=query_mask)
     out = out.permute(2, 0, 1, 3).reshape(tgt_len * bsz, embed_dim)
     out = F.linear(out, out_proj_weight, out_proj_bias)
     return out.view(tgt_len, bsz, out.size(1)), None
@@ -124,11 +127,13 @@ def pisa_transformer_encoder_layer_fwd(
     # A bool key padding mask (type 1, True = padding) is structure: read per key.
     key_mask = ~mask if mask is not None and mask_type == 1 and mask.dtype == torch.bool else None
     attn_mask = None if key_mask is not None else _encoder_mask(mask, mask_type, B, L)
+    query_mask = None if key_mask is None else self_attention_query_mask(key_mask, L)
 
     def sa(x: Tensor) -> Tensor:
         qkv = F.linear(x, qkv_weight, qkv_bias).view(B, L, 3, num_heads, head_dim)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
-        out = pisa_attention(q, k, v, attn_mask=attn_mask, config=config, key_mask=key_mask)
+        out = pisa_attention(q, k, v, attn_mask=attn_mask, config=config, key_mask=key_mask,
+                             query_mask=query_mask)
         return F.linear(out.transpose(1, 2).reshape(B, L, E), proj_weight, proj_bias)
 
     def ff(x: Tensor) -> Tensor:

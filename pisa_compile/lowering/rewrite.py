@@ -26,12 +26,13 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols, statica
 from torch.utils._sympy.numbers import int_oo
 
 from ..config import PisaConfig
-from ..ops import check_causal_buffer, eager_empty_rows, pisa_attention
+from ..ops import check_causal_buffer, eager_empty_rows, pisa_attention, self_attention_query_mask
 from . import masks as M
 from . import patterns as P
 from .mha import (ENCODER_LAYER_TARGET, MHA_SIGNATURE, MHA_TARGET,
                   pisa_multi_head_attention_forward, pisa_transformer_encoder_layer_fwd)
 from .report import LEFT_DENSE, REWRITTEN, Site, fmt_shape, source_of
+from .tokens import same_tokens
 
 __all__ = ["rewrite_graph", "find_sites", "LeaveDense"]
 
@@ -76,6 +77,9 @@ class _Plan:
     # (not by the analysis, which must leave the graphs as they are if the site stays dense).
     key_outer: Optional["_Outer"] = None
     window: Optional[int] = None     # causal sliding window: keys per query
+    # q and k proved one token sequence under a key mask: the op gets the queries' mask
+    # (ops.self_attention_query_mask; lowering/tokens.py)
+    query_padding: bool = False
     # Rows that see no key as eager gives them under a finite fill (ops.eager_empty_rows):
     # "add" (finfo.min added), "replace" (masked_fill), or None (the op's zeros).
     empty_rows: Optional[str] = None
@@ -1032,6 +1036,10 @@ def _apply(gm: GraphModule, plan: _Plan, config: PisaConfig) -> Node:
         structure["causal_offset"] = _emit_offset(emit, gm.graph, plan.causal_offset)
     if plan.window is not None:
         structure["window"] = plan.window
+    if plan.query_padding:
+        structure["query_mask"] = emit("call_function", self_attention_query_mask,
+                                       (structure["key_mask"],
+                                        emit("call_method", "size", (q, 2))))
     out = emit("call_function", pisa_attention, (q, k, v),
                dict(attn_mask=mask, dropout_p=0.0, is_causal=plan.is_causal, scale=scale,
                     enable_gqa=plan.enable_gqa, config=config, **structure))
@@ -1048,6 +1056,15 @@ def _apply(gm: GraphModule, plan: _Plan, config: PisaConfig) -> Node:
     plan.anchor.replace_all_uses_with(out)
     _erase_dead(gm.graph, plan.owned)
     return out
+
+
+def _self_attention(plan: _Plan) -> bool:
+    """Whether the site's q and k are proved one token sequence (:mod:`.tokens`), read at
+    their sequence dims before the plan's permutes (and the rank-3 unsqueeze)."""
+    seq = 1 if plan.rank3 else 2
+    qd = plan.q_perm[seq] if plan.q_perm is not None else seq
+    kd = plan.k_perm[seq] if plan.k_perm is not None else seq
+    return same_tokens(plan.q, qd, plan.k, kd)
 
 
 def _emit_offset(emit, graph, off: tuple):
@@ -1305,6 +1322,10 @@ def rewrite_graph(gm: GraphModule, config: PisaConfig, apply: bool = True) -> li
                 has_mask = _mha_has_mask(bound, is_layer, site)
                 _describe(site, P.val(key).shape[-3 if is_mha else -2], has_mask, config,
                           P.val(key).device)
+                # As mha.py decides it: an encoder layer, or MHA called with `query is key`.
+                if (site.mask.endswith("->padding") and site.selection
+                        and (is_layer or bound["query"] is bound["key"])):
+                    site.selection += "; self-attention: padding queries do not vote"
                 sites.append(site)
                 continue
             if is_sdpa:
@@ -1316,6 +1337,7 @@ def rewrite_graph(gm: GraphModule, config: PisaConfig, apply: bool = True) -> li
             q, k, v = _check_shapes(plan)
             site.q_shape, site.k_shape, site.v_shape = fmt_shape(q), fmt_shape(k), fmt_shape(v)
             _check_no_writes(gm.graph, plan)
+            plan.query_padding = plan.key_mask is not None and _self_attention(plan)
             if is_sdpa and (short := _bounded_sdpa_reason(q.shape[-2], k.shape[-2])
                             or _short_sdpa_reason(k.shape[-2], config)):
                 raise LeaveDense(short)
@@ -1326,6 +1348,8 @@ def rewrite_graph(gm: GraphModule, config: PisaConfig, apply: bool = True) -> li
             _describe(site, k.shape[-2], plan.mask is not None or bool(plan.masks), config,
                       k.device, window=plan.window, padded=plan.key_mask is not None,
                       n_queries=q.shape[-2], causal=plan.is_causal)
+            if plan.query_padding and site.selection:
+                site.selection += "; self-attention: padding queries do not vote"
         except LeaveDense as why:
             site.decision, site.reason = LEFT_DENSE, str(why)
             if site.q_shape == "?" and not (is_mha or is_layer):

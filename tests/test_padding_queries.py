@@ -1,0 +1,215 @@
+"""Padding queries vote for nothing in the selection where the pass proves self-attention
+(``query_mask``; ``lowering/tokens.py``; DESIGN.md "Rewrite rules").
+
+A query tile's blocks are the union of its rows' votes. Before, the padding queries of a
+right-padded row voted too, so a sequence's real rows selected other blocks in a padded batch
+than alone (a new user measured 0.08 at the last real positions). The op cannot tell padding
+queries from its arguments (an equal-length cross-attention under a key mask looks the
+same), so the pass hands it a queries' mask only where q and k are proved one token sequence.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings, strategies as st
+
+import pisa_compile
+from pisa_compile import PisaConfig, pisa_attention
+from pisa_compile.ops import self_attention_query_mask
+from tests.strategies import sparse_configs
+from tests.test_structured_masks import structured
+
+transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
+# Lossy on purpose: 2 of up to 16 leaves per tile, so a vote changes the output.
+LOSSY = dict(min_seq_len=0, block_size=16, query_tile=16, top_k=2, dense_tail=0,
+             sink_blocks=1, local_blocks=1)
+SUFFIX = "self-attention: padding queries do not vote"
+
+
+# -- the op ------------------------------------------------------------------------------------
+
+@settings(max_examples=40, deadline=None)
+@given(case=structured(), cfg=sparse_configs(), data=st.data())
+def test_masked_queries_do_not_steer_the_other_rows(case, cfg, data):
+    """Noise in the rows ``query_mask`` marks as padding leaves every other row
+    bit-identical (causal or not, GQA up to 7, any padding, the dense tail included)."""
+    q, k, v, km, causal, off = case
+    B, Nq = q.shape[0], q.shape[2]
+    seed = data.draw(st.integers(0, 2**31 - 1))
+    qm = torch.rand(B, Nq, generator=torch.Generator().manual_seed(seed)) > 0.3
+
+    def run(x):
+        return pisa_attention(x, k, v, is_causal=causal, causal_offset=off, key_mask=km,
+                              enable_gqa=True, config=cfg, query_mask=qm)
+
+    q2 = torch.where(qm[:, None, :, None], q, torch.randn_like(q) * 10)
+    real = qm[:, None, :, None].expand(-1, q.shape[1], -1, v.shape[-1])
+    assert torch.equal(run(q2)[real], run(q)[real])
+
+
+def test_query_mask_is_what_the_selection_sees():
+    """A padding query's noise reaches the real rows without ``query_mask`` (the test above
+    can fail), and its own output row is still computed from its own q."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 256, 16, generator=g) for _ in range(3))
+    keep = torch.ones(1, 256, dtype=torch.bool)
+    keep[:, 200:] = False
+    qm = self_attention_query_mask(keep, 256)
+    q2 = q.clone()
+    q2[..., 200:, :] = torch.randn(1, 2, 56, 16, generator=g) * 10
+    cfg = PisaConfig(**LOSSY)
+    for causal in (False, True):
+        a, b, a0, b0 = (pisa_attention(x, k, v, is_causal=causal, key_mask=keep, config=cfg,
+                                       query_mask=m)
+                        for m in (qm, None) for x in (q, q2))
+        assert torch.equal(a[..., :200, :], b[..., :200, :]), causal
+        assert not torch.equal(a0[..., :200, :], b0[..., :200, :]), causal
+        assert not torch.equal(a[..., 200:, :], b[..., 200:, :]), causal
+
+
+def test_self_attention_query_mask():
+    """Leading and trailing runs of masked keys are padding queries; masked keys between real
+    ones are not; with a cache the queries are the last ``Nq`` keys' tokens."""
+    km = torch.tensor([[0, 0, 1, 1, 0, 1, 1, 1],     # left padding, one hidden real key
+                       [1, 1, 1, 1, 1, 0, 0, 0],     # right padding
+                       [0, 0, 0, 0, 0, 0, 0, 0],     # nothing real
+                       [1, 1, 1, 1, 1, 1, 1, 1]])
+    want = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1],
+                         [1, 1, 1, 1, 1, 0, 0, 0],
+                         [0, 0, 0, 0, 0, 0, 0, 0],
+                         [1, 1, 1, 1, 1, 1, 1, 1]], dtype=torch.bool)
+    assert torch.equal(self_attention_query_mask(km, 8), want)
+    assert torch.equal(self_attention_query_mask(km.bool(), 3), want[:, 5:])
+
+
+@pytest.mark.parametrize("bad, err, match", [
+    (torch.ones(2, 64, dtype=torch.bool), ValueError, r"query_mask must be \[B=1, Nq=64\]"),
+    (torch.ones(1, 64), ValueError, "bool or integer"),
+    ([True] * 64, TypeError, "query_mask must be a Tensor"),
+])
+def test_bad_query_mask_is_named(bad, err, match):
+    q = torch.randn(1, 2, 64, 16)
+    with pytest.raises(err, match=match):
+        pisa_attention(q, q, q, is_causal=True, query_mask=bad)
+
+
+def test_query_mask_refuses_an_explicit_mask():
+    q = torch.randn(1, 2, 64, 16)
+    with pytest.raises(ValueError, match="attn_mask and query_mask"):
+        pisa_attention(q, q, q, attn_mask=torch.ones(64, 64, dtype=torch.bool),
+                       query_mask=torch.ones(1, 64, dtype=torch.bool))
+
+
+# -- the pass ----------------------------------------------------------------------------------
+
+def _llama(impl: str):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=1024)
+    cfg._attn_implementation = impl
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_a_sequence_alone_and_in_a_right_padded_batch(impl):
+    """A transformers Llama, lossy: a 200-token sequence alone and as the right-padded row
+    of a 256-token batch gives the same logits on its real rows (0.12 apart before), and the
+    report says why. The forward appends to a DynamicCache (``use_cache`` is on): the proof
+    follows k through ``cat([past, k])``."""
+    model = _llama(impl)
+    N, L = 256, 200
+    ids = torch.randint(0, 100, (2, N), generator=torch.Generator().manual_seed(1))
+    am = torch.ones(2, N, dtype=torch.long)
+    am[1, L:] = 0
+    ids[1, :L] = ids[0, :L]
+    with torch.no_grad():
+        rep = pisa_compile.explain(model, ids, attention_mask=am, options=LOSSY)
+        f = torch.compile(model, backend="pisa", options=LOSSY)
+        alone = f(ids[1:, :L], attention_mask=am[1:, :L]).logits
+        batch = f(ids, attention_mask=am).logits
+    assert len(rep.rewritten) == 2 and all(SUFFIX in s.selection for s in rep.sites), str(rep)
+    torch.testing.assert_close(batch[1, :L], alone[0], atol=1e-5, rtol=1e-5)
+
+
+def test_the_zoo_marks_self_attention_only():
+    """Across the zoo (sparse, exact options): every causal LM's and BERT's padded
+    self-attention site gets the queries' mask; T5's cross-attention (encoder padding, the
+    decoder's queries) never does, nor any site without a key mask."""
+    from tests.test_zoo import SPARSE_EXACT, ZOO, build, inputs
+    marked = {}
+    for case in ZOO:
+        if case.id.startswith(("gemma2", "mistral")):
+            continue  # windows select nothing; softcapping stays dense
+        model = build(case).eval()
+        kw, _ = inputs(case)
+        with torch.no_grad():
+            rep = pisa_compile.explain(model, **kw, options=SPARSE_EXACT)
+        for s in rep.sites:
+            marked[case.id, s.node] = (s.mask, SUFFIX in s.selection)
+    for (cid, node), (mask, mark) in marked.items():
+        if cid.startswith("t5"):
+            assert not mark, (cid, node, mask)
+        else:
+            assert mark == mask.endswith("padding"), (cid, node, mask)
+    assert sum(m for _, m in marked.values()) == 16, marked
+    assert any(c.startswith("t5") and m.endswith("->padding") for (c, _), (m, _) in
+               marked.items()), "T5's cross-attention is no longer a padding site: no test"
+
+
+class _Cross(torch.nn.Module):
+    """Hand-written attention whose keys come from ``q_src`` or ``kv_src`` (one length)."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.q = torch.nn.Linear(32, 32, bias=False)
+        self.k = torch.nn.Linear(32, 32, bias=False)
+
+    def forward(self, x, y, keep):
+        q = self.q(x).view(1, -1, 2, 16).transpose(1, 2)
+        src = {"self": x, "cross": y, "flip": x.flip(1), "roll": x.roll(1, 1)}[self.how]
+        k = self.k(src).view(1, -1, 2, 16).transpose(1, 2)
+        return F.scaled_dot_product_attention(q, k, k, attn_mask=keep[:, None, None, :])
+
+
+@pytest.mark.parametrize("how", ["self", "cross", "flip", "roll"])
+def test_only_one_token_sequence_is_self_attention(how):
+    """Keys from another sequence of the same length, or from the same one reordered (a
+    flip, a roll), are not proved self-attention: no queries' mask."""
+    x, y = torch.randn(1, 64, 32), torch.randn(1, 64, 32)
+    keep = torch.ones(1, 64, dtype=torch.bool)
+    keep[:, 50:] = False
+    rep = pisa_compile.explain(_Cross(how), x, y, keep, options=LOSSY)
+    assert rep.sites[0].rewritten and rep.sites[0].mask.endswith("->padding"), str(rep)
+    assert (SUFFIX in rep.sites[0].selection) == (how == "self"), str(rep)
+
+
+def test_multihead_attention_self_but_not_cross():
+    """``nn.MultiheadAttention(x, x, x)`` with a bool key padding mask gets the queries'
+    mask (alone and right-padded agree on the real rows); ``(x, y, y)`` does not."""
+    torch.manual_seed(0)
+    mha = torch.nn.MultiheadAttention(32, 4, batch_first=True).eval()
+    N, L = 256, 200
+    x, y = torch.randn(2, N, 32), torch.randn(2, N, 32)
+    x[1, :L] = x[0, :L]
+    kpm = torch.zeros(2, N, dtype=torch.bool)
+    kpm[1, L:] = True
+
+    def self_attn(x, kpm):
+        return mha(x, x, x, key_padding_mask=kpm, need_weights=False)[0]
+
+    def cross_attn(x, y, kpm):
+        return mha(x, y, y, key_padding_mask=kpm, need_weights=False)[0]
+
+    assert SUFFIX in pisa_compile.explain(self_attn, x, kpm, options=LOSSY)[0].selection
+    assert SUFFIX not in pisa_compile.explain(cross_attn, x, y, kpm, options=LOSSY)[0].selection
+    f = torch.compile(self_attn, backend="pisa", options=LOSSY)
+    with torch.no_grad():
+        alone, batch = f(x[1:, :L], kpm[1:, :L]), f(x, kpm)
+    torch.testing.assert_close(batch[1, :L], alone[0], atol=1e-5, rtol=1e-5)

@@ -477,23 +477,30 @@ def _check_structure(q: Tensor, k: Tensor, attn_mask: Optional[Tensor],
         raise ValueError("causal_offset needs is_causal=True")
     if key_mask is None:
         return None
-    if not isinstance(key_mask, Tensor):
-        raise TypeError(f"key_mask must be a Tensor or None, got {type(key_mask).__name__}")
-    if attn_mask is not None:
+    if attn_mask is not None and isinstance(key_mask, Tensor):
         raise ValueError("attn_mask and key_mask cannot both be set: fold the key mask into "
                          "attn_mask, or pass is_causal/causal_offset with key_mask")
-    B, Nk = q.shape[0], k.shape[2]
-    if tuple(key_mask.shape) != (B, Nk):
-        raise ValueError(f"key_mask must be [B={B}, Nk={Nk}] (True = attend), got shape "
-                         f"{tuple(key_mask.shape)}")
-    if key_mask.device != q.device:
-        raise ValueError(f"key_mask must be on q's device ({q.device}), got {key_mask.device}")
-    if key_mask.dtype != torch.bool:
-        if key_mask.is_floating_point() or key_mask.is_complex():
-            raise ValueError(f"key_mask must be bool or integer (nonzero = attend), got dtype "
-                             f"{key_mask.dtype}")
-        key_mask = key_mask != 0
-    return key_mask
+    return _row_mask(key_mask, "key_mask", q, ("Nk", k.shape[2]), "True = attend",
+                     "nonzero = attend")
+
+
+def _row_mask(mask, name: str, q: Tensor, length: tuple, meaning: str, nonzero: str) -> Tensor:
+    """A ``[B, N]`` per-row mask argument (``key_mask``, ``query_mask``) checked and read as
+    bool; ``length`` is ``(its name, N)``."""
+    if not isinstance(mask, Tensor):
+        raise TypeError(f"{name} must be a Tensor or None, got {type(mask).__name__}")
+    B, (n_name, N) = q.shape[0], length
+    if tuple(mask.shape) != (B, N):
+        raise ValueError(f"{name} must be [B={B}, {n_name}={N}] ({meaning}), got shape "
+                         f"{tuple(mask.shape)}")
+    if mask.device != q.device:
+        raise ValueError(f"{name} must be on q's device ({q.device}), got {mask.device}")
+    if mask.dtype != torch.bool:
+        if mask.is_floating_point() or mask.is_complex():
+            raise ValueError(f"{name} must be bool or integer ({nonzero}), got dtype "
+                             f"{mask.dtype}")
+        mask = mask != 0
+    return mask
 
 
 def _check_mask_wants_no_grad(attn_mask: Optional[Tensor]) -> None:
@@ -688,24 +695,11 @@ def _check_query_mask(q: Tensor, attn_mask: Optional[Tensor],
     """Check ``query_mask``; returns it as bool (or None)."""
     if query_mask is None:
         return None
-    if not isinstance(query_mask, Tensor):
-        raise TypeError(f"query_mask must be a Tensor or None, got {type(query_mask).__name__}")
-    if attn_mask is not None:
+    if attn_mask is not None and isinstance(query_mask, Tensor):
         raise ValueError("attn_mask and query_mask cannot both be set: query_mask goes with "
                          "the structured arguments (is_causal, causal_offset, key_mask)")
-    B, Nq = q.shape[0], q.shape[2]
-    if tuple(query_mask.shape) != (B, Nq):
-        raise ValueError(f"query_mask must be [B={B}, Nq={Nq}] (False = a padding query), got "
-                         f"shape {tuple(query_mask.shape)}")
-    if query_mask.device != q.device:
-        raise ValueError(f"query_mask must be on q's device ({q.device}), got "
-                         f"{query_mask.device}")
-    if query_mask.dtype != torch.bool:
-        if query_mask.is_floating_point() or query_mask.is_complex():
-            raise ValueError(f"query_mask must be bool or integer (nonzero = a real query), "
-                             f"got dtype {query_mask.dtype}")
-        query_mask = query_mask != 0
-    return query_mask
+    return _row_mask(query_mask, "query_mask", q, ("Nq", q.shape[2]), "False = a padding query",
+                     "nonzero = a real query")
 
 
 def self_attention_query_mask(key_mask: Tensor, n_queries: int) -> Tensor:

@@ -5,6 +5,18 @@ from __future__ import annotations
 import torch
 
 
+def tiny_llama(impl: str = "sdpa", max_positions: int = 512):
+    """A seeded random-init ``LlamaForCausalLM`` (train mode): vocabulary 128, hidden 64, 2
+    layers, 4 query and 2 KV heads of 16, attention ``impl`` ("sdpa" or "eager")."""
+    import transformers
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=max_positions)
+    cfg._attn_implementation = impl
+    return transformers.LlamaForCausalLM(cfg)
+
+
 def tiny_generation_llama():
     """A seeded random-init ``LlamaForCausalLM``: vocabulary 128, hidden 64, 2 layers, 4 query
     and 2 KV heads of 16, SDPA attention, pad/bos/eos ids 0/1/2, eval mode."""

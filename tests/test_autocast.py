@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 import pisa_compile
+from tests.hf_models import tiny_llama
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
@@ -24,13 +25,7 @@ BF16 = dict(rtol=2e-2, atol=2e-2)
 
 
 def _llama(impl: str):
-    import transformers
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
-                                   num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=512)
-    cfg._attn_implementation = impl
-    return transformers.LlamaForCausalLM(cfg)
+    return tiny_llama(impl)
 
 
 def _batch():

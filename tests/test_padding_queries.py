@@ -18,6 +18,7 @@ from hypothesis import given, settings, strategies as st
 import pisa_compile
 from pisa_compile import PisaConfig, pisa_attention
 from pisa_compile.ops import self_attention_query_mask
+from tests.hf_models import tiny_llama
 from tests.strategies import sparse_configs
 from tests.test_structured_masks import structured
 
@@ -108,12 +109,7 @@ def test_query_mask_refuses_an_explicit_mask():
 # -- the pass ----------------------------------------------------------------------------------
 
 def _llama(impl: str):
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=128,
-                                   num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=1024)
-    cfg._attn_implementation = impl
-    return transformers.LlamaForCausalLM(cfg).eval()
+    return tiny_llama(impl, max_positions=1024).eval()
 
 
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])

@@ -717,11 +717,18 @@ def self_attention_query_mask(key_mask: Tensor, n_queries: int) -> Tensor:
         ``[B, Nq]`` bool, False = a padding query (``pisa_attention``'s ``query_mask``). A
         row with no real key has none real.
 
+    Raises:
+        ValueError: ``n_queries`` > ``Nk`` (a traced call: a failed ``torch._check``).
+
     Method: the rewrite calls it where it proves q and k one token sequence
     (``lowering/tokens.py``); plain tensor ops, so it compiles with the graph.
     """
     live = key_mask != 0
     n_keys = live.shape[1]
+    if isinstance(n_queries, int) and isinstance(n_keys, int) and n_queries > n_keys:
+        raise ValueError(f"self_attention_query_mask: n_queries={n_queries} must be at most the "
+                         f"keys, {n_keys} (query i is key Nk - Nq + i's token)")
+    torch._check(n_queries <= n_keys, lambda: "self_attention_query_mask: more queries than keys")
     pos = torch.arange(n_keys, device=live.device)
     first = torch.where(live, pos, n_keys).amin(1, keepdim=True)
     last = torch.where(live, pos, -1).amax(1, keepdim=True)

@@ -587,25 +587,26 @@ def test_flat_leaves_bounds_the_flat_scan():
 @pytest.mark.parametrize("flat", [False, True], ids=["walk", "flat"])
 @pytest.mark.parametrize("causal", [False, True], ids=["encoder", "causal"])
 def test_padding_queries_vote_for_nothing_in_the_kernels(causal, flat, monkeypatch):
-    """Right padding mid-tile, marked by ``query_mask``: noise in the padding queries leaves
-    the real rows of the Triton path bit-identical (their rows of q reach the selection
-    kernels as NaN, which votes for nothing in the walk, the flat ranking and the exact
-    rescoring)."""
+    """A sequence of 263 tokens alone, and right-padded to 300 with ``query_mask`` marking
+    the padding queries: the Triton path's real rows are bit-identical (the padding rows
+    reach the walk, the flat ranking and the exact rescoring as NaN, which votes for
+    nothing; a constant fill would vote). Without ``query_mask`` they differ."""
     from pisa_compile import pisa_attention
     from pisa_compile.ops import self_attention_query_mask
     if flat:
         monkeypatch.setattr(ts, "WALK_MAX_POOL", 0)
     g = torch.Generator().manual_seed(0)
-    N, P = 300, 37
+    L, N = 263, 300
     q = torch.randn(1, 4, N, 16, generator=g)
     k, v = (torch.randn(1, 2, N, 16, generator=g) for _ in range(2))
     keep = torch.ones(1, N, dtype=torch.bool)
-    keep[:, N - P:] = False
-    q2 = q.clone()
-    q2[..., N - P:, :] = torch.randn(1, 4, P, 16, generator=g) * 10
+    keep[:, L:] = False
     cfg = PisaConfig(min_seq_len=0, kernel="triton", block_size=16, top_k=2, query_tile=16,
                      dense_tail=0, flat_leaves=64 if flat else 0, shortlist=4, bound_block=4)
-    a, b = (pisa_attention(x, k, v, is_causal=causal, key_mask=keep, enable_gqa=True,
-                           config=cfg, query_mask=self_attention_query_mask(keep, N))
-            for x in (q, q2))
-    assert torch.equal(a[..., :N - P, :], b[..., :N - P, :])
+    alone = pisa_attention(q[:, :, :L], k[:, :, :L], v[:, :, :L], is_causal=causal,
+                           enable_gqa=True, config=cfg)
+    padded, unmarked = (pisa_attention(q, k, v, is_causal=causal, key_mask=keep,
+                                       enable_gqa=True, config=cfg, query_mask=m)
+                        for m in (self_attention_query_mask(keep, N), None))
+    assert torch.equal(padded[:, :, :L], alone)
+    assert not torch.equal(unmarked[:, :, :L], alone)

@@ -47,7 +47,7 @@ import math
 import operator
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch.fx import Node
@@ -57,7 +57,8 @@ from ..ops import holds_causal_mask
 from . import patterns as P
 
 __all__ = ["Index", "Struct", "ONES", "mask_value", "bool_structure", "additive_structure",
-           "both", "fits", "spans", "written_by", "is_view", "offset_value", "canonical_bool"]
+           "both", "fits", "spans", "written_by", "is_view", "alias_find", "offset_value",
+           "canonical_bool"]
 
 
 @dataclass(frozen=True)
@@ -286,6 +287,23 @@ def _subgraph_writes(u: Node) -> Optional[list]:
 
 
 _VIEW_ATTRS = ("mT", "T", "H", "mH", "real", "imag", "data")
+
+
+def alias_find(graph) -> Callable[[Node], Node]:
+    """``find(node)``: one representative per set of nodes that may share memory (views and
+    in-place results of one tensor), for asking whether a write reaches a node."""
+    parent: dict = {}
+
+    def find(n):
+        while parent.get(n, n) is not n:
+            n = parent[n]
+        return n
+
+    for n in graph.nodes:
+        for src in ([n.args[0]] if is_view(n) else []) + (
+                [] if n.op == "call_module" else written_by(n)):
+            parent[find(n)] = find(src)
+    return find
 
 
 def is_view(u: Node) -> bool:

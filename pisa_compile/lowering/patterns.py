@@ -79,7 +79,7 @@ __all__ = [
     "matmul_kind", "as_scale", "as_cast", "as_dropout", "as_view_perm", "as_contiguous",
     "as_repeat_kv", "as_mask_add", "as_masked_fill", "as_where", "parse_einsum", "describe",
     "constant_of", "is_softcap", "as_noop_cast", "known_equal", "autocast_enter",
-    "is_autocast_exit",
+    "is_autocast_exit", "norm_dims", "known_le",
 ]
 
 # -- node helpers ----------------------------------------------------------------------------
@@ -99,6 +99,12 @@ def known_equal(a: Any, b: Any) -> bool:
     """``a == b`` provably (ints, or SymInts equal for every value the shape env allows)."""
     from torch.fx.experimental.symbolic_shapes import statically_known_true
     return bool(statically_known_true(a == b))
+
+
+def known_le(a: Any, b: Any) -> bool:
+    """``a <= b`` provably (ints, or SymInts for every value the shape env allows)."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+    return bool(statically_known_true(a <= b))
 
 
 def is_number(x: Any) -> bool:
@@ -409,7 +415,8 @@ def as_contiguous(node: Node) -> Optional[Node]:
     return None
 
 
-def _norm_dims(dims: Sequence[Any], rank: int) -> Optional[list[int]]:
+def norm_dims(dims: Sequence[Any], rank: int) -> Optional[list[int]]:
+    """Dims as non-negative ints below ``rank``, or None where one is not an int in range."""
     out = []
     for d in dims:
         if not isinstance(d, int) or isinstance(d, bool) or not -rank <= d < rank:
@@ -436,7 +443,7 @@ def as_view_perm(node: Node) -> Optional[tuple[Node, list[int]]]:
         return src, p
     if _fn(node, torch.transpose, torch.swapaxes, torch.swapdims) or _meth(
             node, "transpose", "swapaxes", "swapdims"):
-        dims = _norm_dims(node.args[1:3], rank)
+        dims = norm_dims(node.args[1:3], rank)
         if dims is None or len(dims) != 2:
             return None
         p = list(range(rank))
@@ -447,7 +454,7 @@ def as_view_perm(node: Node) -> Optional[tuple[Node, list[int]]]:
             node.kwargs.get("dims")
         if isinstance(dims, int):
             dims = [dims]
-        dims = _norm_dims(list(dims or ()), rank)
+        dims = norm_dims(list(dims or ()), rank)
         if dims is None or sorted(dims) != list(range(rank)):
             return None
         return src, dims

@@ -897,20 +897,8 @@ def _check_no_writes(graph, plan: _Plan) -> None:
     any view). The op runs at the anchor, so it would read the written values: ``k.mul_(-3)``
     after ``q @ k.mT``, ``s.div_(4)`` on raw scores the softmax then reads, a ``masked_fill_``
     off the chain."""
-    parent: dict = {}
-
-    def find(n):
-        while parent.get(n, n) is not n:
-            n = parent[n]
-        return n
-
-    order = {}
-    for i, n in enumerate(graph.nodes):
-        order[n] = i
-        # A view or an in-place result shares memory with its source.
-        for src in ([n.args[0]] if M.is_view(n) else []) + (
-                [] if n.op == "call_module" else M.written_by(n)):
-            parent[find(n)] = find(src)
+    find = M.alias_find(graph)
+    order = {n: i for i, n in enumerate(graph.nodes)}
     site = [n for n in plan.owned if isinstance(n, Node) and n in order] + [plan.anchor]
     reads = [plan.q, plan.k, plan.v, plan.mask, plan.key_mask, *(m for _, m, *_ in plan.masks),
              *site]
@@ -1060,11 +1048,12 @@ def _apply(gm: GraphModule, plan: _Plan, config: PisaConfig) -> Node:
 
 def _self_attention(plan: _Plan) -> bool:
     """Whether the site's q and k are proved one token sequence (:mod:`.tokens`), read at
-    their sequence dims before the plan's permutes (and the rank-3 unsqueeze)."""
-    seq = 1 if plan.rank3 else 2
-    qd = plan.q_perm[seq] if plan.q_perm is not None else seq
-    kd = plan.k_perm[seq] if plan.k_perm is not None else seq
-    return same_tokens(plan.q, qd, plan.k, kd)
+    their batch and sequence dims before the plan's permutes (and the rank-3 unsqueeze)."""
+    dims = (0, 1 if plan.rank3 else 2)  # (batch, sequence) as the op sees q and k
+
+    def before(perm):
+        return dims if perm is None else (perm[dims[0]], perm[dims[1]])
+    return same_tokens(plan.q, before(plan.q_perm), plan.k, before(plan.k_perm))
 
 
 def _emit_offset(emit, graph, off: tuple):

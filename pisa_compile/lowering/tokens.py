@@ -4,21 +4,23 @@ graph (DESIGN.md, "Rewrite rules": padding queries).
 Under a key padding mask, a padding query still votes in its query tile's selection, so the
 real rows of that tile could pick other blocks than the sequence alone would (a right-padded
 batch changed a sentence's output). The op cannot tell a padding query from a real one: it
-takes the key mask only. Where q and k are projections of one token sequence, query ``i`` is
-the token of key ``Nk - Nq + i`` (a KV cache appends in front of it), and the pass hands the op
-the queries' mask that follows from the key mask (:func:`~pisa_compile.ops.self_attention_query_mask`).
+takes the key mask only. Where q and k are projections of one token sequence, query ``i`` of
+batch row ``b`` is the token of key ``Nk - Nq + i`` of row ``b`` (a KV cache appends in front
+of it), and the pass hands the op the queries' mask that follows from the key mask
+(:func:`~pisa_compile.ops.self_attention_query_mask`).
 
-The proof walks q and k back to a common node along token-preserving steps only: row ``i``
-of each step's output comes from row ``i`` of the input it is followed through. Steps:
-layout (views, reshapes, transposes, permutes, unsqueeze, basic slicing of other dims,
-contiguous, casts), pointwise ops (followed through their operands of the output's full
-shape, which must agree; broadcast operands such as RoPE's cos/sin or a norm's weight are side
-data), ``linear`` and ``x @ W`` with a 2-D ``W``, ``split``/``chunk`` of other dims, ``cat``
-of other dims (its operands must agree), and for k one ``cat`` along the sequence that appends
-it last (a KV cache's update). Anything else (a gather, a flip, a roll, a slice of the
-sequence, a matmul over tokens) ends the walk at that node: q and k then agree only where
-they reach that very node. Cross-attention (q from the decoder, k from the encoder) ends at
-two different nodes, so no queries' mask is handed on, even at equal lengths.
+The proof walks q and k back, tracking both their batch and their sequence dim, to a common
+node, along steps that keep each (batch row, token) where it is: layout (views, reshapes,
+transposes, permutes, unsqueeze, expand of other dims, basic slicing that keeps both dims
+whole, contiguous, casts), pointwise ops (followed through their operands of the output's
+full shape, which must agree; broadcast operands such as RoPE's cos/sin or a norm's weight are
+side data), norms over trailing dims, ``linear`` (whose input ends the walk: q's and k's meet
+there), ``split``/``chunk``/``cat`` of other dims, and for k one ``cat`` along the sequence
+that appends it last (a KV cache's update). Anything else (a gather, a flip, a roll, a slice of
+the sequence or the batch, a matmul) ends the walk at that node: q and k then agree only where
+they reach that very node at the same two dims. Cross-attention (q from the decoder, k from the
+encoder) ends at two different nodes, so it gets no queries' mask, even at equal lengths. A
+walked node that anything writes in place (through any view) proves nothing.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx import Node
 
+from . import masks as M
 from . import patterns as P
 
 __all__ = ["same_tokens"]
@@ -52,32 +55,45 @@ _RESHAPES = {"view", "reshape", "_unsafe_view", "flatten", "unflatten", "unsquee
 _RESHAPE_FNS = {torch.reshape, torch.flatten, torch.unflatten, torch.unsqueeze, torch.squeeze}
 _LINEAR_FNS = {F.linear, torch._C._nn.linear}
 # Normalise over trailing dims only (QK-norm): row i from row i.
-_NORM_FNS = {F.layer_norm, F.rms_norm, torch.layer_norm, torch.rms_norm} - {None}
-_MATMUL_FNS = {torch.matmul, operator.matmul}
+_NORM_FNS = {F.layer_norm, F.rms_norm, torch.layer_norm, torch.rms_norm}
 _CAT_FNS = {torch.cat, torch.concat, torch.concatenate}
 _SPLIT_FNS = {torch.split, torch.chunk, torch.tensor_split}
 _SPLIT_METHODS = {"split", "chunk", "tensor_split"}
+_UNBIND = {torch.unbind, "unbind"}
 
-# (root node, its sequence dim, whether a cat along the sequence put other keys in front)
-_Found = tuple[Node, int, bool]
+# The walk's state: a node, its (batch dim, sequence dim), and whether a cat along the
+# sequence put other keys in front.
+_Found = tuple[Node, tuple[int, int], bool]
 
 
-def same_tokens(q: Node, q_dim: int, k: Node, k_dim: int) -> bool:
-    """Whether query ``i`` of ``q`` and key ``Nk - Nq + i`` of ``k`` are one token's, proved
-    from the graph: both reach one node, at one sequence dim, along token-preserving steps
-    (module docstring), with a cache's ``cat`` at most on k's side.
+def same_tokens(q: Node, q_dims: tuple[int, int], k: Node, k_dims: tuple[int, int]) -> bool:
+    """Whether query ``i`` of batch row ``b`` and key ``Nk - Nq + i`` of row ``b`` are one
+    token's, proved from the graph: q and k reach one node, at the same (batch, sequence)
+    dims, along steps that keep rows in place (module docstring), with a cache's ``cat`` at
+    most on k's side, and nothing writes in place into a node on the way.
 
     Args:
         q, k: FX nodes of a site's query and key tensors (Dynamo's graph, with example
-            values); ``q_dim``, ``k_dim``: their sequence dims.
+            values); ``q_dims``, ``k_dims``: their (batch, sequence) dims.
 
     Returns:
         False where the walk cannot tell (never an error): the op then gets no queries' mask.
     """
     memo: dict = {}
-    fq = _walk(q, q_dim, False, memo)
-    fk = _walk(k, k_dim, True, memo)
-    return fq is not None and fk is not None and fq[:2] == fk[:2]
+    fq = _walk(q, q_dims, frozenset(), False, memo)
+    fk = _walk(k, k_dims, frozenset(), True, memo)
+    if fq is None or fk is None or fq[:2] != fk[:2]:
+        return False
+    walked = {key[0] for key in memo} | {fq[0]}
+    return not _written(q.graph, walked)
+
+
+def _written(graph, nodes: set) -> bool:
+    """Whether any node of ``graph`` may write in place into memory of ``nodes`` (through
+    any view or in-place result): the walk read their values where they were made."""
+    find = M.alias_find(graph)
+    roots = {find(n) for n in nodes}
+    return any(find(t) in roots for n in graph.nodes for t in M.written_by(n))
 
 
 def _shape(node: Any) -> Optional[tuple]:
@@ -85,32 +101,35 @@ def _shape(node: Any) -> Optional[tuple]:
     return tuple(v.shape) if isinstance(v, torch.Tensor) else None
 
 
-def _eq(a: Any, b: Any) -> bool:
-    return P.known_equal(a, b)
-
-
-def _prod(xs) -> Any:
-    return math.prod(xs) if xs else 1
-
-
 def _reshaped_dim(src: tuple, out: tuple, d: int) -> Optional[int]:
     """The dim of ``src`` that a row-major reshape to ``out`` keeps as ``out``'s dim ``d``:
     the same size, with equal products of the dims before it and of those after it (row
     ``i`` then maps to row ``i``). None if there is none, or more than one (size-1 ties)."""
+    eq, prod = P.known_equal, math.prod
     hits = [e for e in range(len(src))
-            if _eq(src[e], out[d]) and _eq(_prod(src[:e]), _prod(out[:d]))
-            and _eq(_prod(src[e + 1:]), _prod(out[d + 1:]))]
+            if eq(src[e], out[d]) and eq(prod(src[:e]), prod(out[:d]))
+            and eq(prod(src[e + 1:]), prod(out[d + 1:]))]
     return hits[0] if len(hits) == 1 else None
 
 
-def _index_dim(index: Any, src: tuple, out: tuple, d: int) -> Optional[int]:
-    """The dim of ``src`` that basic indexing ``x[index]`` keeps as dim ``d`` of ``out``,
-    taken whole (a slice of its full length); None for advanced indexing or a cut."""
+def _within(src: tuple, out: tuple, c: int) -> Optional[int]:
+    """The dim of ``src`` whose row-major span holds ``out``'s dim ``c`` after a reshape (``c``
+    one factor of a split dim, or the dim itself); None if ``c`` spans several."""
+    le = P.known_le
+    for e in range(len(src)):
+        if le(math.prod(src[e + 1:]), math.prod(out[c + 1:])) and \
+                le(math.prod(out[c:]), math.prod(src[e:])):
+            return e
+    return None
+
+
+def _index_map(index: Any, src: tuple) -> Optional[tuple[list, set]]:
+    """Basic indexing ``x[index]``: for each output dim the ``src`` dim it comes from (None
+    for a new ``None`` axis), and the ``src`` dims it cuts (an int, or a slice that may not be
+    whole). None for advanced indexing (tensors, lists: they can reorder rows)."""
     items = list(index) if isinstance(index, tuple) else [index]
     if any(not (i is None or i is Ellipsis or isinstance(i, (int, slice))) or isinstance(i, bool)
-           for i in items):
-        return None  # tensors, lists: advanced indexing can reorder rows
-    if items.count(Ellipsis) > 1:
+           for i in items) or items.count(Ellipsis) > 1:
         return None
     consumed = sum(1 for i in items if i is not None and i is not Ellipsis)
     if Ellipsis in items:
@@ -118,19 +137,17 @@ def _index_dim(index: Any, src: tuple, out: tuple, d: int) -> Optional[int]:
         items[at:at + 1] = [slice(None)] * (len(src) - consumed)
     else:
         items += [slice(None)] * (len(src) - consumed)
-    e = o = 0
+    where, cut, e = [], set(), 0
     for i in items:
         if i is None:
-            o += 1
+            where.append(None)
             continue
-        if isinstance(i, int):
-            e += 1
-            continue
-        if o == d:
-            return e if e < len(src) and _eq(src[e], out[d]) else None
+        if isinstance(i, int) or i != slice(None):
+            cut.add(e)
+        if not isinstance(i, int):
+            where.append(e)
         e += 1
-        o += 1
-    return None
+    return where, cut
 
 
 def _agree(found: list) -> Optional[_Found]:
@@ -139,101 +156,142 @@ def _agree(found: list) -> Optional[_Found]:
     return None
 
 
-def _walk(node: Any, d: int, allow_append: bool, memo: dict) -> Optional[_Found]:
-    """Follow ``node``'s sequence dim ``d`` back to the node where token-preserving steps end
-    (``memo``: each (node, dim) once, as pointwise ops fan out)."""
+def _dim_arg(node: Node, index: int, rank: int) -> Optional[int]:
+    """The ``dim`` (or numpy's ``axis``) argument of ``node``, normalised to ``rank``."""
+    dim = P.arg(node, index, "dim", node.kwargs.get("axis", 0))
+    dims = P.norm_dims([dim], rank)
+    return None if dims is None else dims[0]
+
+
+def _walk(node: Any, dims: tuple, cuts: frozenset, allow_append: bool, memo: dict
+          ) -> Optional[_Found]:
+    """Follow ``node``'s (batch, sequence) ``dims`` back to the node where row-keeping steps
+    end. ``cuts``: dims of ``node`` that a step toward the site took a part of (an index, a
+    split piece); where the walk ends they must be its last dim (features: q's and k's
+    pieces of a fused projection), not a dim of whole sequences (two streams stacked).
+    ``memo``: each state once, as pointwise ops fan out."""
     out = _shape(node)
-    if out is None or not -len(out) <= d < len(out):
+    if out is None:
         return None
-    d %= len(out)
-    key = (node, d, allow_append)
+    dims = P.norm_dims(list(dims), len(out))
+    if dims is None or dims[0] == dims[1]:
+        return None
+    dims = tuple(dims)
+    cuts = frozenset(c for c in cuts if not P.known_equal(out[c], 1))  # no part of size 1
+    if cuts & set(dims):
+        return None  # a part of the batch or of the sequence
+    key = (node, dims, cuts, allow_append)
     if key not in memo:
-        memo[key] = None  # a cycle cannot occur in a graph; this only bounds re-entry
-        step = None
+        memo[key] = None  # re-entry cannot happen in a DAG; this only bounds it
+        found = None
         if node.op in ("call_function", "call_method"):
-            step = _step(node, out, d, allow_append, memo)
-        memo[key] = (node, d, False) if step is None else step
+            found = _step(node, out, dims, cuts, allow_append, memo)
+        if found is None and cuts <= {len(out) - 1}:
+            found = (node, dims, False)  # the walk ends here
+        memo[key] = found
     return memo[key]
 
 
-def _step(node: Node, out: tuple, d: int, allow_append: bool, memo: dict) -> Optional[_Found]:
-    """One step back from ``node`` (output shape ``out``, sequence dim ``d``); None: the walk
-    ends at ``node``."""
+def _step(node: Node, out: tuple, dims: tuple, cuts: frozenset, allow_append: bool,
+          memo: dict) -> Optional[_Found]:
+    """One step back from ``node`` (output shape ``out``); None: the walk ends at ``node``."""
     a0 = node.args[0] if node.args else None
     src = _shape(a0)
 
-    def follow(x, e):
-        return _walk(x, e, allow_append, memo)
+    def follow(x, one, cut=None, more=()):
+        """Walk on to ``x``: ``one`` maps a tracked dim (exactly), ``cut`` a cut dim (by
+        default as ``one``); ``more``: dims of ``x`` this step cuts."""
+        mapped = tuple(one(d) for d in dims)
+        moved = [(cut or one)(c) for c in cuts]
+        if any(e is None for e in (*mapped, *moved)):
+            return None
+        return _walk(x, mapped, frozenset(moved) | frozenset(more), allow_append, memo)
 
+    fn = node.target if node.op == "call_function" else None
+    meth = node.target if node.op == "call_method" else None
     view = P.as_view_perm(node)
     if view is not None:
-        return follow(view[0], view[1][d])
-    if node.op == "call_method" and node.target in _RESHAPES or \
-            node.op == "call_function" and node.target in _RESHAPE_FNS:
-        e = _reshaped_dim(src, out, d) if src is not None else None
-        return None if e is None else follow(a0, e)
-    if node.op == "call_method" and node.target == "expand":
-        e = d - (len(out) - len(src)) if src is not None else -1
-        return follow(a0, e) if e >= 0 and _eq(src[e], out[d]) else None
-    if node.op == "call_function" and node.target is operator.getitem:
-        if isinstance(a0, Node) and a0.op in ("call_function", "call_method") and \
-                (a0.target in _SPLIT_FNS or a0.target in _SPLIT_METHODS):
-            return _split(a0, d, allow_append, memo)
-        if src is None:
+        return follow(view[0], lambda d: view[1][d])
+    if fn is operator.getitem and isinstance(a0, Node) and a0.op in ("call_function",
+                                                                      "call_method"):
+        if a0.target in _SPLIT_FNS or a0.target in _SPLIT_METHODS or a0.target in _UNBIND:
+            return _piece(a0, dims, cuts, allow_append, memo)
+    if src is None:
+        return _step_on_values(node, out, dims, cuts, allow_append, memo, follow)
+    if meth in _RESHAPES or fn in _RESHAPE_FNS:
+        return follow(a0, lambda d: _reshaped_dim(src, out, d),
+                      lambda c: _within(src, out, c))
+    if meth == "expand":  # a broadcast dim is no row of the input
+        lead = len(out) - len(src)
+        return follow(a0, lambda d: d - lead if d >= lead and P.known_equal(
+            src[d - lead], out[d]) else None)
+    if fn is operator.getitem:
+        index = _index_map(node.args[1], src)
+        if index is None:
             return None
-        e = _index_dim(node.args[1], src, out, d)
-        return None if e is None else follow(a0, e)
-    if node.op == "call_function" and node.target in _LINEAR_FNS or \
-            node.op == "call_function" and node.target in _MATMUL_FNS and _weight(node):
-        # A projection's input is where the walk ends: q's and k's meet there (walking on
-        # would only retrace the residual stream).
-        return (a0, d, False) if d != len(out) - 1 and isinstance(a0, Node) else None
-    if node.op == "call_function" and node.target in _NORM_FNS:
+        where, cut = index
+        if any(where[d] is None or where[d] in cut for d in dims):
+            return None  # a tracked dim not taken whole
+        return follow(a0, lambda d: where[d], more=cut)
+    if fn in _LINEAR_FNS:
+        # A projection's input ends the walk: q's and k's meet there (walking on would
+        # only retrace the residual stream). Their pieces must be of its output features.
+        last = len(out) - 1
+        return (a0, dims, False) if last not in dims and cuts <= {last} else None
+    if fn in _NORM_FNS:
         shape = P.arg(node, 1, "normalized_shape")
         n = len(shape) if isinstance(shape, (list, tuple)) else 1
-        return follow(a0, d) if d < len(out) - n else None
-    if node.op == "call_function" and node.target in _CAT_FNS:
-        return _cat(node, out, d, allow_append, memo)
-    if node.op == "call_function" and node.target in _POINTWISE_FNS or \
-            node.op == "call_method" and node.target in _POINTWISE_METHODS:
+        return follow(a0, lambda d: d) if max(dims) < len(out) - n else None
+    return _step_on_values(node, out, dims, cuts, allow_append, memo, follow)
+
+
+def _step_on_values(node, out, dims, cuts, allow_append, memo, follow) -> Optional[_Found]:
+    """``cat`` and pointwise steps (their first argument need not be a tensor)."""
+    fn = node.target if node.op == "call_function" else None
+    meth = node.target if node.op == "call_method" else None
+    if fn in _CAT_FNS:
+        return _cat(node, out, dims, cuts, allow_append, memo)
+    if fn in _POINTWISE_FNS or meth in _POINTWISE_METHODS:
         full = [x for x in (*node.args, *node.kwargs.values())
                 if isinstance(x, Node) and _shape(x) is not None
-                and len(_shape(x)) == len(out) and all(map(_eq, _shape(x), out))]
-        if not full or node.op == "call_method" and full[0] is not a0:
+                and len(_shape(x)) == len(out) and all(map(P.known_equal, _shape(x), out))]
+        if not full or meth is not None and full[0] is not node.args[0]:
             return None  # all broadcast, or x.to(other): follow only the tensor itself
-        return _agree([follow(x, d) for x in full])
+        return _agree([follow(x, lambda d: d) for x in full])
     return None
 
 
-def _weight(node: Node) -> bool:
-    """``x @ W`` with a 2-D right operand: token-wise, like ``linear``."""
-    w = _shape(node.args[1]) if len(node.args) > 1 else None
-    return w is not None and len(w) == 2
-
-
-def _split(split: Node, d: int, allow_append: bool, memo: dict) -> Optional[_Found]:
-    """A piece of ``split``/``chunk`` along another dim than the sequence's."""
+def _piece(split: Node, dims: tuple, cuts: frozenset, allow_append: bool, memo: dict
+           ) -> Optional[_Found]:
+    """A piece of ``split``/``chunk``/``unbind`` along neither tracked dim: that dim is cut."""
     src = _shape(split.args[0] if split.args else None)
     if src is None:
         return None
-    dim = P.arg(split, 2, "dim", 0)
-    if not isinstance(dim, int) or not -len(src) <= dim < len(src) or dim % len(src) == d:
+    unbind = split.target in _UNBIND
+    dim = _dim_arg(split, 1 if unbind else 2, len(src))
+    if dim is None:
         return None
-    return _walk(split.args[0], d, allow_append, memo)
+
+    def one(d):  # unbind drops its dim
+        return d + 1 if unbind and d >= dim else d
+    mapped = tuple(one(d) for d in dims)
+    if dim in mapped:
+        return None
+    return _walk(split.args[0], mapped, frozenset(map(one, cuts)) | {dim}, allow_append, memo)
 
 
-def _cat(node: Node, out: tuple, d: int, allow_append: bool, memo: dict) -> Optional[_Found]:
+def _cat(node: Node, out: tuple, dims: tuple, cuts: frozenset, allow_append: bool,
+         memo: dict) -> Optional[_Found]:
     """``torch.cat`` along another dim (operands agree), or for k along the sequence with the
-    followed tensor last: a KV cache's ``cat([past, new])``."""
+    followed tensor last: a KV cache's ``cat([past, new])``. Never along the batch."""
     parts = P.arg(node, 0, "tensors")
-    dim = P.arg(node, 1, "dim", 0)
-    if not isinstance(parts, (list, tuple)) or not parts or not isinstance(dim, int) \
-            or not -len(out) <= dim < len(out):
+    dim = _dim_arg(node, 1, len(out))
+    if not isinstance(parts, (list, tuple)) or not parts or dim is None or dim == dims[0]:
         return None
-    if dim % len(out) != d:
-        return _agree([_walk(x, d, allow_append, memo) for x in parts])
+    if dim != dims[1]:
+        return _agree([_walk(x, dims, cuts, allow_append, memo) for x in parts])
     last = parts[-1]
     if not allow_append or _shape(last) is None or len(_shape(last)) != len(out):
         return None
-    found = _walk(last, d, False, memo)  # one cache append, no more
+    found = _walk(last, dims, cuts, False, memo)  # one cache append, no more
     return None if found is None else (found[0], found[1], True)

@@ -797,12 +797,8 @@ def _run(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
         if tail.requires_grad:
             tail = _ContiguousGrad.apply(tail)
     # The selection has no gradient: detached inputs keep it out of autograd (and torch.func).
-    q_select = q.detach()
-    if query_mask is not None:
-        # A non-finite query votes for nothing, in the reference and the Triton selections.
-        q_select = q_select.masked_fill(~query_mask[:, None, :q.shape[2], None], float("nan"))
     block_indices, block_counts = _select_blocks_op(
-        q_select, k.detach(), attn_mask, key_mask, is_causal, causal_offset, scale,
+        _voting(q.detach(), query_mask), k.detach(), attn_mask, key_mask, is_causal, causal_offset, scale,
         *config.selection_args(), how.select)
     out, _lse = _Attention.apply(q, k, v, attn_mask, key_mask, block_indices, block_counts,
                                  is_causal, causal_offset, scale, config.block_size,
@@ -1237,11 +1233,12 @@ def select_blocks(
     q: Tensor, k: Tensor, attn_mask: Optional[Tensor] = None, is_causal: bool = False,
     scale: Optional[float] = None, enable_gqa: bool = False, *, config: Optional[PisaConfig] = None,
     key_mask: Optional[Tensor] = None, causal_offset: int = 0,
+    query_mask: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     """The leaf blocks each query tile attends (forced blocks included); PISA selection.
 
     Args: as :func:`pisa_attention` (``q`` ``[B, Hq, Nq, D]``, ``k`` ``[B, Hkv, Nk, D]``,
-        ``key_mask`` ``[B, Nk]``, ``causal_offset``).
+        ``key_mask`` ``[B, Nk]``, ``causal_offset``, ``query_mask`` ``[B, Nq]``).
         ``min_seq_len`` is ignored here: the selection is always computed.
 
     Returns:
@@ -1259,6 +1256,7 @@ def select_blocks(
     _check_inputs(q, k, None, attn_mask, is_causal, enable_gqa, config, v_optional=True)
     key_mask = _check_structure(q, k, attn_mask, key_mask, is_causal, causal_offset)
     scale = _check_scale(scale, q)
+    query_mask = _check_query_mask(q, attn_mask, query_mask)
     how = dispatch.plan(q, k, k, _mask4(attn_mask), is_causal, kernel=config.kernel,
                         local_blocks=config.local_blocks,
                         bound_block=config.effective_bound_block, selection_only=True)
@@ -1269,5 +1267,15 @@ def select_blocks(
         T = cdiv(Nq, config.query_tile)
         return (q.new_full((B, Hkv, T, M), -1, dtype=torch.int32),
                 q.new_zeros((B, Hkv, T), dtype=torch.int32))
-    return _select_blocks_op(q.detach(), k.detach(), _mask4(attn_mask), key_mask, is_causal,
-                             causal_offset, float(scale), *config.selection_args(), how.select)
+    return _select_blocks_op(_voting(q.detach(), query_mask), k.detach(), _mask4(attn_mask),
+                             key_mask, is_causal, causal_offset, float(scale),
+                             *config.selection_args(), how.select)
+
+
+def _voting(q: Tensor, query_mask: Optional[Tensor]) -> Tensor:
+    """``q`` as the selection reads it: the rows ``query_mask`` marks as padding NaN (a
+    non-finite query votes for nothing, in the reference and the Triton selections). ``q``
+    may be the first rows of the call (the dense tail cut off)."""
+    if query_mask is None:
+        return q
+    return q.masked_fill(~query_mask[:, None, :q.shape[2], None], float("nan"))

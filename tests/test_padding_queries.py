@@ -90,6 +90,33 @@ def test_self_attention_query_mask():
                          [1, 1, 1, 1, 1, 1, 1, 1]], dtype=torch.bool)
     assert torch.equal(self_attention_query_mask(km, 8), want)
     assert torch.equal(self_attention_query_mask(km.bool(), 3), want[:, 5:])
+    with pytest.raises(ValueError, match="n_queries=9 must be at most"):
+        self_attention_query_mask(km, 9)
+
+
+def test_select_blocks_takes_the_queries_mask():
+    """``select_blocks`` with ``query_mask`` gives the blocks ``pisa_attention`` attends:
+    its output equals dense attention under that selection (and without the mask the
+    selection differs)."""
+    from pisa_compile import select_blocks
+    from pisa_compile.kernels.reference import dense_attention
+    from tests.strategies import selection_mask
+    g = torch.Generator().manual_seed(3)
+    N, L = 300, 200
+    q = torch.randn(1, 4, N, 16, generator=g)
+    k, v = (torch.randn(1, 2, N, 16, generator=g) for _ in range(2))
+    q[:, :, L:] = 5 * k.repeat_interleave(2, 1)[:, :, 20:20 + N - L]
+    keep = torch.ones(1, N, dtype=torch.bool)
+    keep[:, L:] = False
+    qm = self_attention_query_mask(keep, N)
+    cfg = PisaConfig(**LOSSY)
+    bi, _ = select_blocks(q, k, enable_gqa=True, config=cfg, key_mask=keep, query_mask=qm)
+    bi0, _ = select_blocks(q, k, enable_gqa=True, config=cfg, key_mask=keep)
+    assert not torch.equal(bi, bi0)
+    sel = selection_mask(bi, N, N, cfg, 2) & keep[:, None, None, :]
+    want = dense_attention(q.double(), k.double(), v.double(), attn_mask=sel).float()
+    out = pisa_attention(q, k, v, key_mask=keep, enable_gqa=True, config=cfg, query_mask=qm)
+    torch.testing.assert_close(out[:, :, :L], want[:, :, :L], atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize("bad, err, match", [

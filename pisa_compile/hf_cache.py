@@ -327,8 +327,10 @@ class PisaStaticCache(StaticCache):
         ValueError: ``max_cache_len`` < 1, ``sparse_from`` < 0, or ``offloading`` (its
             prefetch swaps the layers' buffers for copies the pyramid does not see); at an
             update, more tokens at once than ``max_cache_len``, or, run eagerly, more than
-            it has left (in a compiled step an overflow is an index error of
-            ``index_copy_``, on CUDA a device-side assert: the length is on the device).
+            it has left (the message says to ``reset()`` before a new prompt). In a compiled
+            step the length is on the device and an overflow fails ``index_copy_``'s bounds
+            check: a device-side assert on CUDA, and on the CPU under Inductor an uncaught
+            C++ error that ends the process, as for transformers' ``StaticCache``.
         TypeError: ``config`` is not a model config, ``pisa_config`` is not a PisaConfig, or
             a PisaConfig option is passed as a keyword.
 

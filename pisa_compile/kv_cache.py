@@ -585,8 +585,9 @@ class PisaStaticKVCache:
         ``torch.compile``, capturable in a CUDA graph). Writing past the capacity is an
         ``ValueError`` when run eagerly (the length counted on the host, read from the device
         once after compiled or captured appends); a compiled or CUDA-graph-captured append
-        reads no length, and its overflow fails in ``index_copy_`` (on CUDA a device-side
-        assert).
+        reads no length, and its overflow fails in ``index_copy_``'s bounds check: on CUDA a
+        device-side assert, on the CPU under Inductor an uncaught C++ error that ends the
+        process (as transformers' ``StaticCache`` under Inductor).
 
         Raises:
             ValueError: ``key``/``value`` not ``[B, Hkv, n, D]``/``[B, Hkv, n, Dv]`` of the
@@ -616,7 +617,8 @@ class PisaStaticKVCache:
                 raise ValueError(f"PisaStaticKVCache.append: {n} key(s) after "
                                  f"{self._known_length} overflow max_cache_len="
                                  f"{self.keys.shape[2]} (build the cache with at least the "
-                                 f"prompt length plus max_new_tokens)")
+                                 f"prompt length plus max_new_tokens, or call reset() before "
+                                 f"a new prompt)")
         if self.pyramid is None:
             _write_at(self.keys, self.values, self.length, key, value)
         else:

@@ -102,6 +102,20 @@ def test_explain_selection_symbolic_length_and_dense_sites():
 
 
 @pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("top_k, exact", [(64, True), (16, True), (15, False)])
+def test_explain_says_when_every_leaf_is_selected(top_k, exact):
+    """A user reading the report learns whether the sparse path is lossy at that length:
+    ``top_k`` covering every leaf (16 here) is DESIGN.md's exact regime (a new user could
+    not tell before)."""
+    q = torch.randn(1, 2, 256, 16)
+    (site,) = pisa_compile.explain(_sdpa_causal, q, q, q, options=dict(
+        min_seq_len=0, block_size=16, top_k=top_k)).sites
+    assert site.selection.endswith(f"; exact: top_k {top_k} covers all 16 leaves") == exact, \
+        site.selection
+    assert ("exact" in site.selection) == exact
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
 def test_explain_selection_of_module_sites_reads_their_key_length():
     mha = torch.nn.MultiheadAttention(32, 4, batch_first=True).eval()
     x = torch.randn(2, 100, 32)  # [L, B, E] = [100, 2, 32] inside: 25 leaves of 4

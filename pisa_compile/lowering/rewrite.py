@@ -1451,6 +1451,11 @@ def _describe(site: Site, n_keys, has_mask: bool, config: PisaConfig, device: to
     site.note, selects = _note_and_selects(n_keys, has_mask, config, device, **kw)
     if selects:
         site.selection = config.selection_kind(n_keys if isinstance(n_keys, int) else None)
+        n_leaves = -(-n_keys // config.block_size)
+        if statically_known_true(n_leaves <= config.top_k):
+            # DESIGN.md's exact regime: a user reading the report sees the call is not lossy.
+            site.selection += (f"; exact: top_k {config.top_k} covers all {n_leaves} "
+                               f"leaves")
 
 
 def _note(n_keys, has_mask: bool, config: PisaConfig, device: torch.device, **kw) -> str:

@@ -240,3 +240,27 @@ def test_mask_read_at_run_time_trains_on_the_gpu():
     assert _close(out, want) < 1e-2
     for a, b in zip(got, torch.autograd.grad(want, (q32, k32, v32), go.float())):
         assert _close(a, b) < 3e-2
+
+
+def test_right_padding_selects_as_the_sequence_alone(llama):
+    """Lossy selection (4 of 32 leaves) on the Triton path: a 1500-token sequence alone and
+    as the right-padded row of a 2048-token batch gives the same logits on its real rows
+    (the padding queries vote for nothing where the pass proves self-attention), within
+    bf16 rounding of the two runs, and no stage runs the reference."""
+    lossy = dict(min_seq_len=0, block_size=64, top_k=4, query_tile=64, dense_tail=0)
+    L = 1500
+    ids = torch.randint(0, 1000, (2, N), device="cuda", generator=torch.Generator(
+        device="cuda").manual_seed(5))
+    ids[1, :L] = ids[0, :L]
+    am = torch.ones(2, N, dtype=torch.long, device="cuda")
+    am[1, L:] = 0
+    torch._dynamo.reset()
+    counters.clear()
+    f = torch.compile(llama, backend=lambda gm, ex: pisa_backend(gm, ex, options=lossy))
+    with torch.no_grad():
+        alone = f(ids[1:, :L], attention_mask=am[1:, :L]).logits[0]
+        batch = f(ids, attention_mask=am).logits[1, :L]
+    assert _stages() == {}, _stages()
+    # The tile where padding starts (rows 1472..1499) is the one the padding voted in.
+    tail = slice(L // 64 * 64, L)
+    assert _close(batch[tail], alone[tail]) < 5e-3, _close(batch[tail], alone[tail])

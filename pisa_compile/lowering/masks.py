@@ -245,6 +245,9 @@ def written_by(u: Node) -> list:
     hop = _subgraph_writes(u)
     if hop is not None:
         return hop
+    schema = _schema_writes(u)
+    if schema is not None:
+        return schema
     out = [u.kwargs["out"]] if isinstance(u.kwargs.get("out"), Node) else []
     first = u.args[0] if u.args else None
     if isinstance(first, Node):
@@ -264,6 +267,31 @@ def written_by(u: Node) -> list:
             (name.endswith("_") and not name.startswith("__")) or name == "__setitem__"
             or (name.startswith("__i") and name.endswith("__")))
     return [*targets, *out] if inplace else out
+
+
+def _schema_writes(u: Node) -> Optional[list]:
+    """For a call of a torch operator (``torch.ops.aten.copy_.default``, a
+    ``torch.library.custom_op`` that mutates an argument), the arguments its schema marks
+    written (of any overload, for a packet); None for other calls, whose names tell (an
+    overload's name is ``copy_.default``, which the trailing ``_`` test misses)."""
+    if u.op != "call_function":
+        return None
+    target = u.target
+    if isinstance(target, torch._ops.OpOverload):
+        schemas = [target._schema]
+    elif isinstance(target, torch._ops.OpOverloadPacket):
+        schemas = [getattr(target, o)._schema for o in target.overloads()]
+    else:
+        return None
+    written = []
+    for schema in schemas:
+        for i, a in enumerate(schema.arguments):
+            if a.alias_info is None or not a.alias_info.is_write:
+                continue
+            x = u.args[i] if i < len(u.args) else u.kwargs.get(a.name)
+            written += [x] if isinstance(x, Node) else [
+                t for t in (x if isinstance(x, (list, tuple)) else ()) if isinstance(t, Node)]
+    return written
 
 
 def _subgraph_writes(u: Node) -> Optional[list]:

@@ -14,13 +14,16 @@ node, along steps that keep each (batch row, token) where it is: layout (views, 
 transposes, permutes, unsqueeze, expand of other dims, basic slicing that keeps both dims
 whole, contiguous, casts), pointwise ops (followed through their operands of the output's
 full shape, which must agree; broadcast operands such as RoPE's cos/sin or a norm's weight are
-side data), norms over trailing dims, ``linear`` (whose input ends the walk: q's and k's meet
-there), ``split``/``chunk``/``cat`` of other dims, and for k one ``cat`` along the sequence
-that appends it last (a KV cache's update). Anything else (a gather, a flip, a roll, a slice of
-the sequence or the batch, a matmul) ends the walk at that node: q and k then agree only where
-they reach that very node at the same two dims. Cross-attention (q from the decoder, k from the
-encoder) ends at two different nodes, so it gets no queries' mask, even at equal lengths. A
-walked node that anything writes in place (through any view) proves nothing.
+side data), norms over trailing dims, ``split``/``chunk``/``unbind``/``cat``/``stack`` of other
+dims, and for k one ``cat`` along the sequence that appends it last (a KV cache's update). A
+projection ends the walk at its input, where q's and k's meet: ``linear``, ``x @ W`` with
+``W`` a module's parameter, GPT-2's ``addmm`` between views. A part taken of another dim (an
+index, a split piece) must be of a projection's output features. Anything else (a gather, a
+flip, a roll, a slice of the sequence or the batch, any other matmul) ends the walk at that
+node: q and k then agree only where they reach that very node at the same two dims.
+Cross-attention (q from the decoder, k from the encoder) ends at two different nodes, so it
+gets no queries' mask, even at equal lengths. A walked node that anything writes in place
+(through any view, or through a graph input) proves nothing.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ _RESHAPE_FNS = {torch.reshape, torch.flatten, torch.unflatten, torch.unsqueeze, 
 _LINEAR_FNS = {F.linear, torch._C._nn.linear}
 # Normalise over trailing dims only (QK-norm): row i from row i.
 _NORM_FNS = {F.layer_norm, F.rms_norm, torch.layer_norm, torch.rms_norm}
+_MATMUL_FNS = {torch.matmul, operator.matmul}
 _CAT_FNS = {torch.cat, torch.concat, torch.concatenate}
 _SPLIT_FNS = {torch.split, torch.chunk, torch.tensor_split}
 _SPLIT_METHODS = {"split", "chunk", "tensor_split"}
@@ -90,10 +94,17 @@ def same_tokens(q: Node, q_dims: tuple[int, int], k: Node, k_dims: tuple[int, in
 
 def _written(graph, nodes: set) -> bool:
     """Whether any node of ``graph`` may write in place into memory of ``nodes`` (through
-    any view or in-place result): the walk read their values where they were made."""
+    any view or in-place result): the walk read their values where they were made. Graph
+    inputs may share memory the graph cannot see: a write into any input counts against a
+    walk that reached one."""
     find = M.alias_find(graph)
     roots = {find(n) for n in nodes}
-    return any(find(t) in roots for n in graph.nodes for t in M.written_by(n))
+    reads_input = any(find(n).op == "placeholder" for n in nodes)
+    for n in graph.nodes:
+        for t in M.written_by(n):
+            if find(t) in roots or reads_input and find(t).op == "placeholder":
+                return True
+    return False
 
 
 def _shape(node: Any) -> Optional[tuple]:
@@ -167,8 +178,9 @@ def _walk(node: Any, dims: tuple, cuts: frozenset, allow_append: bool, memo: dic
           ) -> Optional[_Found]:
     """Follow ``node``'s (batch, sequence) ``dims`` back to the node where row-keeping steps
     end. ``cuts``: dims of ``node`` that a step toward the site took a part of (an index, a
-    split piece); where the walk ends they must be its last dim (features: q's and k's
-    pieces of a fused projection), not a dim of whole sequences (two streams stacked).
+    split piece); they must be of a projection's output features (q's and k's pieces of a
+    fused projection), not a dim of whole sequences (two streams stacked), nor the last dim
+    of any other node (``cat([q_x, k_y], -1)`` packs two sequences there).
     ``memo``: each state once, as pointwise ops fan out."""
     out = _shape(node)
     if out is None:
@@ -186,8 +198,10 @@ def _walk(node: Any, dims: tuple, cuts: frozenset, allow_append: bool, memo: dic
         found = None
         if node.op in ("call_function", "call_method"):
             found = _step(node, out, dims, cuts, allow_append, memo)
-        if found is None and cuts <= {len(out) - 1}:
-            found = (node, dims, False)  # the walk ends here
+        if found is None and not cuts:
+            # The walk ends here. With a part taken it ends only at a projection (_step):
+            # elsewhere the last dim may hold two sequences side by side (q | k of x and y).
+            found = (node, dims, False)
         memo[key] = found
     return memo[key]
 
@@ -219,8 +233,8 @@ def _step(node: Node, out: tuple, dims: tuple, cuts: frozenset, allow_append: bo
     if src is None:
         return _step_on_values(node, out, dims, cuts, allow_append, memo, follow)
     if meth in _RESHAPES or fn in _RESHAPE_FNS:
-        return follow(a0, lambda d: _reshaped_dim(src, out, d),
-                      lambda c: _within(src, out, c))
+        return (follow(a0, lambda d: _reshaped_dim(src, out, d), lambda c: _within(src, out, c))
+                or _flat_projection(a0, out, dims, cuts))
     if meth == "expand":  # a broadcast dim is no row of the input
         lead = len(out) - len(src)
         return follow(a0, lambda d: d - lead if d >= lead and P.known_equal(
@@ -233,9 +247,11 @@ def _step(node: Node, out: tuple, dims: tuple, cuts: frozenset, allow_append: bo
         if any(where[d] is None or where[d] in cut for d in dims):
             return None  # a tracked dim not taken whole
         return follow(a0, lambda d: where[d], more=cut)
-    if fn in _LINEAR_FNS:
+    if fn in _LINEAR_FNS or fn in _MATMUL_FNS and len(node.args) > 1 and \
+            _parameter(node.args[1]):
         # A projection's input ends the walk: q's and k's meet there (walking on would
         # only retrace the residual stream). Their pieces must be of its output features.
+        # `x @ W` only with W a module's parameter: in `A @ x` the tokens are on the right.
         last = len(out) - 1
         return (a0, dims, False) if last not in dims and cuts <= {last} else None
     if fn in _NORM_FNS:
@@ -245,19 +261,56 @@ def _step(node: Node, out: tuple, dims: tuple, cuts: frozenset, allow_append: bo
     return _step_on_values(node, out, dims, cuts, allow_append, memo, follow)
 
 
+def _parameter(node: Any, depth: int = 4) -> bool:
+    """A 2-D ``nn.Parameter`` of a module, as is or transposed (``W.T``, ``W.t()``, ...)."""
+    if not isinstance(node, Node) or depth == 0:
+        return False
+    if node.op in ("placeholder", "get_attr"):
+        v = P.val(node)
+        return isinstance(v, torch.nn.Parameter) and v.dim() == 2
+    view = P.as_view_perm(node)
+    if view is None and node.op == "call_function" and node.target is getattr and \
+            node.args[1] == "T" or node.op == "call_method" and node.target == "t":
+        view = (node.args[0], None)
+    return view is not None and _parameter(view[0], depth - 1)
+
+
+def _flat_projection(proj: Any, out: tuple, dims: tuple, cuts: frozenset
+                     ) -> Optional[_Found]:
+    """GPT-2's ``Conv1D``: ``addmm(b, x.view(-1, C), W).view(*x.shape[:-1], F)`` (or ``mm``,
+    ``linear``) is a projection of ``x``, whose leading dims the reshape restores; the walk
+    ends at ``x``, as at a ``linear``'s input."""
+    if not isinstance(proj, Node) or proj.op != "call_function":
+        return None
+    flat = {torch.addmm: 1, torch.mm: 0, F.linear: 0, torch._C._nn.linear: 0}.get(proj.target)
+    if flat is None or len(proj.args) <= flat or not isinstance(proj.args[flat], Node):
+        return None
+    view = proj.args[flat]
+    x = view.args[0] if view.op == "call_method" and view.target in _RESHAPES or \
+        view.op == "call_function" and view.target in _RESHAPE_FNS else None
+    xs = _shape(x)
+    last = len(out) - 1
+    if xs is None or len(xs) != len(out) or last in dims or not cuts <= {last} or \
+            not all(map(P.known_equal, xs[:-1], out[:-1])):
+        return None
+    return x, dims, False
+
+
 def _step_on_values(node, out, dims, cuts, allow_append, memo, follow) -> Optional[_Found]:
-    """``cat`` and pointwise steps (their first argument need not be a tensor)."""
+    """``cat``, ``stack`` and pointwise steps (their first argument need not be a tensor)."""
     fn = node.target if node.op == "call_function" else None
     meth = node.target if node.op == "call_method" else None
     if fn in _CAT_FNS:
         return _cat(node, out, dims, cuts, allow_append, memo)
+    if fn is torch.stack:
+        return _stack(node, out, dims, cuts, allow_append, memo)
     if fn in _POINTWISE_FNS or meth in _POINTWISE_METHODS:
         full = [x for x in (*node.args, *node.kwargs.values())
                 if isinstance(x, Node) and _shape(x) is not None
                 and len(_shape(x)) == len(out) and all(map(P.known_equal, _shape(x), out))]
         if not full or meth is not None and full[0] is not node.args[0]:
-            return None  # all broadcast, or x.to(other): follow only the tensor itself
-        return _agree([follow(x, lambda d: d) for x in full])
+            return None  # all broadcast, or a method on a broadcast tensor
+        return _agree([follow(x, lambda d: d) for x in full])  # e.g. x.to(y): y must agree
     return None
 
 
@@ -295,3 +348,18 @@ def _cat(node: Node, out: tuple, dims: tuple, cuts: frozenset, allow_append: boo
         return None
     found = _walk(last, dims, cuts, False, memo)  # one cache append, no more
     return None if found is None else (found[0], found[1], True)
+
+
+def _stack(node: Node, out: tuple, dims: tuple, cuts: frozenset, allow_append: bool,
+           memo: dict) -> Optional[_Found]:
+    """``torch.stack`` along a new dim that neither tracked dim is (GPT-J's
+    ``stack((-x2, x1), -1)``): its parts must agree, a part taken of the new dim included."""
+    parts = P.arg(node, 0, "tensors")
+    new = _dim_arg(node, 1, len(out))
+    if not isinstance(parts, (list, tuple)) or not parts or new is None or new in dims:
+        return None
+
+    def one(d):
+        return d - 1 if d > new else d
+    moved = frozenset(one(c) for c in cuts if c != new)
+    return _agree([_walk(x, tuple(map(one, dims)), moved, allow_append, memo) for x in parts])

@@ -290,9 +290,11 @@ def _flat_projection(proj: Any, out: tuple, dims: tuple, cuts: frozenset
         view.op == "call_function" and view.target in _RESHAPE_FNS else None
     xs = _shape(x)
     last = len(out) - 1
-    if xs is None or len(xs) != len(out) or last in dims or not cuts <= {last} or \
-            not all(map(P.known_equal, xs[:-1], out[:-1])):
-        return None
+    vs, ps = _shape(view), _shape(proj)
+    if xs is None or vs is None or ps is None or len(xs) != len(out) or last in dims or \
+            not cuts <= {last} or not all(map(P.known_equal, xs[:-1], out[:-1])) or \
+            not P.known_equal(vs[-1], xs[-1]) or not P.known_equal(ps[-1], out[-1]):
+        return None  # one row of the projection per token of x (not a group of them)
     return x, dims, False
 
 

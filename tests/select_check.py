@@ -190,3 +190,24 @@ def opcheck_stages(q, k, v, attn_mask, key_mask, is_causal, causal_offset, confi
     torch.library.opcheck(_attention_op, (q, k, v, attn_mask, key_mask, bi, bc, is_causal,
                                           causal_offset, 0.25, config.block_size,
                                           config.query_tile, impl))
+
+
+def alone_and_right_padded(config, causal: bool, L: int, N: int = 300, seed: int = 0):
+    """``(alone, padded, unmarked)``: a sequence of ``L`` tokens (4 query heads, 2 KV heads of
+    16) attended alone, and right-padded to ``N`` with ``query_mask`` marking the padding
+    queries, and without it; the padding queries all point at keys 20.. (a block no real
+    row of their tile wants), so their votes change the selection where they count."""
+    from pisa_compile import pisa_attention
+    from pisa_compile.ops import self_attention_query_mask
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, 4, N, 16, generator=g)
+    k, v = (torch.randn(1, 2, N, 16, generator=g) for _ in range(2))
+    q[:, :, L:] = 5 * k.repeat_interleave(2, 1)[:, :, 20:20 + N - L]
+    keep = torch.ones(1, N, dtype=torch.bool)
+    keep[:, L:] = False
+    alone = pisa_attention(q[:, :, :L], k[:, :, :L], v[:, :, :L], is_causal=causal,
+                           enable_gqa=True, config=config)
+    padded, unmarked = (pisa_attention(q, k, v, is_causal=causal, key_mask=keep,
+                                       enable_gqa=True, config=config, query_mask=m)
+                        for m in (self_attention_query_mask(keep, N), None))
+    return alone, padded[:, :, :L], unmarked[:, :, :L]

@@ -19,6 +19,7 @@ import pisa_compile
 from pisa_compile import PisaConfig, pisa_attention
 from pisa_compile.ops import self_attention_query_mask
 from tests.hf_models import tiny_llama
+from tests.select_check import alone_and_right_padded
 from tests.strategies import sparse_configs
 from tests.test_structured_masks import structured
 
@@ -59,22 +60,9 @@ def test_a_sequence_selects_alike_alone_and_right_padded(L, causal):
     """The reference path: a sequence of ``L`` tokens alone, and right-padded to 300 with
     the padding queries marked, gives bit-identical real rows (a constant fill in place of
     NaN would still vote); unmarked, the padding queries' votes change them."""
-    g = torch.Generator().manual_seed(L)
-    N = 300
-    q = torch.randn(1, 4, N, 16, generator=g)
-    k, v = (torch.randn(1, 2, N, 16, generator=g) for _ in range(2))
-    # The padding queries all point at keys 20.. (a block no real row of their tile wants).
-    q[:, :, L:] = 5 * k.repeat_interleave(2, 1)[:, :, 20:20 + N - L]
-    keep = torch.ones(1, N, dtype=torch.bool)
-    keep[:, L:] = False
-    cfg = PisaConfig(**LOSSY)
-    alone = pisa_attention(q[:, :, :L], k[:, :, :L], v[:, :, :L], is_causal=causal,
-                           enable_gqa=True, config=cfg)
-    padded, unmarked = (pisa_attention(q, k, v, is_causal=causal, key_mask=keep,
-                                       enable_gqa=True, config=cfg, query_mask=m)
-                        for m in (self_attention_query_mask(keep, N), None))
-    assert torch.equal(padded[:, :, :L], alone)
-    assert not torch.equal(unmarked[:, :, :L], alone)
+    alone, padded, unmarked = alone_and_right_padded(PisaConfig(**LOSSY), causal, L, seed=L)
+    assert torch.equal(padded, alone)
+    assert not torch.equal(unmarked, alone)
 
 
 def test_self_attention_query_mask():

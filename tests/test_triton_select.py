@@ -27,7 +27,8 @@ from pisa_compile.ops import _plan, plan  # noqa: E402
 from pisa_compile.kernels import reference as ref  # noqa: E402
 from pisa_compile.kernels.geometry import local_bound  # noqa: E402
 from pisa_compile.kernels import triton_select as ts  # noqa: E402
-from tests.select_check import check_pyramid, check_selection  # noqa: E402
+from tests.select_check import (alone_and_right_padded, check_pyramid,  # noqa: E402
+                                check_selection)
 
 if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("TRITON_INTERPRET is not 1", allow_module_level=True)
@@ -591,22 +592,10 @@ def test_padding_queries_vote_for_nothing_in_the_kernels(causal, flat, monkeypat
     the padding queries: the Triton path's real rows are bit-identical (the padding rows
     reach the walk, the flat ranking and the exact rescoring as NaN, which votes for
     nothing; a constant fill would vote). Without ``query_mask`` they differ."""
-    from pisa_compile import pisa_attention
-    from pisa_compile.ops import self_attention_query_mask
     if flat:
         monkeypatch.setattr(ts, "WALK_MAX_POOL", 0)
-    g = torch.Generator().manual_seed(0)
-    L, N = 263, 300
-    q = torch.randn(1, 4, N, 16, generator=g)
-    k, v = (torch.randn(1, 2, N, 16, generator=g) for _ in range(2))
-    keep = torch.ones(1, N, dtype=torch.bool)
-    keep[:, L:] = False
     cfg = PisaConfig(min_seq_len=0, kernel="triton", block_size=16, top_k=2, query_tile=16,
                      dense_tail=0, flat_leaves=64 if flat else 0, shortlist=4, bound_block=4)
-    alone = pisa_attention(q[:, :, :L], k[:, :, :L], v[:, :, :L], is_causal=causal,
-                           enable_gqa=True, config=cfg)
-    padded, unmarked = (pisa_attention(q, k, v, is_causal=causal, key_mask=keep,
-                                       enable_gqa=True, config=cfg, query_mask=m)
-                        for m in (self_attention_query_mask(keep, N), None))
-    assert torch.equal(padded[:, :, :L], alone)
-    assert not torch.equal(unmarked[:, :, :L], alone)
+    alone, padded, unmarked = alone_and_right_padded(cfg, causal, L=263)
+    assert torch.equal(padded, alone)
+    assert not torch.equal(unmarked, alone)

@@ -475,18 +475,21 @@ def _check_structure(q: Tensor, k: Tensor, attn_mask: Optional[Tensor],
                          f"causal_offset), got {causal_offset}")
     if causal_offset != 0 and not is_causal:
         raise ValueError("causal_offset needs is_causal=True")
-    if key_mask is None:
-        return None
-    if attn_mask is not None and isinstance(key_mask, Tensor):
-        raise ValueError("attn_mask and key_mask cannot both be set: fold the key mask into "
-                         "attn_mask, or pass is_causal/causal_offset with key_mask")
     return _row_mask(key_mask, "key_mask", q, ("Nk", k.shape[2]), "True = attend",
-                     "nonzero = attend")
+                     "nonzero = attend", attn_mask,
+                     "fold the key mask into attn_mask, or pass is_causal/causal_offset with "
+                     "key_mask")
 
 
-def _row_mask(mask, name: str, q: Tensor, length: tuple, meaning: str, nonzero: str) -> Tensor:
+def _row_mask(mask, name: str, q: Tensor, length: tuple, meaning: str, nonzero: str,
+              attn_mask: Optional[Tensor], instead: str) -> Optional[Tensor]:
     """A ``[B, N]`` per-row mask argument (``key_mask``, ``query_mask``) checked and read as
-    bool; ``length`` is ``(its name, N)``."""
+    bool (None stays None); ``length`` is ``(its name, N)``; ``instead``: what to do rather
+    than pass it beside ``attn_mask``, which it excludes."""
+    if mask is None:
+        return None
+    if attn_mask is not None and isinstance(mask, Tensor):
+        raise ValueError(f"attn_mask and {name} cannot both be set: {instead}")
     if not isinstance(mask, Tensor):
         raise TypeError(f"{name} must be a Tensor or None, got {type(mask).__name__}")
     B, (n_name, N) = q.shape[0], length
@@ -693,13 +696,10 @@ def pisa_attention(
 def _check_query_mask(q: Tensor, attn_mask: Optional[Tensor],
                       query_mask: Optional[Tensor]) -> Optional[Tensor]:
     """Check ``query_mask``; returns it as bool (or None)."""
-    if query_mask is None:
-        return None
-    if attn_mask is not None and isinstance(query_mask, Tensor):
-        raise ValueError("attn_mask and query_mask cannot both be set: query_mask goes with "
-                         "the structured arguments (is_causal, causal_offset, key_mask)")
     return _row_mask(query_mask, "query_mask", q, ("Nq", q.shape[2]), "False = a padding query",
-                     "nonzero = a real query")
+                     "nonzero = a real query", attn_mask,
+                     "query_mask goes with the structured arguments (is_causal, "
+                     "causal_offset, key_mask)")
 
 
 def self_attention_query_mask(key_mask: Tensor, n_queries: int) -> Tensor:

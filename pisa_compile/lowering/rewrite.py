@@ -36,6 +36,9 @@ from .tokens import same_tokens
 
 __all__ = ["rewrite_graph", "find_sites", "LeaveDense"]
 
+# The report's word for a site whose padding queries get a queries' mask (op or module).
+_QUERY_PADDING_NOTE = "; self-attention: padding queries do not vote"
+
 # The inserted node carries the PisaConfig as a kwarg constant. FX prints constants with
 # repr() into the GraphModule's Python code, so the name must resolve there: register it
 # as an FX "custom builtin" (the mechanism FX uses for ``inf``, ``device``, ...).
@@ -1314,7 +1317,7 @@ def rewrite_graph(gm: GraphModule, config: PisaConfig, apply: bool = True) -> li
                 # As mha.py decides it: an encoder layer, or MHA called with `query is key`.
                 if (site.mask.endswith("->padding") and site.selection
                         and (is_layer or bound["query"] is bound["key"])):
-                    site.selection += "; self-attention: padding queries do not vote"
+                    site.selection += _QUERY_PADDING_NOTE
                 sites.append(site)
                 continue
             if is_sdpa:
@@ -1326,10 +1329,10 @@ def rewrite_graph(gm: GraphModule, config: PisaConfig, apply: bool = True) -> li
             q, k, v = _check_shapes(plan)
             site.q_shape, site.k_shape, site.v_shape = fmt_shape(q), fmt_shape(k), fmt_shape(v)
             _check_no_writes(gm.graph, plan)
-            plan.query_padding = plan.key_mask is not None and _self_attention(plan)
             if is_sdpa and (short := _bounded_sdpa_reason(q.shape[-2], k.shape[-2])
                             or _short_sdpa_reason(k.shape[-2], config)):
                 raise LeaveDense(short)
+            plan.query_padding = plan.key_mask is not None and _self_attention(plan)
             if apply:
                 _apply(gm, plan, config)
             site.decision, site.reason = REWRITTEN, ""
@@ -1338,7 +1341,7 @@ def rewrite_graph(gm: GraphModule, config: PisaConfig, apply: bool = True) -> li
                       k.device, window=plan.window, padded=plan.key_mask is not None,
                       n_queries=q.shape[-2], causal=plan.is_causal)
             if plan.query_padding and site.selection:
-                site.selection += "; self-attention: padding queries do not vote"
+                site.selection += _QUERY_PADDING_NOTE
         except LeaveDense as why:
             site.decision, site.reason = LEFT_DENSE, str(why)
             if site.q_shape == "?" and not (is_mha or is_layer):

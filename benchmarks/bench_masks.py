@@ -7,8 +7,8 @@ SDPA), for ``model(ids)`` and ``model(ids, attention_mask=...)``; forward ms (me
 planned (``counters["pisa"]["reference_*"]``, must be 0).
 
 With ``--left-padding``: a batch of 4 at 16K whose rows are left-padded by 0/1K/3K/7K tokens
-(the tokenizer's ``attention_mask`` and positions counted from each row's first token, as
-``generate()`` passes them), and each padded row against the same tokens run alone, unpadded:
+(``--pads``), with the tokenizer's ``attention_mask`` and positions counted from each row's
+first token, as ``generate()`` passes them, and each padded row against the same tokens run alone, unpadded:
 the largest difference of the last hidden states over the real tokens, for PISA and for
 dense (whose own difference is the bf16 tolerance).
 
@@ -176,6 +176,8 @@ def main(argv=None):
     ap.add_argument("--lengths", default="32768", help="comma-separated sequence lengths")
     ap.add_argument("--left-padding", action="store_true",
                     help="the batch-of-4 left-padding bench at 16K instead")
+    ap.add_argument("--pads", default="0,1024,3072,7168",
+                    help="with --left-padding: comma-separated left padding per row")
     ap.add_argument("--min-seq-len", type=int, default=None,
                     help="with --left-padding: the pisa backend's min_seq_len (the defaults "
                          "run plain SDPA below 32768 keys)")
@@ -207,8 +209,8 @@ def main(argv=None):
         opts = dict(args.options or {})
         if args.min_seq_len is not None:
             opts["min_seq_len"] = args.min_seq_len
-        rows = left_padding(body, 16384, [0, 1024, 3072, 7168], args.reps, opts or None,
-                            args.kernels)
+        rows = left_padding(body, 16384, [int(p) for p in args.pads.split(",")], args.reps,
+                            opts or None, args.kernels)
         if args.json:
             with open(args.json, "w") as fh:
                 json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,

@@ -782,6 +782,9 @@ def _run(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
     attn_mask, scale = _mask4(attn_mask), float(scale)
     if attn_mask is not None and attn_mask.dtype == torch.float64 and q.dtype != torch.float64:
         attn_mask = attn_mask.float()  # the backward's matmuls take one dtype
+    if _rows_align(q, k, key_mask, query_mask, is_causal, causal_offset, config):
+        return _aligned(q, k, v, key_mask, query_mask, is_causal, scale, enable_gqa, config,
+                        how)
     tail = None
     if is_causal and config.dense_tail > 0:
         # The last rows (a prompt's question) attend densely; plan() left some sparse rows.
@@ -804,6 +807,86 @@ def _run(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
                                  is_causal, causal_offset, scale, config.block_size,
                                  config.query_tile, how.attention, 0)
     return out if tail is None else torch.cat([out, tail], dim=2)
+
+
+def _rows_align(q: Tensor, k: Tensor, key_mask: Optional[Tensor],
+                query_mask: Optional[Tensor], is_causal: bool, causal_offset,
+                config: PisaConfig) -> bool:
+    """Whether the sparse rows run in :func:`_aligned`'s frames: a self-attention call (the
+    pass handed a ``query_mask``) under a key mask, with as many queries as keys (no cache
+    before them) and, causal with a dense tail, at least its ``dense_tail + query_tile - 1``
+    rows."""
+    if query_mask is None or key_mask is None:
+        return False
+    n = q.shape[2]
+    rows = config.dense_tail + config.query_tile - 1 if is_causal and config.dense_tail else 1
+    return (statically_known_true(causal_offset == 0) and statically_known_true(n == k.shape[2])
+            and statically_known_true(n >= rows))
+
+
+def _gather_rows(x: Tensor, index: Tensor) -> Tensor:
+    """``x[b, :, index[b, j]]`` for ``x`` ``[B, H, N, D]`` and ``index`` ``[B, M]``:
+    ``[B, H, M, D]``."""
+    B, H, _, D = x.shape
+    return x.gather(2, index[:, None, :, None].expand(B, H, index.shape[1], D))
+
+
+def _aligned(q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor, query_mask: Tensor,
+             is_causal: bool, scale: float, enable_gqa: bool, config: PisaConfig,
+             how: Plan) -> Tensor:
+    """The sparse rows of a padded self-attention call, each batch row computed as its
+    sequence alone: query tiles and leaf blocks start at the row's first real token, and,
+    causal, the dense tail takes the row's last real tokens.
+
+    Query tiles and leaf blocks otherwise start at position 0 of the padded batch, so a
+    left-padded row groups its tokens as the same sequence alone does only when its padding
+    is a multiple of both: in the sparse regime its output differed at most positions (a
+    new user's Qwen2.5-Coder trial: 144 of 200 positions, up to 8.9 in the logits). Here the
+    row is rolled left by its leading padding (a per-row gather of q, k, v, on the device:
+    no host sync), which makes it a right-padded row, whose real rows select as the sequence
+    alone (padding queries do not vote), and the output is rolled back. The dense tail runs
+    in a second frame where each row's last real token comes last (the tail's rows are then
+    the last ones, at one causal offset): it takes ``t`` rows of a row of ``n`` real tokens,
+    as :func:`_tail_rows` takes of a call of ``n`` queries. Causal, a left-padding query sees
+    no key: zero, as SDPA's semantics under the mask say (in the rolled frame it would come
+    after the real keys). Rows between real ones, a mask's hidden keys, are as any key mask.
+
+    Costs per call: gathers of q, k, v and the output (and of k, v for the tail), O(N D)
+    each, against the attention's O(N K D)."""
+    B, N = q.shape[0], q.shape[2]
+    pos = torch.arange(N, device=q.device)
+    first = torch.where(key_mask, pos, N).amin(1, keepdim=True)  # [B, 1]
+    last = torch.where(key_mask, pos, -1).amax(1, keepdim=True)
+    empty = last < 0  # no real key: any frame (every row sees nothing)
+    first, last = first.masked_fill(empty, 0), last.masked_fill(empty, N - 1)
+    # The sparse frame: position j holds the row's token first + j.
+    into = (pos + first) % N
+    qf, kf, vf = (_gather_rows(x, into) for x in (q, k, v))
+    kmf, qmf = key_mask.gather(1, into), query_mask.gather(1, into)
+    block_indices, block_counts = _select_blocks_op(
+        _voting(qf.detach(), qmf), kf.detach(), None, kmf, is_causal, 0, scale,
+        *config.selection_args(), how.select)
+    out, _lse = _Attention.apply(qf, kf, vf, None, kmf, block_indices, block_counts,
+                                 is_causal, 0, scale, config.block_size, config.query_tile,
+                                 how.attention, 0)
+    out = _gather_rows(out, (pos - first) % N)
+    if not is_causal:
+        return out
+    out = out.masked_fill((pos < first)[:, None, :, None], 0.0)
+    T, TQ = config.dense_tail, config.query_tile
+    if T == 0:
+        return out
+    R = T + TQ - 1  # the most rows a tail takes (_tail_rows)
+    n = last - first + 1
+    t = torch.where(n <= T, n, n - torch.div(n - T, TQ, rounding_mode="floor") * TQ)
+    # The tail frame: position j holds token j - (N - 1 - last), the last real one at N - 1.
+    into = (pos - (N - 1 - last)) % N
+    kt, vt = _gather_rows(k, into), _gather_rows(v, into)
+    tail = _dense(_gather_rows(q, into[:, N - R:]), kt, vt, None, key_mask.gather(1, into),
+                  True, N - R, None, scale, enable_gqa, max_rows=R, kernel=config.kernel)
+    r = pos - last + (R - 1)  # token i is the tail's row r
+    use = (r >= R - t) & (r < R)
+    return torch.where(use[:, None, :, None], _gather_rows(tail, r.clamp(0, R - 1)), out)
 
 
 def _cached_decode_applies(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],

@@ -315,3 +315,106 @@ def test_multihead_attention_self_but_not_cross():
     with torch.no_grad():
         alone, batch = f(x[1:, :L], kpm[1:, :L]), f(x, kpm)
     torch.testing.assert_close(batch[1, :L], alone[0], atol=1e-5, rtol=1e-5)
+
+
+# -- rows aligned to their first real token ------------------------------------------------------
+
+def _padded_batch(seed: int, N: int, rows: list[tuple[int, int]], Hq=4, Hkv=2, Dh=16):
+    """``(q, k, v, keep, alone)``: each row ``(left, L)`` holds a sequence of ``L`` tokens
+    after ``left`` padding tokens, then padding to ``N``; the padding tokens' q and k are
+    loud noise (their votes and keys would change a misaligned selection). ``alone``: each
+    row's ``(q, k, v)`` unpadded."""
+    g = torch.Generator().manual_seed(seed)
+    B = len(rows)
+    q = 5 * torch.randn(B, Hq, N, Dh, generator=g)
+    k, v = (5 * torch.randn(B, Hkv, N, Dh, generator=g) for _ in range(2))
+    keep = torch.zeros(B, N, dtype=torch.bool)
+    alone = []
+    for b, (left, L) in enumerate(rows):
+        xs = (torch.randn(1, Hq, L, Dh, generator=g), torch.randn(1, Hkv, L, Dh, generator=g),
+              torch.randn(1, Hkv, L, Dh, generator=g))
+        for x, y in zip((q, k, v), xs):
+            x[b:b + 1, :, left:left + L] = y
+        keep[b, left:left + L] = True
+        alone.append(xs)
+    return q, k, v, keep, alone
+
+
+@settings(max_examples=30, deadline=None)
+@given(cfg=sparse_configs(), causal=st.booleans(), tail=st.sampled_from([0, 4, 16]),
+       data=st.data())
+def test_a_padded_row_computes_as_its_sequence_alone(cfg, causal, tail, data):
+    """Any left and right padding (not multiples of the block or the query tile), any
+    selection config: each row's real outputs equal the sequence alone (bit-identical
+    without a dense tail; the tail's rows within float rounding, its masked SDPA against the
+    alone call's causal one). Causal, a left-padding row sees no key: zero."""
+    N = data.draw(st.integers(120, 220))
+    rows = []
+    for _ in range(2):
+        L = data.draw(st.integers(60, N))
+        rows.append((data.draw(st.integers(0, N - L)), L))
+    cfg = cfg.replace(dense_tail=tail)
+    q, k, v, keep, alone = _padded_batch(data.draw(st.integers(0, 2**31 - 1)), N, rows)
+    out = pisa_attention(q, k, v, is_causal=causal, key_mask=keep, enable_gqa=True, config=cfg,
+                         query_mask=self_attention_query_mask(keep, N))
+    for b, ((left, L), xs) in enumerate(zip(rows, alone)):
+        want = pisa_attention(*xs, is_causal=causal, enable_gqa=True, config=cfg)[0]
+        got = out[b, :, left:left + L]
+        if tail == 0:
+            assert torch.equal(got, want), (b, left, L)
+        else:
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        if causal:
+            assert not out[b, :, :left].any()
+
+
+def test_left_padding_misaligned_rows_differ_without_the_proof():
+    """The same left-padded row without ``query_mask`` (no proof of self-attention: the
+    tiles stay where they were) is not the sequence alone: the test above can fail."""
+    cfg = PisaConfig(**LOSSY, kernel="reference")
+    q, k, v, keep, alone = _padded_batch(5, 200, [(37, 150)])
+    want = pisa_attention(*alone[0], is_causal=True, enable_gqa=True, config=cfg)[0]
+    out = pisa_attention(q, k, v, is_causal=True, key_mask=keep, enable_gqa=True, config=cfg)
+    assert not torch.allclose(out[0, :, 37:187], want, atol=1e-3)
+    out = pisa_attention(q, k, v, is_causal=True, key_mask=keep, enable_gqa=True, config=cfg,
+                         query_mask=self_attention_query_mask(keep, 200))
+    assert torch.equal(out[0, :, 37:187], want)
+
+
+@pytest.mark.parametrize("tail", [0, 16])
+def test_left_padded_row_on_the_triton_kernels(tail):
+    """The Triton path (interpreter on the CPU, fp32): a row left-padded by 37 and
+    right-padded by 13 equals the sequence alone, with gradients too."""
+    cfg = PisaConfig(**{**LOSSY, "dense_tail": tail}, kernel="triton")
+    q, k, v, keep, alone = _padded_batch(7, 256, [(37, 206), (0, 256)])
+    for x in (q, k, v):
+        x.requires_grad_(True)
+    out = pisa_attention(q, k, v, is_causal=True, key_mask=keep, enable_gqa=True, config=cfg,
+                         query_mask=self_attention_query_mask(keep, 256))
+    xs = [x.clone().requires_grad_(True) for x in alone[0]]
+    want = pisa_attention(*xs, is_causal=True, enable_gqa=True, config=cfg)
+    torch.testing.assert_close(out[0, :, 37:243], want[0], atol=1e-5, rtol=1e-5)
+    g = torch.randn_like(want)
+    (out[:1, :, 37:243] * g).sum().backward()
+    (want * g).sum().backward()
+    for x, y in zip((q, k, v), xs):
+        torch.testing.assert_close(x.grad[:1, :, 37:243], y.grad, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_a_sequence_alone_and_in_a_left_padded_batch(impl):
+    """A transformers Llama as ``generate()`` feeds it: a 200-token sequence alone, and
+    left-padded by 37 in a batch of 237 (positions counted from its first token), give the
+    same logits on its real rows, the dense tail on."""
+    model = _llama(impl)
+    N, L = 237, 200
+    opts = {**LOSSY, "dense_tail": 16}
+    ids = torch.randint(0, 100, (2, N), generator=torch.Generator().manual_seed(2))
+    am = torch.ones(2, N, dtype=torch.long)
+    am[1, :N - L] = 0
+    pos = (am.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        f = torch.compile(model, backend="pisa", options=opts)
+        alone = f(ids[1:, N - L:]).logits
+        batch = f(ids, attention_mask=am, position_ids=pos).logits
+    torch.testing.assert_close(batch[1, N - L:], alone[0], atol=1e-4, rtol=1e-4)

@@ -264,3 +264,26 @@ def test_right_padding_selects_as_the_sequence_alone(llama):
     # The tile where padding starts (rows 1472..1499) is the one the padding voted in.
     tail = slice(L // 64 * 64, L)
     assert _close(batch[tail], alone[tail]) < 5e-3, _close(batch[tail], alone[tail])
+
+
+def test_left_padding_computes_as_the_sequence_alone(llama):
+    """Lossy selection on the Triton path, the dense tail on: a 1500-token sequence alone and
+    left-padded by 548 (not a multiple of the block or the query tile) in a 2048-token
+    batch, positions counted from its first token as ``generate()`` does, gives the same
+    logits on its real rows within bf16 rounding of the two runs (the rows' tiles and
+    leaves start at the first real token); no stage runs the reference."""
+    lossy = dict(min_seq_len=0, block_size=64, top_k=4, query_tile=64, dense_tail=64)
+    L = 1500
+    ids = torch.randint(0, 1000, (2, N), device="cuda", generator=torch.Generator(
+        device="cuda").manual_seed(6))
+    am = torch.ones(2, N, dtype=torch.long, device="cuda")
+    am[1, :N - L] = 0
+    pos = (am.cumsum(-1) - 1).clamp(min=0)
+    torch._dynamo.reset()
+    counters.clear()
+    f = torch.compile(llama, backend=lambda gm, ex: pisa_backend(gm, ex, options=lossy))
+    with torch.no_grad():
+        alone = f(ids[1:, N - L:]).logits[0]
+        batch = f(ids, attention_mask=am, position_ids=pos).logits[1, N - L:]
+    assert _stages() == {}, _stages()
+    assert _close(batch, alone) < 5e-3, _close(batch, alone)

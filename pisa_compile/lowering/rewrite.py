@@ -38,6 +38,9 @@ __all__ = ["rewrite_graph", "find_sites", "LeaveDense"]
 
 # The report's word for a site whose padding queries get a queries' mask (op or module).
 _QUERY_PADDING_NOTE = "; self-attention: padding queries do not vote"
+# With as many queries as keys (no cache before them) the op also starts each row's query
+# tiles and leaf blocks at its first real token (ops._aligned).
+_ALIGNED_NOTE = ", rows start at their first token"
 
 # The inserted node carries the PisaConfig as a kwarg constant. FX prints constants with
 # repr() into the GraphModule's Python code, so the name must resolve there: register it
@@ -1317,7 +1320,7 @@ def rewrite_graph(gm: GraphModule, config: PisaConfig, apply: bool = True) -> li
                 # As mha.py decides it: an encoder layer, or MHA called with `query is key`.
                 if (site.mask.endswith("->padding") and site.selection
                         and (is_layer or bound["query"] is bound["key"])):
-                    site.selection += _QUERY_PADDING_NOTE
+                    site.selection += _QUERY_PADDING_NOTE + _ALIGNED_NOTE
                 sites.append(site)
                 continue
             if is_sdpa:
@@ -1342,6 +1345,8 @@ def rewrite_graph(gm: GraphModule, config: PisaConfig, apply: bool = True) -> li
                       n_queries=q.shape[-2], causal=plan.is_causal)
             if plan.query_padding and site.selection:
                 site.selection += _QUERY_PADDING_NOTE
+                if statically_known_true(q.shape[-2] == k.shape[-2]):
+                    site.selection += _ALIGNED_NOTE
         except LeaveDense as why:
             site.decision, site.reason = LEFT_DENSE, str(why)
             if site.q_shape == "?" and not (is_mha or is_layer):

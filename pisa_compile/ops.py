@@ -812,11 +812,14 @@ def _run(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
 def _rows_align(q: Tensor, k: Tensor, key_mask: Optional[Tensor],
                 query_mask: Optional[Tensor], is_causal: bool, causal_offset,
                 config: PisaConfig) -> bool:
-    """Whether the sparse rows run in :func:`_aligned`'s frames: a self-attention call (the
-    pass handed a ``query_mask``) under a key mask, with as many queries as keys (no cache
-    before them) and, causal with a dense tail, at least its ``dense_tail + query_tile - 1``
-    rows."""
-    if query_mask is None or key_mask is None:
+    """Whether the sparse rows run in :func:`_aligned`'s frames: a call under a key mask with
+    as many queries as keys (no cache before them), causal (query ``i`` is then key ``i``'s
+    position whatever the tensors hold) or proved self-attention (the pass handed a
+    ``query_mask``), and, causal with a dense tail, at least its ``dense_tail + query_tile -
+    1`` rows. The frames regroup rows and keys alike, so any such call keeps its semantics;
+    only where the rows are one token sequence does the regrouping make a row compute as its
+    sequence alone."""
+    if key_mask is None or not (is_causal or query_mask is not None):
         return False
     n = q.shape[2]
     rows = config.dense_tail + config.query_tile - 1 if is_causal and config.dense_tail else 1
@@ -831,12 +834,14 @@ def _gather_rows(x: Tensor, index: Tensor) -> Tensor:
     return x.gather(2, index[:, None, :, None].expand(B, H, index.shape[1], D))
 
 
-def _aligned(q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor, query_mask: Tensor,
+def _aligned(q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor, query_mask: Optional[Tensor],
              is_causal: bool, scale: float, enable_gqa: bool, config: PisaConfig,
              how: Plan) -> Tensor:
-    """The sparse rows of a padded self-attention call, each batch row computed as its
+    """The sparse rows of a padded call (:func:`_rows_align`), each batch row computed as its
     sequence alone: query tiles and leaf blocks start at the row's first real token, and,
-    causal, the dense tail takes the row's last real tokens.
+    causal, the dense tail takes the row's last real tokens. (Without a ``query_mask`` the
+    padding queries vote, except, causal, a left-padding one, which sees no key: a
+    left-padded row then still computes as alone, a right-padded one does not.)
 
     Query tiles and leaf blocks otherwise start at position 0 of the padded batch, so a
     left-padded row groups its tokens as the same sequence alone does only when its padding
@@ -862,7 +867,13 @@ def _aligned(q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor, query_mask: Tens
     # The sparse frame: position j holds the row's token first + j.
     into = (pos + first) % N
     qf, kf, vf = (_gather_rows(x, into) for x in (q, k, v))
-    kmf, qmf = key_mask.gather(1, into), query_mask.gather(1, into)
+    kmf = key_mask.gather(1, into)
+    qmf = None if query_mask is None else query_mask.gather(1, into)
+    if is_causal:
+        # A left-padding query sees no key (its output is zeroed below); in this frame it
+        # comes after the real keys, so it must not vote.
+        seen = pos < N - first
+        qmf = seen if qmf is None else qmf & seen
     block_indices, block_counts = _select_blocks_op(
         _voting(qf.detach(), qmf), kf.detach(), None, kmf, is_causal, 0, scale,
         *config.selection_args(), how.select)

@@ -369,17 +369,24 @@ def test_a_padded_row_computes_as_its_sequence_alone(cfg, causal, tail, data):
             assert not out[b, :, :left].any()
 
 
-def test_left_padding_misaligned_rows_differ_without_the_proof():
-    """The same left-padded row without ``query_mask`` (no proof of self-attention: the
-    tiles stay where they were) is not the sequence alone: the test above can fail."""
+def test_left_padding_without_the_proof():
+    """Without ``query_mask`` (no proof of self-attention): a causal left-padded row is
+    still aligned and computes as its sequence alone (its padding queries see no key, so
+    they vote for nothing), as for a mask read at run time; a non-causal one is not aligned
+    and differs from the sequence alone (the test above can fail)."""
     cfg = PisaConfig(**LOSSY, kernel="reference")
-    q, k, v, keep, alone = _padded_batch(5, 200, [(37, 150)])
-    want = pisa_attention(*alone[0], is_causal=True, enable_gqa=True, config=cfg)[0]
-    out = pisa_attention(q, k, v, is_causal=True, key_mask=keep, enable_gqa=True, config=cfg)
-    assert not torch.allclose(out[0, :, 37:187], want, atol=1e-3)
-    out = pisa_attention(q, k, v, is_causal=True, key_mask=keep, enable_gqa=True, config=cfg,
-                         query_mask=self_attention_query_mask(keep, 200))
-    assert torch.equal(out[0, :, 37:187], want)
+    q, k, v, keep, alone = _padded_batch(5, 200, [(50, 150)])  # no right padding
+    for causal in (True, False):
+        want = pisa_attention(*alone[0], is_causal=causal, enable_gqa=True, config=cfg)[0]
+        out = pisa_attention(q, k, v, is_causal=causal, key_mask=keep, enable_gqa=True,
+                             config=cfg)
+        if causal:
+            assert torch.equal(out[0, :, 50:], want)
+        else:
+            assert not torch.allclose(out[0, :, 50:], want, atol=1e-3)
+            out = pisa_attention(q, k, v, key_mask=keep, enable_gqa=True, config=cfg,
+                                 query_mask=self_attention_query_mask(keep, 200))
+            assert torch.equal(out[0, :, 50:], want)
 
 
 @pytest.mark.parametrize("tail", [0, 16])

@@ -353,3 +353,24 @@ def test_report_says_where_an_unproved_mask_goes(fresh_dynamo, kernel):
         assert "read at run time" in site.note and "interpreter" in site.note, site.note
     else:
         assert "selection runs the PyTorch reference" in site.note, site.note
+
+
+def test_a_left_padded_row_under_a_mask_read_at_run_time_computes_as_alone():
+    """A causal AND left-padding bool mask, read at run time (no proof of self-attention
+    reaches the op): the rows are aligned to their first real token, and the padding
+    queries see no key, so they vote for nothing; lossy selection, the dense tail on: the
+    padded row equals the sequence alone within float rounding."""
+    from pisa_compile.kernels.geometry import dense_mask
+    g = torch.Generator().manual_seed(11)
+    N, left = 230, 53
+    cfg = PisaConfig(block_size=16, top_k=2, query_tile=16, dense_tail=16, min_seq_len=0,
+                     kernel="triton")
+    q = torch.randn(1, 4, N, 16, generator=g)
+    k, v = (torch.randn(1, 2, N, 16, generator=g) for _ in range(2))
+    keep = torch.arange(N)[None, :] >= left
+    mask = dense_mask(1, N, N, True, 0, keep)
+    out = pisa_attention(q, k, v, attn_mask=mask, enable_gqa=True, config=cfg)
+    want = pisa_attention(q[:, :, left:], k[:, :, left:], v[:, :, left:], is_causal=True,
+                          enable_gqa=True, config=cfg)
+    torch.testing.assert_close(out[:, :, left:], want, atol=1e-5, rtol=1e-5)
+    assert not out[:, :, :left].any()

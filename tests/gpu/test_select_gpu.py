@@ -141,6 +141,9 @@ def test_flat_kernel_matches_reference(causal, N, G, pad, dtype, monkeypatch):
     assert ts._flat_kernel in launched
 
 
+@pytest.mark.xfail(strict=True, reason="fp8 rescoring with per-(batch, KV head) scales "
+                   "changed 27.1% (8K) / 44.8% (32K) of tiles' blocks on the H200 (5 December "
+                   "2026): RESCORE_TUNING['fp8'] stays off until finer scales pass this bar")
 @pytest.mark.parametrize("N", [8192, 32768])
 def test_fp8_rescoring_on_the_gpu(N):
     """``RESCORE_TUNING["fp8"]`` on Hopper's float8 tensor cores: the defaults' selection

@@ -782,7 +782,7 @@ def _run(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
     attn_mask, scale = _mask4(attn_mask), float(scale)
     if attn_mask is not None and attn_mask.dtype == torch.float64 and q.dtype != torch.float64:
         attn_mask = attn_mask.float()  # the backward's matmuls take one dtype
-    if _rows_align(q, k, key_mask, query_mask, is_causal, causal_offset, config):
+    if _rows_align(q, k, key_mask, query_mask, is_causal, causal_offset):
         return _aligned(q, k, v, key_mask, query_mask, is_causal, scale, enable_gqa, config,
                         how)
     tail = None
@@ -810,21 +810,18 @@ def _run(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
 
 
 def _rows_align(q: Tensor, k: Tensor, key_mask: Optional[Tensor],
-                query_mask: Optional[Tensor], is_causal: bool, causal_offset,
-                config: PisaConfig) -> bool:
+                query_mask: Optional[Tensor], is_causal: bool, causal_offset) -> bool:
     """Whether the sparse rows run in :func:`_aligned`'s frames: a call under a key mask with
     as many queries as keys (no cache before them), causal (query ``i`` is then key ``i``'s
     position whatever the tensors hold) or proved self-attention (the pass handed a
-    ``query_mask``), and, causal with a dense tail, at least its ``dense_tail + query_tile -
-    1`` rows. The frames regroup rows and keys alike, so any such call keeps its semantics;
-    only where the rows are one token sequence does the regrouping make a row compute as its
-    sequence alone."""
+    ``query_mask``). The frames regroup rows and keys alike, so any such call keeps its
+    semantics; only where the rows are one token sequence does the regrouping make a row
+    compute as its sequence alone. (No test on the length itself: a symbolic one, under
+    dynamic shapes, would fail it and silently skip the alignment.)"""
     if key_mask is None or not (is_causal or query_mask is not None):
         return False
-    n = q.shape[2]
-    rows = config.dense_tail + config.query_tile - 1 if is_causal and config.dense_tail else 1
-    return (statically_known_true(causal_offset == 0) and statically_known_true(n == k.shape[2])
-            and statically_known_true(n >= rows))
+    return (statically_known_true(causal_offset == 0)
+            and statically_known_true(q.shape[2] == k.shape[2]))
 
 
 def _gather_rows(x: Tensor, index: Tensor) -> Tensor:
@@ -887,14 +884,15 @@ def _aligned(q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor, query_mask: Opti
     T, TQ = config.dense_tail, config.query_tile
     if T == 0:
         return out
-    R = T + TQ - 1  # the most rows a tail takes (_tail_rows)
+    bound = T + TQ - 1  # the most rows a tail takes (_tail_rows)
+    R = torch.sym_min(N, bound)  # no guard on a symbolic N
     n = last - first + 1
     t = torch.where(n <= T, n, n - torch.div(n - T, TQ, rounding_mode="floor") * TQ)
     # The tail frame: position j holds token j - (N - 1 - last), the last real one at N - 1.
     into = (pos - (N - 1 - last)) % N
     kt, vt = _gather_rows(k, into), _gather_rows(v, into)
     tail = _dense(_gather_rows(q, into[:, N - R:]), kt, vt, None, key_mask.gather(1, into),
-                  True, N - R, None, scale, enable_gqa, max_rows=R, kernel=config.kernel)
+                  True, N - R, None, scale, enable_gqa, max_rows=bound, kernel=config.kernel)
     r = pos - last + (R - 1)  # token i is the tail's row r
     use = (r >= R - t) & (r < R)
     return torch.where(use[:, None, :, None], _gather_rows(tail, r.clamp(0, R - 1)), out)

@@ -458,3 +458,32 @@ def test_generate_on_a_left_padded_batch_gives_each_prompt_its_own_tokens():
     assert torch.equal(batch.sequences[1, N:], alone.sequences[0, L:])
     for s_batch, s_alone in zip(batch.scores, alone.scores):
         torch.testing.assert_close(s_batch[1], s_alone[0], atol=1e-4, rtol=1e-4)
+
+
+def test_aligned_under_dynamic_shapes():
+    """Under dynamic shapes the rows are still aligned: the op compiled with
+    ``dynamic=True`` (Dynamo tracing into it), and a transformers Llama compiled once and
+    called at a second prompt length (Dynamo's automatic dynamic shapes), each left-padded
+    row against its sequence alone. (A test of the length once skipped the alignment on a
+    symbolic one: 1.11 apart here.)"""
+    cfg = PisaConfig(**{**LOSSY, "dense_tail": 16}, kernel="reference")
+
+    def op(q, k, v, km):
+        return pisa_attention(q, k, v, is_causal=True, key_mask=km, enable_gqa=True, config=cfg)
+
+    g = torch.compile(op, backend="eager", dynamic=True)
+    for N in (200, 237):
+        q, k, v, keep, alone = _padded_batch(N, N, [(37, N - 37)])
+        want = pisa_attention(*alone[0], is_causal=True, enable_gqa=True, config=cfg)[0]
+        torch.testing.assert_close(g(q, k, v, keep)[0, :, 37:], want, atol=1e-5, rtol=1e-5)
+    model = _llama("sdpa")
+    f = torch.compile(model, backend="pisa", options={**LOSSY, "dense_tail": 16})
+    for N, pad in ((200, 23), (237, 41)):
+        ids = torch.randint(0, 100, (2, N), generator=torch.Generator().manual_seed(N))
+        am = torch.ones(2, N, dtype=torch.long)
+        am[1, :pad] = 0
+        pos = (am.cumsum(-1) - 1).clamp(min=0)
+        with torch.no_grad():
+            alone = f(ids[1:, pad:]).logits[0]
+            batch = f(ids, attention_mask=am, position_ids=pos).logits[1, pad:]
+        torch.testing.assert_close(batch, alone, atol=1e-4, rtol=1e-4)

@@ -825,10 +825,41 @@ def _rows_align(q: Tensor, k: Tensor, key_mask: Optional[Tensor],
 
 
 def _gather_rows(x: Tensor, index: Tensor) -> Tensor:
-    """``x[b, :, index[b, j]]`` for ``x`` ``[B, H, N, D]`` and ``index`` ``[B, M]``:
-    ``[B, H, M, D]``."""
+    """``x[b, :, index[b, j]]`` for ``x`` ``[B, H, N, D]`` and ``index`` ``[B, M]`` (int64):
+    ``[B, H, M, D]``. Its backward scatters into zeros and keeps only ``index``: a plain
+    ``gather`` keeps ``x`` for its backward, which held q, k and v beside their copies in
+    eager training (a review measured 11.5 -> 14.6 MiB saved for a small layer)."""
+    if not x.requires_grad:
+        return _rows(x, index)
+    return _GatherRows.apply(x, index)
+
+
+def _rows(x: Tensor, index: Tensor) -> Tensor:
     B, H, _, D = x.shape
     return x.gather(2, index[:, None, :, None].expand(B, H, index.shape[1], D))
+
+
+class _GatherRows(torch.autograd.Function):
+    """:func:`_gather_rows` with a backward that saves the index alone (repeated indices
+    add up)."""
+
+    @staticmethod
+    def forward(x, index):
+        return _rows(x, index)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, index = inputs
+        ctx.save_for_backward(index)
+        ctx.x_shape = x.shape
+
+    @staticmethod
+    def backward(ctx, grad):
+        (index,) = ctx.saved_tensors
+        B, H, _, D = grad.shape
+        full = grad.new_zeros(ctx.x_shape)
+        return full.scatter_add(2, index[:, None, :, None].expand(B, H, index.shape[1], D),
+                                grad), None
 
 
 def _aligned(q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor, query_mask: Optional[Tensor],
@@ -838,7 +869,10 @@ def _aligned(q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor, query_mask: Opti
     sequence alone: query tiles and leaf blocks start at the row's first real token, and,
     causal, the dense tail takes the row's last real tokens. (Without a ``query_mask`` the
     padding queries vote, except, causal, a left-padding one, which sees no key: a
-    left-padded row then still computes as alone, a right-padded one does not.)
+    left-padded row then still computes as alone; so does a right-padded one with a dense
+    tail, whose rows its padding queries share a tile with, but not without one.) "As
+    alone" holds where the row alone makes the call's per-call choices: the same side of
+    ``min_seq_len``, and of ``flat_leaves`` (flat scan or pyramid walk).
 
     Query tiles and leaf blocks otherwise start at position 0 of the padded batch, so a
     left-padded row groups its tokens as the same sequence alone does only when its padding

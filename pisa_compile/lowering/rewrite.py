@@ -1343,10 +1343,14 @@ def rewrite_graph(gm: GraphModule, config: PisaConfig, apply: bool = True) -> li
             _describe(site, k.shape[-2], plan.mask is not None or bool(plan.masks), config,
                       k.device, window=plan.window, padded=plan.key_mask is not None,
                       n_queries=q.shape[-2], causal=plan.is_causal)
-            if plan.query_padding and site.selection:
-                site.selection += _QUERY_PADDING_NOTE
-                if statically_known_true(q.shape[-2] == k.shape[-2]):
-                    site.selection += _ALIGNED_NOTE
+            if site.selection and plan.key_mask is not None:
+                if plan.query_padding:
+                    site.selection += _QUERY_PADDING_NOTE
+                # As ops._rows_align decides it (causal, or the proof; no cache before).
+                if ((plan.query_padding or plan.is_causal) and plan.window is None
+                        and statically_known_true(q.shape[-2] == k.shape[-2])):
+                    site.selection += (_ALIGNED_NOTE if plan.query_padding
+                                       else "; " + _ALIGNED_NOTE[2:])
         except LeaveDense as why:
             site.decision, site.reason = LEFT_DENSE, str(why)
             if site.q_shape == "?" and not (is_mha or is_layer):

@@ -96,10 +96,10 @@ def test_generate_static_cache(llama, spy):
 
 
 def test_generate_with_the_dense_tail(llama, spy):
-    """The default ``dense_tail`` (64) with a 100-token left-padded prompt: the prompt's rows
-    before its last query tiles run the sparse op, every decode step runs dense SDPA (the op
-    is never called with one query), and greedy tokens equal eager (the selection is exact
-    here: ``top_k`` covers every block)."""
+    """The default ``dense_tail`` (64) with a 100-token left-padded prompt: the prompt runs
+    the sparse op once per layer, every decode step runs dense SDPA (the op is never called
+    with one query), and greedy tokens equal eager (the selection is exact here: ``top_k``
+    covers every block)."""
     model, _, _, _ = llama
     calls, _ = spy
     g = torch.Generator().manual_seed(6)
@@ -115,5 +115,7 @@ def test_generate_with_the_dense_tail(llama, spy):
     finally:
         model.forward = forward
     assert torch.equal(out, ref)
-    # 100 queries, a 64-query tail rounded to 16-query tiles: 32 sparse rows, once per layer.
-    assert calls == [32, 32], calls
+    # Under the key mask the rows are aligned to their first token (ops._aligned): the sparse
+    # op runs all 100 rows, and each row's last ones (a 64-query tail, rounded to 16-query
+    # tiles of its own tokens) are taken from the dense tail's call.
+    assert calls == [100, 100], calls

@@ -729,11 +729,18 @@ def self_attention_query_mask(key_mask: Tensor, n_queries: int) -> Tensor:
         raise ValueError(f"self_attention_query_mask: n_queries={n_queries} must be at most the "
                          f"keys, {n_keys} (query i is key Nk - Nq + i's token)")
     torch._check(n_queries <= n_keys, lambda: "self_attention_query_mask: more queries than keys")
-    pos = torch.arange(n_keys, device=live.device)
-    first = torch.where(live, pos, n_keys).amin(1, keepdim=True)
-    last = torch.where(live, pos, -1).amax(1, keepdim=True)
+    pos, first, last = _live_span(live)
     own = pos[n_keys - n_queries:]
     return (own >= first) & (own <= last)
+
+
+def _live_span(live: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(pos [N], first [B, 1], last [B, 1])`` of a bool ``[B, N]`` key mask: each row's
+    first and last live key (``N`` and ``-1`` for a row with none)."""
+    n = live.shape[1]
+    pos = torch.arange(n, device=live.device)
+    return (pos, torch.where(live, pos, n).amin(1, keepdim=True),
+            torch.where(live, pos, -1).amax(1, keepdim=True))
 
 
 def _run(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
@@ -889,10 +896,8 @@ def _aligned(q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor, query_mask: Opti
 
     Costs per call: gathers of q, k, v and the output (and of k, v for the tail), O(N D)
     each, against the attention's O(N K D)."""
-    B, N = q.shape[0], q.shape[2]
-    pos = torch.arange(N, device=q.device)
-    first = torch.where(key_mask, pos, N).amin(1, keepdim=True)  # [B, 1]
-    last = torch.where(key_mask, pos, -1).amax(1, keepdim=True)
+    N = q.shape[2]
+    pos, first, last = _live_span(key_mask)
     empty = last < 0  # no real key: any frame (every row sees nothing)
     first, last = first.masked_fill(empty, 0), last.masked_fill(empty, N - 1)
     # The sparse frame: position j holds the row's token first + j.

@@ -40,7 +40,7 @@ __all__ = ["rewrite_graph", "find_sites", "LeaveDense"]
 _QUERY_PADDING_NOTE = "; self-attention: padding queries do not vote"
 # With as many queries as keys (no cache before them) the op also starts each row's query
 # tiles and leaf blocks at its first real token (ops._aligned).
-_ALIGNED_NOTE = ", rows start at their first token"
+_ALIGNED_NOTE = "rows start at their first token"
 
 # The inserted node carries the PisaConfig as a kwarg constant. FX prints constants with
 # repr() into the GraphModule's Python code, so the name must resolve there: register it
@@ -1320,7 +1320,7 @@ def rewrite_graph(gm: GraphModule, config: PisaConfig, apply: bool = True) -> li
                 # As mha.py decides it: an encoder layer, or MHA called with `query is key`.
                 if (site.mask.endswith("->padding") and site.selection
                         and (is_layer or bound["query"] is bound["key"])):
-                    site.selection += _QUERY_PADDING_NOTE + _ALIGNED_NOTE
+                    site.selection += f"{_QUERY_PADDING_NOTE}, {_ALIGNED_NOTE}"
                 sites.append(site)
                 continue
             if is_sdpa:
@@ -1349,8 +1349,7 @@ def rewrite_graph(gm: GraphModule, config: PisaConfig, apply: bool = True) -> li
                 # As ops._rows_align decides it (causal, or the proof; no cache before).
                 if ((plan.query_padding or plan.is_causal) and plan.window is None
                         and statically_known_true(q.shape[-2] == k.shape[-2])):
-                    site.selection += (_ALIGNED_NOTE if plan.query_padding
-                                       else "; " + _ALIGNED_NOTE[2:])
+                    site.selection += (", " if plan.query_padding else "; ") + _ALIGNED_NOTE
         except LeaveDense as why:
             site.decision, site.reason = LEFT_DENSE, str(why)
             if site.q_shape == "?" and not (is_mha or is_layer):

@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from pisa_compile import PisaConfig, select_blocks
-from pisa_compile.metrics import selection_recall
+from pisa_compile.metrics import _forced_mask, selection_recall
 
 
 def _needle(N: int, C: int, needle_block: int, G: int, seed: int):
@@ -38,8 +38,13 @@ def test_planted_needle_is_always_selected(n_blocks, data, seed, G, tile, scorin
     bi, bc = select_blocks(q, k, enable_gqa=True, config=cfg)
     assert bool((bi == needle).any(-1).all()), "the dominant block was missed by some tile"
     quality = selection_recall(q, k, cfg)
-    # The needle is in every tile's oracle top-2, so at least half of it is always hit.
-    assert quality.recall >= 0.5 and 0.0 <= quality.mass_ratio <= 1.0 + 1e-6
+    # Where the needle is scorable it is each tile's oracle top-1 and chosen, so it is half of
+    # that tile's top-2. Where it is the tile's forced local leaf the recall leaves it out of
+    # both sides, and the tile may score 0 (CI found 0.491 with tile=1).
+    T, L = bi.shape[2], n_blocks
+    scorable = ~_forced_mask(q, k, None, False, cfg, T, L)[..., needle]
+    bound = 0.5 * scorable.float().mean().item()
+    assert quality.recall >= bound - 1e-6 and 0.0 <= quality.mass_ratio <= 1.0 + 1e-6
 
 
 def test_recall_is_one_when_everything_is_selected():

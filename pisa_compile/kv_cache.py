@@ -107,6 +107,18 @@ def check_options(config: Optional[PisaConfig], sparse_from: Optional[int],
     return config
 
 
+def _decode_refusal(cache, t: Tensor) -> Optional[str]:
+    """Why a cache's sparse decode (Triton only) cannot take ``t`` (None: it can); warns once
+    per reason where the cache was asked for sparse steps by name (``sparse_from``): dense
+    steps, equal to dense attention, would pass for PISA's quality in a user's evaluation."""
+    why = dispatch.triton_refusal(t, cache.values, cache.config.kernel)
+    if why is not None and cache.sparse_from is not None:
+        dispatch._warn_once(f"{type(cache).__name__}(sparse_from=...): the sparse decode runs "
+                            f"the Triton kernels, which refuse {why}",
+                            "decode steps run dense SDPA (exact), not PISA")
+    return why
+
+
 class PisaKVCache:
     """One attention layer's KV cache, preallocated, with a persistent PISA key pyramid.
 
@@ -289,7 +301,7 @@ class PisaKVCache:
             self.pyramid_length = self.length
 
     def _triton_refusal(self, t: Tensor) -> Optional[str]:
-        return dispatch.triton_refusal(t, self.values, self.config.kernel)
+        return _decode_refusal(self, t)
 
     def decode_is_sparse(self, n_queries: int, t: Optional[Tensor] = None) -> bool:
         """Whether :meth:`attend` of ``n_queries`` queries now selects from the pyramid."""
@@ -560,7 +572,7 @@ class PisaStaticKVCache:
     def _sparse_worthy(self) -> bool:
         """Whether a one-query step is sparse (the Triton path, and the cost model at the
         capacity: dense SDPA over a static cache reads every slot)."""
-        if dispatch.triton_refusal(self.keys, self.values, self.config.kernel) is not None:
+        if _decode_refusal(self, self.keys) is not None:
             return False
         worthy = sparse_worthy(self.keys, self.values, self.keys.shape[2], self.decode_config,
                                self.sparse_from, self.cuda_graph, static=True)

@@ -105,6 +105,35 @@ def test_a_cache_no_attention_reads_warns_once(fresh_dynamo, monkeypatch):
     assert not [w for w in caught if "no attention read the pyramid" in str(w.message)]
 
 
+def test_sparse_from_off_the_triton_path_warns_that_steps_are_dense(fresh_dynamo,
+                                                                    monkeypatch):
+    """A new user's finding: ``PisaCache(sparse_from=0)`` with ``kernel="auto"`` on the CPU
+    decoded densely (logits bit-identical to a ``DynamicCache``'s, with ``top_k=1``) and
+    said nothing, so a quality check measured dense attention. It now warns once, naming
+    the reason; without ``sparse_from`` (the cost model's choice) it stays quiet."""
+    import warnings
+
+    from pisa_compile.kernels import dispatch
+    monkeypatch.setattr(dispatch, "_warned", set())
+    m = tiny_generation_llama()
+    ids = torch.randint(3, 128, (1, 24), generator=torch.Generator().manual_seed(3))
+    kw = dict(input_ids=ids, max_new_tokens=3, do_sample=False)
+    lossy = PisaConfig(block_size=4, top_k=1, sink_blocks=0, local_blocks=1, min_seq_len=0,
+                       dense_tail=0)
+
+    def told(sparse_from):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            m.generate(**kw, past_key_values=PisaCache(40, config=lossy,
+                                                       sparse_from=sparse_from))
+        return [str(w.message) for w in caught if "decode steps run dense" in str(w.message)]
+
+    assert told(None) == []
+    said = told(0)
+    assert len(said) == 1 and "cpu tensors" in said[0] and "sparse_from" in said[0], said
+    assert told(0) == []  # once
+
+
 def test_pisa_cache_bad_input():
     with pytest.raises(ValueError, match="max_cache_len"):
         PisaCache(0)

@@ -336,7 +336,12 @@ def _refuse_double_backward(grad_out: Tensor, saved: tuple) -> None:
         ad = (torch._C._functorch.TransformType.Grad, torch._C._functorch.TransformType.Jvp)
         again = sum(i.key() in ad for i in stack) > 1
     else:
-        again = any(isinstance(t, Tensor) and t.requires_grad for t in (grad_out, *saved))
+        # A vjp function runs after its transform exits (create_graph on): the saved tensors
+        # are then wrappers of a dead level, whose requires_grad was that level's. Only the
+        # values beneath them can be differentiated again.
+        dead = getattr(torch._C._functorch, "unwrap_if_dead", lambda t: t)
+        again = any(isinstance(t, Tensor) and dead(t).requires_grad
+                    for t in (grad_out, *saved))
     if again:
         raise RuntimeError("pisa_compile: the attention's backward cannot be differentiated "
                            "again (double backward: create_graph=True or nested "

@@ -340,20 +340,32 @@ def test_activation_checkpointing_gives_the_same_gradients(kernel, use_reentrant
 
 # -- torch.func ---------------------------------------------------------------------------------------
 
-def test_func_grad_vjp_vmap_match_autograd():
-    cfg = PisaConfig(min_seq_len=0, block_size=8, top_k=2, query_tile=8)
+@pytest.mark.parametrize("dense_tail", [64, 0])
+def test_func_grad_vjp_vmap_match_autograd(dense_tail):
+    """With ``dense_tail=0`` the sparse op runs (40 queries are all in a 64-query tail: plain
+    SDPA). A new user found ``torch.func.vjp`` over it raising "double backward": the vjp
+    function runs after its transform exits, with ``create_graph`` on, over saved tensors
+    of a dead level."""
+    cfg = PisaConfig(min_seq_len=0, block_size=8, top_k=2, query_tile=8, dense_tail=dense_tail)
     q, k, v = _qkv(40, 16)
 
-    def f(q):
+    def f(q, k=k, v=v):
         return pisa_attention(q, k, v, is_causal=True, config=cfg)
 
-    q1 = q.clone().requires_grad_()
-    f(q1).sum().backward()
+    q1, k1, v1 = (t.clone().requires_grad_() for t in (q, k, v))
+    f(q1, k1, v1).sum().backward()
     torch.testing.assert_close(torch.func.grad(lambda q: f(q).sum())(q), q1.grad)
-    out, vjp = torch.func.vjp(f, q)
-    torch.testing.assert_close(vjp(torch.ones_like(out))[0], q1.grad)
+    out, vjp = torch.func.vjp(f, q, k, v)
+    for got, want in zip(vjp(torch.ones_like(out)), (q1.grad, k1.grad, v1.grad)):
+        torch.testing.assert_close(got, want)
     batched = torch.func.vmap(lambda q: f(q[None])[0])(torch.stack([q[0], 2 * q[0]]))
     torch.testing.assert_close(batched[1], f(2 * q)[0])
+    if dense_tail == 0:
+        # Beneath the dead level a tensor that wants gradients could take a second
+        # derivative of the vjp's result: that still raises.
+        out, vjp = torch.func.vjp(f, q.clone().requires_grad_())
+        with pytest.raises(RuntimeError, match="double backward"):
+            vjp(torch.ones_like(out))
 
 
 def test_func_grad_over_a_compiled_model_and_compiled_grad():

@@ -336,16 +336,28 @@ def test_a_side_effect_in_a_checkpointed_layer_is_reported_not_silent():
     assert report.sites[0].node.startswith("wrap_body"), str(report)
 
 
-def test_transformers_gradient_checkpointing_is_never_a_silent_zero_sites():
+@pytest.mark.parametrize("by_hand", [False, True], ids=["enable", "by_hand"])
+def test_transformers_gradient_checkpointing_is_never_a_silent_zero_sites(by_hand):
     """A new user's trial: transformers' own gradient checkpointing (5.x with the
     ``kernels`` package) mutates a context variable inside each checkpointed layer, Dynamo
     skips the layers' frame, and their attention runs eagerly, dense, in no graph. ``explain``
     must then say why it found nothing; with Dynamo's setting its hint names, every layer's
-    site is rewritten (docs/limits.md)."""
+    site is rewritten (docs/limits.md). Also ``torch.utils.checkpoint`` written by hand
+    around each decoder layer (a second trial: 0 sites, as documented since)."""
     pytest.importorskip("transformers")
+    import functools
+
+    from torch.utils.checkpoint import checkpoint
+
     from tests.hf_models import tiny_generation_llama
     model = tiny_generation_llama().train()
-    model.gradient_checkpointing_enable()
+    if by_hand:
+        for layer in model.model.layers:
+            layer.forward = functools.partial(
+                lambda f, *a, **kw: checkpoint(f, *a, use_reentrant=False, **kw),
+                layer.forward)
+    else:
+        model.gradient_checkpointing_enable()
     ids = torch.randint(3, 128, (2, 64))
     opts = dict(min_seq_len=0, block_size=16, dense_tail=0)
     report = pisa_compile.explain(model, input_ids=ids, labels=ids, use_cache=False,

@@ -353,6 +353,11 @@ def test_report_says_where_an_unproved_mask_goes(fresh_dynamo, kernel):
         assert "read at run time" in site.note and "interpreter" in site.note, site.note
     else:
         assert "selection runs the PyTorch reference" in site.note, site.note
+    # A call the dense tail takes whole keeps the mask on its SDPA call: not "plain" (a new
+    # user read that as the mask dropped).
+    (site,) = pisa_compile.explain(f, q, k, v, m, options={**opts, "dense_tail": 64}).sites
+    assert site.note.startswith("runs SDPA under its explicit mask: every query in the "
+                                "dense tail"), site.note
 
 
 def test_a_left_padded_row_under_a_mask_read_at_run_time_computes_as_alone():

@@ -1489,7 +1489,9 @@ def _note_and_selects(n_keys, has_mask: bool, config: PisaConfig, device: torch.
             statically_known_true(n_queries <= T)
             or causal and statically_known_true(n_queries < T + config.query_tile)):
         if not padded:
-            how = "runs plain SDPA"
+            # An explicit mask stays an argument of that SDPA call (a new user read "plain"
+            # as the mask dropped).
+            how = "runs SDPA under its explicit mask" if has_mask else "runs plain SDPA"
         elif device.type == "cuda" and statically_known_true(n_queries == 1):
             how = "runs SDPA under its key mask with enable_gqa"  # ops._masked_rows
         elif device.type == "cuda" and config.kernel != "reference":

@@ -315,6 +315,32 @@ def _(grad_out, q, k, v, *args):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
+def _fold_vmap(op):
+    """A ``torch.func.vmap`` rule for ``op``, whose tensors all lead with the batch dim ``B``
+    (a mask's may be 1): the vmapped dim folds into ``B``, one call for every example.
+    Without it PyTorch's fallback looped over the examples and warned that pisa's ops lack
+    a batching rule (a new user's finding). The outputs are vmapped at dim 0."""
+
+    def rule(info, in_dims, *args, **kwargs):
+        V = info.batch_size
+        first, d = next((a, d) for a, d in zip(args, in_dims) if isinstance(a, Tensor))
+        B = first.shape[0] if d is None else first.shape[1 if d == 0 else 0]
+        folded = []
+        for a, d in zip(args, in_dims):
+            if isinstance(a, Tensor):
+                a = a.expand(V, *a.shape) if d is None else a.movedim(d, 0)
+                a = a.expand(V, B, *a.shape[2:]).reshape(V * B, *a.shape[2:])
+            folded.append(a)
+        out = tuple(o.reshape(V, B, *o.shape[1:]) for o in op(*folded, **kwargs))
+        return out, (0,) * len(out)
+
+    op.register_vmap(rule)
+
+
+for _op in (_select_blocks_op, _attention_op, _attention_backward_op):
+    _fold_vmap(_op)
+
+
 def _setup_context(ctx, inputs, output):
     q, k, v, attn_mask, key_mask, block_indices, block_counts, is_causal, causal_offset, \
         scale, *rest = inputs

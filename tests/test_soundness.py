@@ -368,6 +368,37 @@ def test_func_grad_vjp_vmap_match_autograd(dense_tail):
             vjp(torch.ones_like(out))
 
 
+def test_vmap_folds_into_the_batch_and_matches_a_loop():
+    """``torch.func.vmap`` over the sparse op (``dense_tail=0``), over q, k and v, over q
+    alone at another dim with a key mask, and of per-example gradients: equal to a loop
+    over the examples, and no warning (PyTorch's fallback looped and asked for an issue on
+    its tracker about pisa's ops: a new user's finding)."""
+    import warnings
+    cfg = PisaConfig(min_seq_len=0, block_size=8, top_k=2, query_tile=8, dense_tail=0)
+    g = torch.Generator().manual_seed(0)
+    V, B, N, D = 3, 2, 48, 16
+    q = torch.randn(V, B, 4, N, D, generator=g)
+    k, v = (torch.randn(V, B, 2, N, D, generator=g) for _ in range(2))
+    km = torch.rand(B, N, generator=g) > 0.2
+
+    def f(q, k, v, km=None):
+        return pisa_attention(q, k, v, is_causal=km is None, key_mask=km, enable_gqa=True,
+                              config=cfg)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = torch.func.vmap(f)(q, k, v)
+        masked = torch.func.vmap(lambda q: f(q, k[0], v[0], km), in_dims=2)(q.movedim(0, 2))
+        grads = torch.func.vmap(torch.func.grad(lambda q, k, v: f(q, k, v).pow(2).sum()))(
+            q, k, v)
+    torch.testing.assert_close(got, torch.stack([f(q[i], k[i], v[i]) for i in range(V)]))
+    torch.testing.assert_close(masked, torch.stack([f(q[i], k[0], v[0], km) for i in range(V)]))
+    for i in range(V):
+        qi = q[i].clone().requires_grad_()
+        f(qi, k[i], v[i]).pow(2).sum().backward()
+        torch.testing.assert_close(grads[i], qi.grad)
+
+
 def test_func_grad_over_a_compiled_model_and_compiled_grad():
     q, k, v = _qkv(64, 16)
 

@@ -124,6 +124,9 @@ def _(q, k, v, key_mask, causal_offset, scale, kernel):
     return q.new_empty((*q.shape[:3], v.shape[3]))
 
 
+# The plans whose every row is dense: the dense tail's, and a decode step's.
+_DENSE_ROWS = (dispatch.IN_DENSE_TAIL, dispatch.DECODE_STEP)
+
 # PisaConfig's fields in the order pisa::structured_from_mask takes them (plain values: the
 # op schema has no config type, and Dynamo traces attribute reads, not serialisation).
 _CONFIG_FIELDS = ("block_size", "top_k", "branching", "beam", "sink_blocks", "local_blocks",
@@ -601,7 +604,7 @@ def plan(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None,
     _check_mask_wants_no_grad(attn_mask)
     how = _plan(q, k, v, attn_mask, is_causal, config=config, window=window,
                 causal_offset=causal_offset, key_mask=key_mask)
-    if (how.reason == dispatch.IN_DENSE_TAIL and how.attention == dispatch.SDPA
+    if (how.reason in _DENSE_ROWS and how.attention == dispatch.SDPA
             and _masked_rows(q, k, v, key_mask, attn_mask,
                              _effective_window(window, q.shape[2], causal_offset),
                              few_rows=True, scale=None, kernel=config.kernel) == "split-k"):
@@ -621,9 +624,22 @@ def _plan(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causa
                          bound_block=config.effective_bound_block,
                          window=_effective_window(window, q.shape[2], causal_offset),
                          dense_rows=_tail_rows(q.shape[2], is_causal, config),
+                         decode=is_decode_step(q.shape[2], k.shape[2]),
                          key_padding=key_mask is not None,
                          mask_at_run_time=read_mask and attn_mask is not None
                          and _mask_checked_at_run_time(q, k, v, attn_mask, config))
+
+
+def is_decode_step(n_queries, n_keys) -> bool:
+    """Whether a call of ``n_queries`` queries over ``n_keys`` keys (ints or SymInts) is a
+    decode step: at most ``DECODE_MAX_QUERIES`` queries, fewer than its keys (a cache before
+    them), both known statically (no guard on a symbolic length). With
+    no persistent pyramid such a call runs dense whatever ``dense_tail``: a selection rebuilt
+    per call reads every key, as dense does, and measured slower (20.8 against 0.96 ms at
+    128K, B=8, ``profiles/bench_decode.json``); dense is also exact, so a left-padded row's
+    steps compute as its sequence alone (a sparse step was not aligned to its first token)."""
+    return (statically_known_true(n_queries <= DECODE_MAX_QUERIES)
+            and statically_known_true(n_queries < n_keys))
 
 
 def _tail_rows(n_queries, is_causal: bool, config: PisaConfig):
@@ -795,13 +811,13 @@ def _run(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
                                      WINDOW_QUERY_TILE, dispatch.attention_impl(q.shape[2]),
                                      window)
         return out
-    # The tail has fewer than dense_tail + query_tile rows: a static bound for the GQA fold
-    # when Nq is symbolic.
-    tail_bound = config.dense_tail + config.query_tile
+    # The tail has fewer than dense_tail + query_tile rows, a decode step at most
+    # DECODE_MAX_QUERIES: a static bound for the GQA fold when Nq is symbolic.
+    tail_bound = max(config.dense_tail + config.query_tile, DECODE_MAX_QUERIES)
     # A decode call (the dense tail's, or any few-query call once a PisaKVCache exists, also
     # with dense_tail=0) reads a cache's pyramid where its keys are one; not below
     # min_seq_len, where the op is plain SDPA.
-    whole_tail = how.reason == dispatch.IN_DENSE_TAIL
+    whole_tail = how.reason in _DENSE_ROWS
     m4 = _mask4(attn_mask)
     if ((whole_tail or how.attention != dispatch.SDPA)
             and _cached_decode_applies(q, k, v, m4, is_causal, window, config)):

@@ -67,6 +67,10 @@ EXPLICIT_MASK = "explicit attn_mask (the fused selection reads no mask yet)"
 # The reason of a call the dense tail takes whole (too few queries for a query tile of sparse
 # rows before the tail).
 IN_DENSE_TAIL = "every query in the dense tail"
+# The reason of a decode step (at most DECODE_MAX_QUERIES queries after a cache) that no
+# persistent pyramid serves: a selection rebuilt per call reads every key, as dense does,
+# and measured slower than dense (issue #16: never slower than dense without the pyramid).
+DECODE_STEP = "a decode step (few queries after a cache, no persistent pyramid)"
 
 
 def _count(name: str, n: int = 1) -> None:
@@ -150,7 +154,7 @@ def plan(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal
          bound_block: int = 0, window: Optional[int] = None,
          dense_rows: "int | torch.SymInt" = 0,
          key_padding: bool = False, selection_only: bool = False,
-         mask_at_run_time: bool = False) -> Plan:
+         mask_at_run_time: bool = False, decode: bool = False) -> Plan:
     """Decide which implementation runs selection and attention for one call.
 
     Args:
@@ -175,6 +179,9 @@ def plan(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal
             step) the call is plain SDPA, which reads every key once, as a selection over
             the cache would (no pyramid is kept between calls yet); the stages are chosen
             for the other rows.
+        decode: a decode step (at most ``DECODE_MAX_QUERIES`` queries, fewer than the
+            keys): plain SDPA whatever ``dense_rows``, as :data:`DECODE_STEP` says why
+            (``ops`` hands it to a persistent pyramid where one holds the keys).
         mask_at_run_time: the op can read an explicit mask's structure at run time (see
             ``ops._mask_checked_at_run_time``): such a call plans ``"runtime-mask"``.
         selection_only: the plan of ``select_blocks`` (a selection is wanted whatever the
@@ -219,6 +226,8 @@ def plan(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal
         _count("flex_window")  # tests: the window path really ran
         return Plan(None, WINDOW, f"sliding window({window}): exact windowed attention "
                                   "(FlexAttention), no selection")
+    if decode and not selection_only:
+        return Plan(None, SDPA, DECODE_STEP)
     n_sparse = q.shape[2] - dense_rows
     if n_sparse <= 0 and not selection_only:
         # No number in the text: formatting a symbolic Nq would guard on its value.

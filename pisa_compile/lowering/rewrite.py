@@ -26,7 +26,8 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols, statica
 from torch.utils._sympy.numbers import int_oo
 
 from ..config import PisaConfig
-from ..ops import check_causal_buffer, eager_empty_rows, pisa_attention, self_attention_query_mask
+from ..ops import (check_causal_buffer, eager_empty_rows, is_decode_step, pisa_attention,
+                   self_attention_query_mask)
 from . import masks as M
 from . import patterns as P
 from .mha import (ENCODER_LAYER_TARGET, MHA_SIGNATURE, MHA_TARGET,
@@ -1484,8 +1485,10 @@ def _note_and_selects(n_keys, has_mask: bool, config: PisaConfig, device: torch.
     if statically_known_true(n_keys < config.min_seq_len):
         return f"runs plain SDPA: Nk={n_keys} < min_seq_len={config.min_seq_len}", False
     T = config.dense_tail
-    # The dense tail takes such a call whole (ops._tail_rows); known statically, no guard.
-    if n_queries is not None and window is None and T and (
+    # The dense tail takes such a call whole (ops._tail_rows), as a decode step is; known
+    # statically, no guard.
+    decode = n_queries is not None and window is None and is_decode_step(n_queries, n_keys)
+    if decode or n_queries is not None and window is None and T and (
             statically_known_true(n_queries <= T)
             or causal and statically_known_true(n_queries < T + config.query_tile)):
         if not padded:
@@ -1499,6 +1502,9 @@ def _note_and_selects(n_keys, has_mask: bool, config: PisaConfig, device: torch.
                    "when no gradient is wanted, else SDPA)")
         else:
             how = "runs SDPA under its key mask"
+        if decode:
+            return (f"{how}: a decode step (Nq={n_queries} < Nk={n_keys}; a PisaCache's "
+                    f"pyramid serves it sparse)"), False
         bound = (f"Nq={n_queries} <= dense_tail={T}" if statically_known_true(n_queries <= T)
                  else f"Nq={n_queries} < dense_tail + query_tile = {T + config.query_tile}: "
                       f"too few rows before the tail for one query tile")

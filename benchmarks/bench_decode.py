@@ -10,8 +10,9 @@ keys, batches ``B``. Per ``(B, N)``, with ``triton.testing.do_bench`` (median ms
   kernel), launched eagerly, and ``pisa_graph_ms``: the same captured in a CUDA graph
   (no host time: the GPU's own time, what ``reduce-overhead`` would give);
 - ``select_ms``: the selection alone; ``append_ms``: one token's pyramid update;
-- ``rebuild_ms``: ``pisa_attention`` of one query with ``dense_tail=0`` (rebuilds the pyramid
-  from every key: what a decode step cost before the persistent pyramid);
+- ``rebuild_ms``: ``select_blocks`` of one query over every key (the pyramid and selection a
+  step rebuilt before the persistent pyramid; ``pisa_attention`` ran it with ``dense_tail=0``
+  until December 2026, and now runs such a step dense);
 - ``bytes_pisa``/``bytes_dense``: bytes a step reads (model: boxes of the walk's pools, the
   keys of the leaves scored exactly, K/V of the attended blocks; dense: all of K/V), and
   ``pyramid_share``: the pyramid's bytes over the K/V cache's.
@@ -29,7 +30,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from pisa_compile import PisaConfig, PisaKVCache, pisa_attention
+from pisa_compile import PisaConfig, PisaKVCache, select_blocks
 from pisa_compile.kernels.geometry import block_width, cdiv, level_sizes
 from pisa_compile.kernels.triton_pyramid import append_boxes
 from pisa_compile.kernels.triton_select import pool_size, runs_flat
@@ -98,8 +99,8 @@ def run(B: int, N: int, cfg: PisaConfig) -> dict:
     sel = do_bench(lambda: cache.select(q))
     app = do_bench(lambda: append_boxes(cache.pyramid, cache.keys, N - 1, N))
     rebuild_cfg = cfg.replace(dense_tail=0, min_seq_len=0)
-    rebuild = do_bench(lambda: pisa_attention(q, kc, vc, is_causal=True, causal_offset=N - 1,
-                                              enable_gqa=True, config=rebuild_cfg))
+    rebuild = do_bench(lambda: select_blocks(q, kc, is_causal=True, causal_offset=N - 1,
+                                             enable_gqa=True, config=rebuild_cfg))
     # Agreement with dense on these random keys (no quality measure: nothing to find).
     out = cache.attend(q).float()
     ref = F.scaled_dot_product_attention(q, kc, vc, enable_gqa=True).float()

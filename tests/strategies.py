@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from pisa_compile import PisaConfig
 from pisa_compile.kernels.reference import dense_attention, mask_parts
+from pisa_compile.ops import is_decode_step
 
 MASK_KINDS = ("none", "causal", "bool", "float", "key_padding", "fully_masked_rows")
 DTYPES = (torch.float32, torch.float64, torch.bfloat16)
@@ -115,8 +116,12 @@ def sparse_configs(draw) -> PisaConfig:
 
 def selection_mask(block_indices: torch.Tensor, Nq: int, Nk: int, config: PisaConfig,
                    G: int) -> torch.Tensor:
-    """Dense bool ``[B, Hq, Nq, Nk]``: the keys of each row's selected blocks."""
+    """Dense bool ``[B, Hq, Nq, Nk]``: the keys ``pisa_attention`` attends, each row's
+    selected blocks; every key for a decode step (at most 16 queries after a cache), which the
+    op runs dense whatever the selection would be (``ops.is_decode_step``)."""
     B, Hkv, T, _ = block_indices.shape
+    if is_decode_step(Nq, Nk):
+        return torch.ones(B, Hkv * G, Nq, Nk, dtype=torch.bool)
     C, L = config.block_size, (Nk + config.block_size - 1) // config.block_size
     chosen = torch.zeros(B, Hkv, T, L + 1, dtype=torch.bool)
     chosen.scatter_(-1, torch.where(block_indices < 0, L, block_indices).long(), True)

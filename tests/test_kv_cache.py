@@ -423,3 +423,39 @@ def test_cost_model_waits_longer_for_the_flat_ranking(monkeypatch):
         cache.decode_config = cache.decode_config.replace(flat_leaves=0)  # the walk
         cache.length = flat_at - 1
         assert cache.decode_is_sparse(1, q), graph
+
+
+@settings(max_examples=12, deadline=None)
+@given(nq=st.integers(1, 17), extra=st.integers(1, 60), left=st.integers(0, 30),
+       masked=st.booleans(), kernel=st.sampled_from(["reference", "triton"]))
+def test_a_decode_step_without_a_pyramid_is_dense_whatever_dense_tail(nq, extra, left, masked,
+                                                                     kernel):
+    """With no persistent pyramid a decode step (at most 16 queries after a cache) is dense
+    SDPA even with ``dense_tail=0``: a selection rebuilt per step reads every key, as dense
+    does, and was slower; it was also not aligned to a left-padded row's first token (a new
+    user's finding). 17 queries are no decode step: lossy, they differ from dense. Causal with
+    the cache's offset, with and without a left-padding key mask; the reference and the
+    Triton interpreter."""
+    from pisa_compile import pisa_attention, plan
+    from pisa_compile.kernels import dispatch
+    cfg = PisaConfig(min_seq_len=0, block_size=8, top_k=1, query_tile=8, sink_blocks=0,
+                     local_blocks=1, dense_tail=0, kernel=kernel)
+    g = torch.Generator().manual_seed(nq * 1000 + extra)
+    nk = nq + extra + 64
+    q = torch.randn(2, 4, nq, 16, generator=g)
+    k, v = (torch.randn(2, 2, nk, 16, generator=g) for _ in range(2))
+    km = None
+    if masked:
+        km = torch.ones(2, nk, dtype=torch.bool)
+        km[1, :left] = False
+    kw = dict(is_causal=True, causal_offset=nk - nq, key_mask=km, config=cfg)
+    out = pisa_attention(q, k, v, enable_gqa=True, **kw)
+    want = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=dense_mask(2, nq, nk, True, nk - nq, km), enable_gqa=True)
+    how = plan(q, k, v, **kw)
+    if nq <= 16:
+        assert how.reason.startswith(dispatch.DECODE_STEP), how
+        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    else:
+        assert how.select is not None, how
+        assert (out - want).abs().max() > 1e-3  # lossy: top_k=1 of at least 10 leaves

@@ -431,11 +431,14 @@ def test_a_sequence_alone_and_in_a_left_padded_batch(impl):
     torch.testing.assert_close(batch[1, N - L:], alone[0], atol=1e-4, rtol=1e-4)
 
 
-def test_generate_on_a_left_padded_batch_gives_each_prompt_its_own_tokens():
-    """``generate()`` on a left-padded batch (lossy prefill, the dense tail on; the decode
-    steps are dense over the cache): the padded prompt's greedy tokens and their scores are
-    those of the prompt alone. Without the alignment the scores differ (up to 0.015 here, the
-    tokens of this tiny model happen to agree): the check can fail."""
+@pytest.mark.parametrize("dense_tail", [16, 0])
+def test_generate_on_a_left_padded_batch_gives_each_prompt_its_own_tokens(dense_tail):
+    """``generate()`` on a left-padded batch (lossy prefill, the dense tail on or off; the
+    decode steps are dense over the cache either way, ``ops.is_decode_step``): the padded
+    prompt's greedy tokens and their scores are those of the prompt alone. Without the
+    alignment the scores differ (up to 0.015 here, the tokens of this tiny model happen to
+    agree): the check can fail. With ``dense_tail=0`` the steps ran the sparse op, unaligned,
+    until December 2026."""
     from tests.hf_models import tiny_generation_llama
     model = tiny_generation_llama()
     N, L = 237, 200
@@ -445,7 +448,7 @@ def test_generate_on_a_left_padded_batch_gives_each_prompt_its_own_tokens():
     am[1, :N - L] = 0
     gen = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, output_scores=True,
                return_dict_in_generate=True)
-    opts = {**LOSSY, "dense_tail": 16}
+    opts = {**LOSSY, "dense_tail": dense_tail}
     forward = model.forward
     model.forward = torch.compile(forward, backend="pisa", options=opts)
     try:

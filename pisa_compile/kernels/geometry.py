@@ -47,15 +47,17 @@ def query_offset(n_queries: int, n_keys: int, is_causal: bool,
     """Key position of query 0: query ``i`` sits at key position ``i + offset``.
 
     Causal attention sees keys ``j <= i + causal_offset``: 0 is SDPA's top-left rule, a KV
-    cache of ``past`` keys gives ``past`` (bottom-right when ``Nk = past + Nq``). Otherwise,
-    with ``Nq <= Nk``, the queries are the last positions (self-attention, or a KV cache:
-    offset ``Nk - Nq``); with more queries than keys it is cross-attention and there are no
-    local leaves (``None``).
+    cache of ``past`` keys gives ``past`` (bottom-right when ``Nk = past + Nq``). Otherwise
+    ``Nq == Nk`` is self-attention (offset 0), and any other call is cross-attention, with no
+    local leaves (``None``). (Until December 2026 ``Nq < Nk`` placed the queries last, as a
+    KV cache's: an encoder batch's right padding then took a decoder tile's forced leaves, 1.23
+    apart from the keys alone in a new user's trial; a few-query step over a cache now runs
+    dense, ``ops.is_decode_step``.)
     """
     if is_causal:
         return causal_offset
-    if n_queries <= n_keys:
-        return n_keys - n_queries
+    if n_queries == n_keys:
+        return 0
     return None
 
 

@@ -874,3 +874,39 @@ def test_a_key_written_through_an_in_place_result_is_not_padding():
     want = f(q, k, v, am)
     seen = want.isfinite().all(-1, keepdim=True)
     torch.testing.assert_close(got * seen, want.nan_to_num() * seen, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kernel", ["reference", "triton"])
+def test_cross_attention_keys_right_padded_select_as_alone(kernel):
+    """Cross-attention (not causal, fewer queries than keys) forces no local leaves: they
+    once sat on the last leaves of the padded keys, an encoder batch's right padding, and a
+    decoder tile spent its forced budget on masked keys (a new user's trial: 1.23 apart from
+    the keys alone). Now the right-padded keys select and attend as the keys alone."""
+    cfg = PisaConfig(min_seq_len=0, block_size=8, top_k=1, query_tile=8, dense_tail=0,
+                     kernel=kernel)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 24, 16, generator=g)
+    k, v = (torch.randn(1, 4, 44, 16, generator=g) for _ in range(2))
+    kp, vp = (torch.cat([t, torch.randn(1, 4, 20, 16, generator=g)], 2) for t in (k, v))
+    km = torch.arange(64)[None] < 44
+    alone = pisa_attention(q, k, v, config=cfg)
+    padded = pisa_attention(q, kp, vp, key_mask=km, config=cfg)
+    torch.testing.assert_close(padded, alone, atol=1e-6, rtol=1e-6)
+    bi_alone = select_blocks(q, k, config=cfg)[0]
+    bi_padded = select_blocks(q, kp, key_mask=km, config=cfg)[0]
+    assert torch.equal(bi_alone, bi_padded)
+    assert int(bi_padded.max()) < 44 // 8 + 1  # no leaf of padding only
+
+
+def test_the_report_names_a_decode_step():
+    """A site of one query over a cache says it runs dense as a decode step, whatever
+    ``dense_tail`` (``ops.is_decode_step``), and that a PisaCache's pyramid would serve it."""
+    import torch.nn.functional as F
+
+    def f(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+    q, k, v = torch.randn(1, 4, 1, 16), torch.randn(1, 2, 64, 16), torch.randn(1, 2, 64, 16)
+    (site,) = pisa_compile.explain(f, q, k, v, options=dict(min_seq_len=0, dense_tail=0)).sites
+    assert site.rewritten and site.note.startswith("runs plain SDPA: a decode step (Nq=1 < "
+                                                   "Nk=64; a PisaCache's pyramid"), site.note

@@ -89,15 +89,24 @@ def test_compiled_training_step_matches_reference_grads():
 
 
 def test_decode_through_public_op():
+    """A decode step (4 queries over a 32K cache) runs dense SDPA through the public op, also
+    with ``dense_tail=0`` (``ops.is_decode_step``); the decode kernel's sparse path over the
+    same selection, at the stage, matches the reference's."""
     q, k, v = _qkv(32768, G=4)
     q = q[:, :, -4:].contiguous()
     from pisa_compile import select_blocks
-    from pisa_compile.kernels import reference
+    from pisa_compile.kernels import dispatch, reference
+    from pisa_compile.ops import _Attention
     out = pisa_attention(q, k, v, enable_gqa=True, config=CFG)
+    assert plan(q, k, v, config=CFG).reason.startswith(dispatch.DECODE_STEP)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    assert _rel(out, want) < 1e-2
     bi, bc = select_blocks(q, k, enable_gqa=True, config=CFG)
+    sparse, _ = _Attention.apply(q, k, v, None, None, bi, bc, False, 0, q.shape[-1] ** -0.5,
+                                 CFG.block_size, CFG.query_tile, dispatch.DECODE, 0)
     ref, _ = reference.sparse_attention(q.float(), k.float(), v.float(), None, False,
                                         q.shape[-1] ** -0.5, bi, bc, **CFG.attention_options())
-    assert _rel(out, ref) < 1e-2
+    assert _rel(sparse, ref) < 1e-2
 
 
 def _compiled_with_mask(cfg):

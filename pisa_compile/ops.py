@@ -675,8 +675,10 @@ def pisa_attention(
     (``kernel="auto"``) or the reference selection with the Triton kernels under it
     (``kernel="triton"``) (:func:`plan` gives the reason). With gradients its backward runs
     that forward again with autograd (no selection or ``lse`` is kept for it). The last
-    ``config.dense_tail`` queries of a causal call, and every call of that few queries
-    (decode), are dense: with a ``key_mask``, a call of one query on CUDA through SDPA under
+    ``config.dense_tail`` queries of a causal call, every call of that few queries, and a
+    decode step (at most 16 queries after a cache, whatever ``dense_tail``:
+    :func:`is_decode_step`; a ``PisaKVCache`` holding the keys decodes from its pyramid) are
+    dense: with a ``key_mask``, a call of one query on CUDA through SDPA under
     the mask with ``enable_gqa``, and more rows without gradients on the Triton path through
     the split-K decode kernel over every key block; otherwise dense SDPA.
 
@@ -814,8 +816,8 @@ def _run(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
     # The tail has fewer than dense_tail + query_tile rows, a decode step at most
     # DECODE_MAX_QUERIES: a static bound for the GQA fold when Nq is symbolic.
     tail_bound = max(config.dense_tail + config.query_tile, DECODE_MAX_QUERIES)
-    # A decode call (the dense tail's, or any few-query call once a PisaKVCache exists, also
-    # with dense_tail=0) reads a cache's pyramid where its keys are one; not below
+    # A decode call (a decode step, the dense tail's, or any few-query call once a
+    # PisaKVCache exists) reads a cache's pyramid where its keys are one; not below
     # min_seq_len, where the op is plain SDPA.
     whole_tail = how.reason in _DENSE_ROWS
     m4 = _mask4(attn_mask)

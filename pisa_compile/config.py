@@ -128,7 +128,7 @@ class PisaConfig:
             that earlier rows computed sparsely), at
             ``O(dense_tail * Nk)`` per call. Assumes the queries a user reads come last
             (left padding for batched prompts). Default 64. A decode step (at most 16
-            queries after a cache) is dense whatever ``dense_tail``, unless a persistent
+            queries, fewer than the keys) is dense whatever ``dense_tail``, unless a persistent
             pyramid (``PisaCache``) holds its keys (``ops.is_decode_step``).
         kernel: ``"auto"`` (Triton on CUDA, reference elsewhere), ``"triton"`` (also the
             Triton interpreter on CPU, for tests) or ``"reference"`` (PyTorch only).

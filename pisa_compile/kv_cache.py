@@ -368,7 +368,7 @@ class PisaKVCache:
             ValueError: as :meth:`attend`, or the Triton kernels cannot run here (the reason).
         """
         self._check_query(query)
-        why = self._triton_refusal(query)
+        why = dispatch.triton_refusal(query, self.values, self.config.kernel)  # raises: no warning
         if why is not None:
             raise ValueError(f"PisaKVCache.select runs the Triton selection: {why}")
         scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)

@@ -360,17 +360,19 @@ def _refuse_double_backward(grad_out: Tensor, saved: tuple) -> None:
         return
     # torch.func differentiates with grad mode on at every level: a second derivative is
     # asked for only under two grad (or jvp) transforms.
+    # A vjp function runs after its transform exits (create_graph on): the saved tensors are
+    # then wrappers of a dead level, whose requires_grad was that level's. Only the values
+    # beneath them can be differentiated again (inside an outer grad, through its level).
+    dead = getattr(torch._C._functorch, "unwrap_if_dead", lambda t: t)
+    beneath = [dead(t) for t in (grad_out, *saved) if isinstance(t, Tensor)]
     stack = torch._C._functorch.get_interpreter_stack()
     if stack:
         ad = (torch._C._functorch.TransformType.Grad, torch._C._functorch.TransformType.Jvp)
-        again = sum(i.key() in ad for i in stack) > 1
+        again = sum(i.key() in ad for i in stack) > 1 or any(
+            u is not t and u.requires_grad for u, t in zip(beneath, (
+                t for t in (grad_out, *saved) if isinstance(t, Tensor))))
     else:
-        # A vjp function runs after its transform exits (create_graph on): the saved tensors
-        # are then wrappers of a dead level, whose requires_grad was that level's. Only the
-        # values beneath them can be differentiated again.
-        dead = getattr(torch._C._functorch, "unwrap_if_dead", lambda t: t)
-        again = any(isinstance(t, Tensor) and dead(t).requires_grad
-                    for t in (grad_out, *saved))
+        again = any(u.requires_grad for u in beneath)
     if again:
         raise RuntimeError("pisa_compile: the attention's backward cannot be differentiated "
                            "again (double backward: create_graph=True or nested "
@@ -633,11 +635,16 @@ def _plan(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causa
 def is_decode_step(n_queries, n_keys) -> bool:
     """Whether a call of ``n_queries`` queries over ``n_keys`` keys (ints or SymInts) is a
     decode step: at most ``DECODE_MAX_QUERIES`` queries, fewer than its keys (a cache before
-    them), both known statically (no guard on a symbolic length). With
+    them, or a short cross-attention). A static query count (a decode graph's) guards on
+    ``n_keys > n_queries`` where the keys are symbolic (a review found 4-query steps sparse
+    once the cache length went dynamic: the bound was never proved); a symbolic one is a
+    decode step only where that is known without a guard. With
     no persistent pyramid such a call runs dense whatever ``dense_tail``: a selection rebuilt
     per call reads every key, as dense does, and measured slower (20.8 against 0.96 ms at
     128K, B=8, ``profiles/bench_decode.json``); dense is also exact, so a left-padded row's
     steps compute as its sequence alone (a sparse step was not aligned to its first token)."""
+    if isinstance(n_queries, int):
+        return n_queries <= DECODE_MAX_QUERIES and bool(n_queries < n_keys)
     return (statically_known_true(n_queries <= DECODE_MAX_QUERIES)
             and statically_known_true(n_queries < n_keys))
 
@@ -676,7 +683,7 @@ def pisa_attention(
     (``kernel="triton"``) (:func:`plan` gives the reason). With gradients its backward runs
     that forward again with autograd (no selection or ``lse`` is kept for it). The last
     ``config.dense_tail`` queries of a causal call, every call of that few queries, and a
-    decode step (at most 16 queries after a cache, whatever ``dense_tail``:
+    decode step (at most 16 queries, fewer than the keys, whatever ``dense_tail``:
     :func:`is_decode_step`; a ``PisaKVCache`` holding the keys decodes from its pyramid) are
     dense: with a ``key_mask``, a call of one query on CUDA through SDPA under
     the mask with ``enable_gqa``, and more rows without gradients on the Triton path through

@@ -459,3 +459,30 @@ def test_a_decode_step_without_a_pyramid_is_dense_whatever_dense_tail(nq, extra,
     else:
         assert how.select is not None, how
         assert (out - want).abs().max() > 1e-3  # lossy: top_k=1 of at least 10 leaves
+
+
+def test_a_decode_step_is_dense_under_dynamic_shapes():
+    """Compiled with a symbolic cache length (``dynamic=True``, and automatic dynamic shapes
+    after a second length), a 4-query step is still a decode step: the static query count
+    guards on the keys outnumbering it (a review found it sparse there, 1.03-1.85 from dense,
+    lossy: ``Nq < Nk`` was never proved for a symbolic ``Nk``)."""
+    from pisa_compile import pisa_attention
+    cfg = PisaConfig(min_seq_len=0, block_size=8, top_k=1, query_tile=8, sink_blocks=0,
+                     local_blocks=1, dense_tail=0, kernel="reference")
+
+    def f(q, k, v):
+        return pisa_attention(q, k, v, is_causal=True, causal_offset=k.shape[2] - q.shape[2],
+                              enable_gqa=True, config=cfg)
+
+    g = torch.Generator().manual_seed(0)
+    for dynamic in (True, None):
+        torch._dynamo.reset()
+        cf = torch.compile(f, backend="eager", dynamic=dynamic)
+        for nk in (80, 96, 120):
+            q = torch.randn(1, 4, 4, 16, generator=g)
+            k, v = (torch.randn(1, 2, nk, 16, generator=g) for _ in range(2))
+            want = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=torch.ones(4, nk, dtype=torch.bool).tril(nk - 4),
+                enable_gqa=True)
+            torch.testing.assert_close(cf(q, k, v), want, atol=1e-5, rtol=1e-5)
+    torch._dynamo.reset()

@@ -427,6 +427,14 @@ def test_double_backward_raises():
         torch.func.grad(lambda q: torch.func.grad(loss)(q).pow(2).sum())(q.detach())
     assert torch.func.grad(loss)(q.detach()).abs().sum() > 0
 
+    def vjp_norm(q):  # a vjp function run inside grad, after the vjp's level exited
+        out, vjp = torch.func.vjp(lambda q: pisa_attention(q, k.detach(), v.detach(),
+                                                           config=cfg), q)
+        return vjp(torch.ones_like(out))[0].pow(2).sum()
+
+    with pytest.raises(RuntimeError, match="double backward"):  # a review: zeros, silently
+        torch.func.grad(vjp_norm)(q.detach())
+
 
 # -- nn.TransformerEncoderLayer -----------------------------------------------------------------------
 

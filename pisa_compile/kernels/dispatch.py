@@ -67,10 +67,10 @@ EXPLICIT_MASK = "explicit attn_mask (the fused selection reads no mask yet)"
 # The reason of a call the dense tail takes whole (too few queries for a query tile of sparse
 # rows before the tail).
 IN_DENSE_TAIL = "every query in the dense tail"
-# The reason of a decode step (at most DECODE_MAX_QUERIES queries after a cache) that no
-# persistent pyramid serves: a selection rebuilt per call reads every key, as dense does,
+# The reason of a decode step (at most DECODE_MAX_QUERIES queries, fewer than the keys) that
+# no persistent pyramid serves: a selection rebuilt per call reads every key, as dense does,
 # and measured slower than dense (issue #16: never slower than dense without the pyramid).
-DECODE_STEP = "a decode step (few queries after a cache, no persistent pyramid)"
+DECODE_STEP = "a decode step (few queries, fewer than the keys; no persistent pyramid)"
 
 
 def _count(name: str, n: int = 1) -> None:

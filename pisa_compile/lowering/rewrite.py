@@ -1504,7 +1504,7 @@ def _note_and_selects(n_keys, has_mask: bool, config: PisaConfig, device: torch.
             how = "runs SDPA under its key mask"
         if decode:
             return (f"{how}: a decode step (Nq={n_queries} < Nk={n_keys}; a PisaCache's "
-                    f"pyramid serves it sparse)"), False
+                    f"pyramid can serve it sparse)"), False
         bound = (f"Nq={n_queries} <= dense_tail={T}" if statically_known_true(n_queries <= T)
                  else f"Nq={n_queries} < dense_tail + query_tile = {T + config.query_tile}: "
                       f"too few rows before the tail for one query tile")

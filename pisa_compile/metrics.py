@@ -136,7 +136,8 @@ def _forced_mask(q, k, attn_mask, is_causal, config, T, L) -> Tensor:
     attendable key (as :func:`~pisa_compile.ops.select_blocks` places them) and the local
     leaves."""
     B = q.shape[0]
-    offset = query_offset(q.shape[2], k.shape[2], is_causal)
+    offset = query_offset(q.shape[2], k.shape[2], is_causal,
+                          explicit_mask=attn_mask is not None)
     t = torch.arange(T, device=q.device)
     n_sink, lo, hi = forced_ranges(t, q.shape[2], k.shape[2], offset, config.block_size,
                                    config.query_tile, config.sink_blocks, config.local_blocks)

@@ -179,7 +179,8 @@ def test_selection_holds_forced_and_top_k(p: Problem, cfg: PisaConfig):
     assert bi.dtype == torch.int32 and bc.dtype == torch.int32
     assert T == (Nq + cfg.query_tile - 1) // cfg.query_tile
     assert M == block_width(Nk, C, cfg.top_k, cfg.sink_blocks, cfg.local_blocks, cfg.query_tile)
-    n_sink, lo, hi = forced_ranges(torch.arange(T), Nq, Nk, query_offset(Nq, Nk, p.is_causal), C,
+    offset = query_offset(Nq, Nk, p.is_causal, explicit_mask=p.attn_mask is not None)
+    n_sink, lo, hi = forced_ranges(torch.arange(T), Nq, Nk, offset, C,
                                    cfg.query_tile, cfg.sink_blocks, cfg.local_blocks)
     # Leaves each tile's rows can see at all (dense, test-side).
     vis = p.visibility().expand(B, p.q.shape[1], Nq, Nk)

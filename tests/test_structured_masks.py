@@ -108,8 +108,11 @@ def test_an_explicit_mask_selects_as_its_structure(case, cfg):
     structure give the same output on every row that sees a key: in particular a left-padded
     row's sink leaves start at its first real key under both (they once stayed at leaf 0,
     all padding, under the tensor). A tensor carries no query positions: the op places the
-    queries last (offset ``Nk - Nq``), so the causal offset here is that one."""
+    queries last (offset ``Nk - Nq``), so the causal offset here is that one. Not for a
+    non-causal call with fewer queries than keys: as a key mask it is cross-attention (no
+    local leaves), as a tensor it may be a cache's causal mask (local leaves at the end)."""
     q, k, v, km, causal, _ = case
+    assume(causal or q.shape[2] >= k.shape[2] or is_decode_step(q.shape[2], k.shape[2]))
     off = k.shape[2] - q.shape[2] if causal else 0
     case = (q, k, v, km, causal, off)
     vis = dense_mask(q.shape[0], q.shape[2], k.shape[2], causal, off, km)  # [B, 1, Nq, Nk]

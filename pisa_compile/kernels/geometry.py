@@ -43,21 +43,24 @@ def block_width(n_keys, block_size, top_k, sink_blocks, local_blocks, query_tile
 
 
 def query_offset(n_queries: int, n_keys: int, is_causal: bool,
-                 causal_offset: int = 0) -> Optional[int]:
+                 causal_offset: int = 0, explicit_mask: bool = False) -> Optional[int]:
     """Key position of query 0: query ``i`` sits at key position ``i + offset``.
 
     Causal attention sees keys ``j <= i + causal_offset``: 0 is SDPA's top-left rule, a KV
     cache of ``past`` keys gives ``past`` (bottom-right when ``Nk = past + Nq``). Otherwise
-    ``Nq == Nk`` is self-attention (offset 0), and any other call is cross-attention, with no
-    local leaves (``None``). (Until December 2026 ``Nq < Nk`` placed the queries last, as a
-    KV cache's: an encoder batch's right padding then took a decoder tile's forced leaves, 1.23
-    apart from the keys alone in a new user's trial; a few-query step over a cache now runs
-    dense, ``ops.is_decode_step``.)
+    ``Nq == Nk`` is self-attention (offset 0). Under an ``explicit_mask`` with ``Nq < Nk`` the
+    queries are the last positions (offset ``Nk - Nq``): the mask may be a KV cache's causal
+    one as a tensor, which the op does not read as structure everywhere. Any other call is
+    cross-attention, with no local leaves (``None``): until December 2026 a call under a key
+    mask or none placed its queries last as well, and an encoder batch's right padding took a
+    decoder tile's forced leaves (1.23 apart from the keys alone in a new user's trial).
     """
     if is_causal:
         return causal_offset
     if n_queries == n_keys:
         return 0
+    if explicit_mask and n_queries < n_keys:
+        return n_keys - n_queries
     return None
 
 

@@ -113,7 +113,8 @@ class _Problem:
         C, Tq = block_size, query_tile
         return _Problem(B, Hq, Hkv, G, Nq, Nk, D, C, Tq, cdiv(Nq, Tq), cdiv(Nk, C),
                         is_causal, allowed, bias,
-                        query_offset(Nq, Nk, is_causal, causal_offset),
+                        query_offset(Nq, Nk, is_causal, causal_offset,
+                                     explicit_mask=attn_mask is not None),
                         None if key_mask is None else key_mask.bool(), causal_offset)
 
     def visible(self, q_pos: Tensor, k_pos: Tensor, t0: int, t1: int) -> Tensor:

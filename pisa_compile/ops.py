@@ -358,19 +358,19 @@ def _refuse_double_backward(grad_out: Tensor, saved: tuple) -> None:
     through the saved q, k and v the second derivative came back as zeros, silently."""
     if not torch.is_grad_enabled():
         return
-    # torch.func differentiates with grad mode on at every level: a second derivative is
-    # asked for only under two grad (or jvp) transforms.
     # A vjp function runs after its transform exits (create_graph on): the saved tensors are
     # then wrappers of a dead level, whose requires_grad was that level's. Only the values
     # beneath them can be differentiated again (inside an outer grad, through its level).
     dead = getattr(torch._C._functorch, "unwrap_if_dead", lambda t: t)
-    beneath = [dead(t) for t in (grad_out, *saved) if isinstance(t, Tensor)]
+    tensors = [t for t in (grad_out, *saved) if isinstance(t, Tensor)]
+    beneath = [dead(t) for t in tensors]
     stack = torch._C._functorch.get_interpreter_stack()
     if stack:
+        # torch.func differentiates with grad mode on at every level: a second derivative
+        # is asked for under two grad (or jvp) transforms, or through a dead level's values.
         ad = (torch._C._functorch.TransformType.Grad, torch._C._functorch.TransformType.Jvp)
         again = sum(i.key() in ad for i in stack) > 1 or any(
-            u is not t and u.requires_grad for u, t in zip(beneath, (
-                t for t in (grad_out, *saved) if isinstance(t, Tensor))))
+            u is not t and u.requires_grad for u, t in zip(beneath, tensors))
     else:
         again = any(u.requires_grad for u in beneath)
     if again:
@@ -638,11 +638,11 @@ def is_decode_step(n_queries, n_keys) -> bool:
     them, or a short cross-attention). A static query count (a decode graph's) guards on
     ``n_keys > n_queries`` where the keys are symbolic (a review found 4-query steps sparse
     once the cache length went dynamic: the bound was never proved); a symbolic one is a
-    decode step only where that is known without a guard. With
-    no persistent pyramid such a call runs dense whatever ``dense_tail``: a selection rebuilt
-    per call reads every key, as dense does, and measured slower (20.8 against 0.96 ms at
-    128K, B=8, ``profiles/bench_decode.json``); dense is also exact, so a left-padded row's
-    steps compute as its sequence alone (a sparse step was not aligned to its first token)."""
+    decode step only where that is known without a guard. With no persistent pyramid such
+    a call runs dense whatever ``dense_tail``: a selection rebuilt per call reads every key,
+    as dense does, and measured slower (20.8 against 0.96 ms at 128K, B=8,
+    ``profiles/bench_decode.json``); dense is also exact, so a left-padded row's steps
+    compute as its sequence alone (a sparse step was not aligned to its first token)."""
     if isinstance(n_queries, int):
         return n_queries <= DECODE_MAX_QUERIES and bool(n_queries < n_keys)
     return (statically_known_true(n_queries <= DECODE_MAX_QUERIES)

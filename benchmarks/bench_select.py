@@ -81,6 +81,8 @@ TUNE_RESCORE = {
     "rb64_w4_r128": dict(row_block=64, num_warps=4, maxnreg=128),
     "rb64_w4_r128_p8": dict(row_block=64, num_warps=4, maxnreg=128, programs_per_sm=8),
     "rb64_w4_r152": dict(row_block=64, num_warps=4, maxnreg=152),
+    # Every leaf through the general leaf LSE (the package before the lean clean-leaf score).
+    "rb64_w4_r128_nolean": dict(row_block=64, num_warps=4, maxnreg=128, lean=False),
     # The exact scores' dots on float8 copies of q and k (triton_select.fp8_operands).
     "rb64_w4_r128_fp8": dict(row_block=64, num_warps=4, maxnreg=128, fp8=True),
     "rb64_w4_r128_p6_fp8": dict(row_block=64, num_warps=4, maxnreg=128, programs_per_sm=6,

@@ -653,26 +653,26 @@ def _leaf_lse2(qv, qpos, kbase, skn, skd, km_row, skmn, leaf, Nk, q_first, offse
 
 
 @triton.jit
-def _clean_leaf_lse2(qv, kbase, skn, skd, leaf, qk_scale, d, D: tl.constexpr, C: tl.constexpr,
-                     KC: tl.constexpr, LOWP: tl.constexpr):
-    """:func:`_leaf_lse2` for a clean leaf: each of its ``C`` keys exists, is live, and is
-    visible to every row of the tile, so no key needs a validity term or a causal compare.
-    The max is taken on the raw dots and the scale and shift join in one FMA per score
-    (``qk_scale > 0``): about four operations per score where the general function takes six,
-    the difference between the package's leaf LSE and the lean core in
-    ``profiles/rescore_real.json`` (5.55 against 5.15 ms at 32K)."""
+def _clean_leaf_lse2(qv, kleaf, koff, skn, qk_scale, D: tl.constexpr, BD: tl.constexpr,
+                     C: tl.constexpr, KC: tl.constexpr, LOWP: tl.constexpr):
+    """:func:`_leaf_lse2` for a clean leaf, whose first key is at ``kleaf``: each of its ``C``
+    keys exists, is live, and is visible to every row of the tile, so no key needs a
+    validity term or a causal compare. The max is taken on the raw dots and the scale and
+    shift join in one FMA per score (``qk_scale > 0``): about four operations per score where
+    the general function takes six, the difference between the package's leaf LSE and the
+    lean core in ``profiles/rescore_real.json`` (5.55 against 5.15 ms at 32K). ``koff``
+    ``[KC, BD]``: the key tile's offsets from its first key, computed once per tile (per leaf,
+    64-bit products per address took a quarter of the loop's instructions, sm90 SASS)."""
     kc = tl.arange(0, KC)
-    dm = d < D
     row_max = tl.full([qv.shape[0]], float("-inf"), tl.float32)
     row_sum = tl.zeros([qv.shape[0]], dtype=tl.float32)
     for c0 in tl.static_range(0, C, KC):
-        kp = (leaf * C + c0 + kc).to(tl.int64)
         if KC > C:  # tl.dot's 16-key minimum past a smaller leaf: the extra keys are not its
-            kk = tl.load(kbase + kp[:, None] * skn + d[None, :] * skd,
-                         mask=(kc < C)[:, None] & dm[None, :], other=0.0)
+            kk = tl.load(kleaf + koff, mask=(kc < C)[:, None] & (koff >= 0), other=0.0)
+        elif BD == D:  # no mask: full-width vector loads
+            kk = tl.load(kleaf + c0 * skn + koff)
         else:
-            kk = tl.load(kbase + kp[:, None] * skn + d[None, :] * skd, mask=dm[None, :],
-                         other=0.0)
+            kk = tl.load(kleaf + c0 * skn + koff, mask=koff >= 0, other=0.0)
         if LOWP:
             sk = tl.dot(qv, tl.trans(kk.to(qv.dtype)))
         else:
@@ -821,6 +821,11 @@ def _rescore_tile(
         kbase = k_ptr + b.to(tl.int64) * skb + h.to(tl.int64) * skh
         km_row = km_ptr + b.to(tl.int64) * skmb
         qk_scale = scale * LOG2E
+        kcol = tl.arange(0, KC)
+        # A clean leaf's key tile offsets; -1 marks head-dim padding columns (BD > D).
+        koff = kcol[:, None] * skn + d[None, :] * skd
+        if BD > D:
+            koff = tl.where((d < D)[None, :], koff, -1)
         if FP8:
             qk_scale = qk_scale * tl.load(dq_ptr + bh)
         # Clean leaves (every key in range, live, and visible to the tile's first row, so to
@@ -861,7 +866,8 @@ def _rescore_tile(
             qpos = q_first + (c * RB + rr) // G
             for j in range(n_first):  # the shortlist is compact: slots [0, n_ok)
                 leaf = tl.load(leaves + j)
-                lse = _clean_leaf_lse2(qv, kbase, skn, skd, leaf, qk_scale, d, D, C, KC, LOWP)
+                lse = _clean_leaf_lse2(qv, kbase + (leaf * C).to(tl.int64) * skn, koff, skn,
+                                       qk_scale, D, BD, C, KC, LOWP)
                 if HAS_KEY_MASK:
                     tl.store(scr + tl.load(slots + j) * RB + rr, lse)
                 else:

@@ -22,6 +22,9 @@ pytest.importorskip("triton")
 
 from hypothesis import given, settings, strategies as st  # noqa: E402
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 from pisa_compile import PisaConfig  # noqa: E402
 from pisa_compile.ops import _plan, plan  # noqa: E402
 from pisa_compile.kernels import reference as ref  # noqa: E402
@@ -260,6 +263,41 @@ def test_rescoring_programs_do_not_change_the_selection():
         assert torch.equal(idx, runs[0][0]) and torch.equal(cnt, runs[0][1])
     check_selection(q, k, True, 0.25, cfg, key_mask=km)
 
+
+
+@triton.jit
+def _zero_lse(qv, kleaf, koff, skn, qk_scale, D: tl.constexpr, BD: tl.constexpr,
+              C: tl.constexpr, KC: tl.constexpr, LOWP: tl.constexpr):
+    """A broken ``_clean_leaf_lse2`` (every clean leaf scores 0): shows where it runs."""
+    return tl.zeros([qv.shape[0]], dtype=tl.float32)
+
+
+@pytest.mark.parametrize("block_size", [16, 8], ids=["C16", "C8_under_dot_min"])
+@pytest.mark.parametrize("causal,pads", [(True, None), (True, [0, 21]), (False, [0, 21]),
+                                         (False, None)])
+def test_clean_leaves_take_the_lean_score(block_size, causal, pads, monkeypatch):
+    """The rescoring's clean leaves (every key in range, live and visible to the whole tile)
+    take ``_clean_leaf_lse2``, the others ``_leaf_lse2``: with the lean score on or off
+    (``RESCORE_TUNING["lean"]``) the blocks equal the reference's, under causality, a key
+    mask, a ragged last leaf and a head dim below the dot's width (D=24: BD=32). The lean
+    function runs: scoring every clean leaf 0 changes the blocks."""
+    cfg = _fast(min_seq_len=0, kernel="triton", block_size=block_size, top_k=2,
+                query_tile=4, beam=4, leaf_scoring="exact", shortlist=6, bound_block=4)
+    q, k = _qk(2, 2, 2, 90, 90 if causal else 121, 24, torch.float32, seed=5)
+    km = None if pads is None else _left_padding(2, k.shape[2], pads)
+    opts = cfg.selection_options()
+    ridx, rcnt = ref.select_blocks(q, k, None, causal, 0.3, key_mask=km, **opts)
+
+    def run():
+        return [ts.select_blocks(q, k, causal, 0.3, key_mask=km, **opts,
+                                 tuning={"rescore": {"lean": lean}}) for lean in (True, False)]
+    for idx, cnt in run():
+        assert torch.equal(idx, ridx) and torch.equal(cnt, rcnt)
+
+    monkeypatch.setattr(ts, "_clean_leaf_lse2", _zero_lse)
+    (lean_idx, _), (general_idx, _) = run()
+    assert not torch.equal(lean_idx, ridx)
+    assert torch.equal(general_idx, ridx)
 
 
 def test_fp8_operands_keep_float8_precision():

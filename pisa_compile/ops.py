@@ -1022,8 +1022,12 @@ def _mask_checked_at_run_time(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor
                               config: PisaConfig) -> bool:
     """Whether an unproved explicit mask goes through ``pisa::structured_from_mask`` (its
     structure read at run time by :func:`mask_structure`): a mask that does not vary by
-    head, a float ``scale``, and the Triton kernels take the inputs; a bool mask, or a float
-    one where no gradient is wanted. With gradients the op's backward runs its forward
+    head, a float ``scale``, and the Triton kernels take the inputs (or the call runs off
+    CUDA: the reference's structured path keeps the dense tail and a left-padded row's
+    alignment, where the reference selection under the raw mask has neither; a new user's
+    ``PisaCache`` prefill on the CPU, whose update breaks the graph before the mask reaches
+    attention, was 3.18 logits from eager against 0.22 with a ``DynamicCache``); a bool mask,
+    or a float one where no gradient is wanted. With gradients the op's backward runs its forward
     again: worth it for transformers' bool masks (causal AND padding, then sparse), not for
     a float mask, most often a finite bias (ALiBi), where it would add a mask read, a host
     sync and a dense forward to dense SDPA's training step."""
@@ -1031,7 +1035,7 @@ def _mask_checked_at_run_time(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor
     return (not m.requires_grad
             and (m.dtype == torch.bool or (m.is_floating_point() and not _needs_grad(q, k, v)))
             and statically_known_true(m.shape[1] == 1)
-            and dispatch.triton_refusal(q, v, config.kernel) is None)
+            and (q.device.type != "cuda" or dispatch.triton_refusal(q, v, config.kernel) is None))
 
 
 def mask_structure(attn_mask: Tensor, n_queries: int, n_keys: int

@@ -337,8 +337,8 @@ def test_triton_window_compiles_past_one_query_tile(fresh_dynamo, dynamic):
 def test_report_says_where_an_unproved_mask_goes(fresh_dynamo, kernel):
     """A mask the pass cannot prove (a graph input): with ``kernel='triton'`` on the CPU the
     op reads it at run time through Triton's interpreter, and the report says so; with
-    ``kernel='reference'`` the PyTorch reference selects (a new user read the first as the
-    second)."""
+    ``kernel='reference'`` it is read too, and the PyTorch reference selects on the structure
+    it finds (a new user read the first as the second)."""
     import pisa_compile
     g = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(1, 2, 64, 16, generator=g) for _ in range(3))
@@ -349,10 +349,11 @@ def test_report_says_where_an_unproved_mask_goes(fresh_dynamo, kernel):
 
     opts = dict(min_seq_len=0, block_size=16, dense_tail=0, kernel=kernel)
     (site,) = pisa_compile.explain(f, q, k, v, m, options=opts).sites
+    assert "read at run time" in site.note, site.note
     if kernel == "triton":
-        assert "read at run time" in site.note and "interpreter" in site.note, site.note
-    else:
-        assert "selection runs the PyTorch reference" in site.note, site.note
+        assert "interpreter" in site.note, site.note
+    else:  # off CUDA the reference's structured path reads it too
+        assert "any other mask the PyTorch reference selection" in site.note, site.note
     # A call the dense tail takes whole keeps the mask on its SDPA call: not "plain" (a new
     # user read that as the mask dropped).
     (site,) = pisa_compile.explain(f, q, k, v, m, options={**opts, "dense_tail": 64}).sites
@@ -379,3 +380,40 @@ def test_a_left_padded_row_under_a_mask_read_at_run_time_computes_as_alone():
                           enable_gqa=True, config=cfg)
     torch.testing.assert_close(out[:, :, left:], want, atol=1e-5, rtol=1e-5)
     assert not out[:, :, :left].any()
+
+
+@pytest.mark.parametrize("dense_tail", [0, 32])
+def test_a_mask_built_before_a_graph_break_runs_as_the_proved_one_on_the_cpu(fresh_dynamo,
+                                                                             dense_tail):
+    """A causal AND padding mask built in another graph (a cache update that breaks the graph,
+    as ``PisaCache``'s does) with ``kernel='auto'`` on the CPU: read at run time, the call
+    keeps its dense tail and aligns the left-padded row, as the proved mask does. Before, the
+    reference selection ran under the raw mask: the tail's rows 0.89 from dense and the padded
+    row 0.87-1.33 from its sequence alone (a new user's finding)."""
+    from torch._dynamo.utils import counters
+    g = torch.Generator().manual_seed(3)
+    B, N, left = 2, 160, 37
+    q = torch.randn(B, 4, N, 16, generator=g)
+    k, v = (torch.randn(B, 2, N, 16, generator=g) for _ in range(2))
+    am = torch.ones(B, N, dtype=torch.bool)
+    am[0, :left] = False
+
+    def attn(q, k, v, am, brk):
+        mask = torch.ones(N, N, dtype=torch.bool).tril()[None, None] & am[:, None, None, :]
+        if brk:
+            torch._dynamo.graph_break()
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+    opts = dict(min_seq_len=0, block_size=16, top_k=2, query_tile=16, dense_tail=dense_tail)
+    proved = torch.compile(attn, backend="pisa", options=opts)(q, k, v, am, False)
+    counters.clear()
+    broken = torch.compile(attn, backend="pisa", options=opts)(q, k, v, am, True)
+    assert counters["pisa"]["runtime_mask_structured"] == 1
+    torch.testing.assert_close(broken, proved, atol=1e-5, rtol=1e-5)
+    alone = pisa_attention(q[:1, :, left:], k[:1, :, left:], v[:1, :, left:], is_causal=True,
+                           enable_gqa=True, config=PisaConfig(**opts))
+    torch.testing.assert_close(broken[:1, :, left:], alone, atol=1e-5, rtol=1e-5)
+    if dense_tail:
+        dense = attn(q, k, v, am, False)
+        torch.testing.assert_close(broken[:, :, -dense_tail:], dense[:, :, -dense_tail:],
+                                   atol=1e-5, rtol=1e-5)

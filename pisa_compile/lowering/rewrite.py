@@ -1519,10 +1519,15 @@ def _note_and_selects(n_keys, has_mask: bool, config: PisaConfig, device: torch.
     elif window is not None and padded:
         notes.append("window with a key mask: the Triton attention kernels over the window's "
                      "blocks (traced FlexAttention was wrong with padding)")
-    # kernel='triton' on a CPU tensor runs Triton's interpreter, which reads the mask too.
+    # Off CUDA every kernel reads the mask at run time (kernel='triton' through Triton's
+    # interpreter, the others through the reference's structured path).
     triton = (device.type == "cuda" and config.kernel != "reference") or config.kernel == "triton"
     dense_mask = has_mask and config.kernel == "auto" and device.type == "cuda"
-    if has_mask and triton:
+    if has_mask and device.type != "cuda" and config.kernel != "triton":
+        notes.append("explicit mask: read at run time (one pass over it per call; with "
+                     "gradients the backward runs the forward again): causal AND padding runs "
+                     "PISA on its structure, any other mask the PyTorch reference selection")
+    elif has_mask and triton:
         dtypes = ("float16/bfloat16 with kernel='auto'" if device.type == "cuda" else
                   "float16/float32 under Triton's interpreter")
         notes.append("explicit mask: read at run time where the kernels take the dtype "

@@ -164,10 +164,11 @@ class PisaCache(Cache):
 
     def __init__(self, max_cache_len: int, config: Optional[PisaConfig] = None,
                  sparse_from: Optional[int] = None):
-        if not isinstance(max_cache_len, int) or isinstance(max_cache_len, bool) or (
-                max_cache_len < 1):
+        if not isinstance(max_cache_len, numbers.Integral) or isinstance(max_cache_len, bool) \
+                or max_cache_len < 1:
             raise ValueError(f"PisaCache: max_cache_len must be an int >= 1, got "
                              f"{max_cache_len!r}")
+        max_cache_len = int(max_cache_len)  # numpy ints too, as PisaStaticCache takes them
         check_options(config, sparse_from, "PisaCache")  # now, not at the first update
         _raise_recompile_limit(_MIN_RECOMPILES)
         # A counter, not a bound method of the cache: the layers must not keep the cache

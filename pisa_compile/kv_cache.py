@@ -114,7 +114,7 @@ def _decode_refusal(cache, t: Tensor) -> Optional[str]:
     why = dispatch.triton_refusal(t, cache.values, cache.config.kernel)
     if why is not None and cache.sparse_from is not None:
         dispatch._warn_once(f"{type(cache).__name__}(sparse_from=...): the sparse decode runs "
-                            f"the Triton kernels, which refuse {why}",
+                            f"the Triton kernels, which cannot run here ({why})",
                             "decode steps run dense SDPA (exact), not PISA")
     return why
 

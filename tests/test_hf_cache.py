@@ -148,6 +148,14 @@ def test_pisa_cache_bad_input():
         PisaCache(8, sparse_from=-1)
     with pytest.raises(NotImplementedError, match="crop"):
         cache.layers[0].crop(2)
+    with pytest.raises(ValueError, match="max_cache_len"):
+        PisaCache(True)
+    import numpy as np
+    # numpy ints, as PisaStaticCache and transformers' StaticCache take them (a new user's)
+    numpy_sized = PisaCache(np.int64(8), config=PisaConfig(kernel="reference"))
+    numpy_sized.update(k, k, 0)
+    with pytest.raises(ValueError, match="max_cache_len=8 is too small"):
+        numpy_sized.update(k, k, 0)
 
 
 def test_an_encoder_decoder_model_takes_it_inside_encoder_decoder_cache(fresh_dynamo):

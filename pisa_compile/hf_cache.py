@@ -126,6 +126,15 @@ class PisaLayer(DynamicLayer):
         raise NotImplementedError("PisaCache has a fixed batch; build it for the selected batch")
 
 
+def _cache_len(max_cache_len, owner: str) -> int:
+    """``max_cache_len`` as a Python int (numpy ints too, as transformers' ``StaticCache``
+    takes them). Raises ValueError naming ``owner`` for a bool or a value below 1."""
+    if not isinstance(max_cache_len, numbers.Integral) or isinstance(max_cache_len, bool) \
+            or max_cache_len < 1:
+        raise ValueError(f"{owner}: max_cache_len must be an int >= 1, got {max_cache_len!r}")
+    return int(max_cache_len)
+
+
 class PisaCache(Cache):
     """A transformers cache with a persistent PISA pyramid per layer, for ``generate()``.
 
@@ -164,11 +173,7 @@ class PisaCache(Cache):
 
     def __init__(self, max_cache_len: int, config: Optional[PisaConfig] = None,
                  sparse_from: Optional[int] = None):
-        if not isinstance(max_cache_len, numbers.Integral) or isinstance(max_cache_len, bool) \
-                or max_cache_len < 1:
-            raise ValueError(f"PisaCache: max_cache_len must be an int >= 1, got "
-                             f"{max_cache_len!r}")
-        max_cache_len = int(max_cache_len)  # numpy ints too, as PisaStaticCache takes them
+        max_cache_len = _cache_len(max_cache_len, "PisaCache")
         check_options(config, sparse_from, "PisaCache")  # now, not at the first update
         _raise_recompile_limit(_MIN_RECOMPILES)
         # A counter, not a bound method of the cache: the layers must not keep the cache
@@ -342,11 +347,7 @@ class PisaStaticCache(StaticCache):
 
     def __init__(self, config, max_cache_len: int, pisa_config: Optional[PisaConfig] = None,
                  sparse_from: Optional[int] = None, **kwargs):
-        if not isinstance(max_cache_len, numbers.Integral) or isinstance(max_cache_len, bool) \
-                or max_cache_len < 1:
-            raise ValueError(f"PisaStaticCache: max_cache_len must be an int >= 1, got "
-                             f"{max_cache_len!r}")
-        max_cache_len = int(max_cache_len)  # numpy ints too, as StaticCache takes them
+        max_cache_len = _cache_len(max_cache_len, "PisaStaticCache")
         check_options(pisa_config, sparse_from, "PisaStaticCache")
         if not hasattr(config, "get_text_config"):
             raise TypeError(f"PisaStaticCache: config must be the model's config (a "

@@ -278,11 +278,6 @@ def select_blocks(q: Tensor, k: Tensor, attn_mask: Optional[Tensor], is_causal: 
     pyramid is built inside the selection, so one range covers both. ``options``: the
     selection options (``block_size`` ... ``leaf_scoring``) as plain values, and the
     structured mask (``key_mask``, ``causal_offset``)."""
-    if scale < 0:
-        # The box bounds bound q.k from above, which a negative scale turns into a lower
-        # bound: select on -q with |scale|, the same scores (a new user: pooled leaves with
-        # bound_block picked other blocks in 50 of 64 tiles).
-        q, scale = -q, -scale
     with stage_range("pisa.select", q):
         if impl == TRITON:
             from . import triton_select

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from .geometry import (block_width, cdiv, dense_mask, flat_beam, forced_ranges, level_sizes,
-                       local_bound, query_offset, sink_start)
+                       local_bound, positive_scale, query_offset, sink_start)
 from .runtime import stage_range
 
 # How a tile's rows see one leaf: no live key at all; live keys, none visible to the tile;
@@ -499,6 +499,7 @@ def select_blocks(q: Tensor, k: Tensor, attn_mask: Optional[Tensor], is_causal: 
     if pyramid is not None and bound_block:
         raise ValueError("select_blocks: a given pyramid needs bound_block=0 (box bounds are "
                          "built from the keys)")
+    q, scale = positive_scale(q, scale)
     p = _Problem.make(q, k, attn_mask, is_causal, block_size, query_tile, key_mask, causal_offset)
     beam = flat_beam(p.Nk, block_size, branching, beam, flat_leaves, leaf_scoring=leaf_scoring,
                      shortlist=shortlist, bound_block=bound_block)

@@ -72,8 +72,8 @@ import triton.language as tl
 from torch import Tensor
 
 from . import reference
-from .geometry import (block_width, cdiv, flat_beam, level_sizes, local_bound, query_offset,
-                       sink_start)
+from .geometry import (block_width, cdiv, flat_beam, level_sizes, local_bound,
+                       positive_scale, query_offset, sink_start)
 from .runtime import launcher, multiprocessors, stage_range
 from .persistent import BoxPyramid
 from .triton_pyramid import n_levels, pyramid_buffers
@@ -1302,6 +1302,7 @@ def select_blocks(q: Tensor, k: Tensor, is_causal: bool, scale: float, *, block_
             ``summaries`` with other than pooled leaves, or with a ``bound_block``,
             ``pyramid`` or ``key_mask``.
     """
+    q, scale = positive_scale(q, scale)
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     G = Hq // Hkv

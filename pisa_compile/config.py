@@ -404,7 +404,9 @@ def split_options(options: Optional[Mapping[str, Any]] = None,
         name = str(key).replace("-", "_")
         if name not in known:
             import difflib
-            close = difflib.get_close_matches(str(key), pisa_keys, n=1)
+            # An Inductor typo ("max_autotun", "triton.cudagraph") gets its hint too.
+            close = (difflib.get_close_matches(str(key), pisa_keys, n=1)
+                     or difflib.get_close_matches(name, list(known), n=1))
             raise ValueError(
                 f"unknown option {key!r} for backend 'pisa'"
                 + (f" (did you mean {close[0]!r}?)" if close else "") + ". Valid keys: the PISA keys "

@@ -4,6 +4,7 @@ pass-failure fallback, the entry point, caches, and the sparse path after a rewr
 from __future__ import annotations
 
 import math
+import re
 import subprocess
 import sys
 import warnings
@@ -53,6 +54,13 @@ def test_unknown_key_lists_valid_keys():
     msg = str(err.value)
     assert "'topk'" in msg and "top_k" in msg and "block_size" in msg
     assert "torch._inductor.config" in msg
+
+
+@pytest.mark.parametrize("typo,hint", [("topk", "top_k"), ("max_autotun", "max_autotune"),
+                                       ("triton.cudagraph", "triton.cudagraphs")])
+def test_a_misspelt_key_gets_the_nearest_name(typo, hint):
+    with pytest.raises(ValueError, match=re.escape(f"did you mean {hint!r}?")):
+        split_options({typo: True})
 
 
 def test_bad_pisa_value_names_field():

@@ -1022,8 +1022,9 @@ def _mask_checked_at_run_time(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor
                               config: PisaConfig) -> bool:
     """Whether an unproved explicit mask goes through ``pisa::structured_from_mask`` (its
     structure read at run time by :func:`mask_structure`): a mask that does not vary by
-    head, a float ``scale``, and the Triton kernels take the inputs (or the call runs off
-    CUDA: the reference's structured path keeps the dense tail and a left-padded row's
+    head, a float ``scale``, and the Triton kernels take the inputs (or the reference runs: off
+    CUDA, or on CUDA with ``kernel`` other than ``"auto"``, whose refusal there runs dense SDPA
+    under the mask instead; the reference's structured path keeps the dense tail and a left-padded row's
     alignment, where the reference selection under the raw mask has neither; a new user's
     ``PisaCache`` prefill on the CPU, whose update breaks the graph before the mask reaches
     attention, was 3.18 logits from eager against 0.22 with a ``DynamicCache``); a bool mask,
@@ -1035,7 +1036,10 @@ def _mask_checked_at_run_time(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor
     return (not m.requires_grad
             and (m.dtype == torch.bool or (m.is_floating_point() and not _needs_grad(q, k, v)))
             and statically_known_true(m.shape[1] == 1)
-            and (q.device.type != "cuda" or dispatch.triton_refusal(q, v, config.kernel) is None))
+            # Only CUDA's kernel="auto" has an exact fallback (dense SDPA under the mask) where
+            # Triton refuses; the reference selection elsewhere is better on the structure.
+            and (q.device.type != "cuda" or config.kernel != "auto"
+                 or dispatch.triton_refusal(q, v, config.kernel) is None))
 
 
 def mask_structure(attn_mask: Tensor, n_queries: int, n_keys: int

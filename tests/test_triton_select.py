@@ -300,6 +300,44 @@ def test_clean_leaves_take_the_lean_score(block_size, causal, pads, monkeypatch)
     assert torch.equal(general_idx, ridx)
 
 
+def test_a_scale_that_is_zero_in_float32_keeps_the_lean_score_off():
+    """A positive scale below float32's range is 0 in the kernel: the lean score's first
+    rescale would be ``(-inf) * 0 = NaN`` and silence every row's vote, so that a leaf with an
+    inf key lost its place first (a review's repro, scale 1e-46: blocks [0, 1, 2] against the
+    reference's [0, 1, 6]). The kernel keeps such leaves on the general score."""
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 1, 40, 16, generator=g), torch.randn(1, 1, 120, 16, generator=g)
+    k[0, 0, 100, 3] = float("inf")  # leaf 6
+    cfg = _fast(min_seq_len=0, kernel="triton", block_size=16, top_k=2, query_tile=16, beam=4,
+                leaf_scoring="exact", shortlist=6, bound_block=4, local_blocks=1)
+    opts = cfg.selection_options()
+    for scale in (1e-46, 1e-30):
+        ridx, rcnt = ref.select_blocks(q, k, None, False, scale, **opts)
+        assert (ridx[0, 0, 0] == 6).any()
+        for lean in (True, False):
+            idx, cnt = ts.select_blocks(q, k, False, scale, **opts,
+                                        tuning={"rescore": {"lean": lean}})
+            assert torch.equal(idx, ridx) and torch.equal(cnt, rcnt), (scale, lean)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_a_negative_scale_selects_on_the_kernels_as_the_negated_queries(causal):
+    """The Triton selection folds a negative scale into the queries (``positive_scale``), as
+    the reference does: the blocks equal those of ``-q`` with ``|scale|`` and the reference's
+    (without the fold, 11 of 16 tiles differed in a review, exact leaves with 4-key boxes)."""
+    cfg = _fast(min_seq_len=0, kernel="triton", block_size=8, top_k=2, query_tile=4, beam=4,
+                leaf_scoring="exact", shortlist=6, bound_block=4)
+    q, k = _qk(1, 2, 2, 64, 64 if causal else 80, 16, torch.float32, seed=9)
+    opts = cfg.selection_options()
+    idx, cnt = ts.select_blocks(q, k, causal, -0.4, **opts)
+    nidx, ncnt = ts.select_blocks(-q, k, causal, 0.4, **opts)
+    assert torch.equal(idx, nidx) and torch.equal(cnt, ncnt)
+    ridx, rcnt = ref.select_blocks(q, k, None, causal, -0.4, **opts)
+    assert torch.equal(idx, ridx) and torch.equal(cnt, rcnt)
+    # The sign matters here: |scale| on q itself picks other blocks.
+    assert not torch.equal(ts.select_blocks(q, k, causal, 0.4, **opts)[0], idx)
+
+
 def test_fp8_operands_keep_float8_precision():
     """:func:`ts.fp8_operands`: each (batch, KV head) scaled so that its largest finite
     magnitude is float8's largest; every finite value comes back within float8's relative

@@ -833,7 +833,10 @@ def _rescore_tile(
         lim = Nk // C
         if CAUSAL:
             lim = tl.minimum(lim, (q_first + offset + 1) // C)
-        clean = ok & (ids < lim)
+        # qk_scale > 0 in fp32 too: a positive scale below fp32's range (or an fp8 factor
+        # flushed to 0) would make the lean score's first rescale (-inf) * 0 = NaN. (A
+        # scalar in a where: see _prioritise.)
+        clean = ok & (ids < tl.where(qk_scale > 0, lim, 0))
         if not LEAN:  # a scale <= 0 (or NaN): the lean score's max on raw dots is wrong
             clean = ok & (ids < 0)
         leaves = short_row

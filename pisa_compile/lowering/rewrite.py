@@ -1519,25 +1519,19 @@ def _note_and_selects(n_keys, has_mask: bool, config: PisaConfig, device: torch.
     elif window is not None and padded:
         notes.append("window with a key mask: the Triton attention kernels over the window's "
                      "blocks (traced FlexAttention was wrong with padding)")
-    # Off CUDA every kernel reads the mask at run time (kernel='triton' through Triton's
-    # interpreter, the others through the reference's structured path).
-    triton = (device.type == "cuda" and config.kernel != "reference") or config.kernel == "triton"
+    # Every kernel reads an unproved mask at run time; only CUDA's kernel="auto" runs dense
+    # SDPA under a mask that is not causal AND padding (and where Triton refuses the inputs).
     dense_mask = has_mask and config.kernel == "auto" and device.type == "cuda"
-    if has_mask and device.type != "cuda" and config.kernel != "triton":
-        notes.append("explicit mask: read at run time (one pass over it per call; with "
-                     "gradients the backward runs the forward again): causal AND padding runs "
-                     "PISA on its structure, any other mask the PyTorch reference selection")
-    elif has_mask and triton:
-        dtypes = ("float16/bfloat16 with kernel='auto'" if device.type == "cuda" else
-                  "float16/float32 under Triton's interpreter")
-        notes.append("explicit mask: read at run time where the kernels take the dtype "
-                     f"({dtypes}; one host sync per call; with "
-                     "gradients the backward runs the forward again): causal AND padding runs "
-                     "PISA, any other mask "
-                     + ("dense SDPA under the mask" if dense_mask else
-                        "the PyTorch reference selection"))
-    elif has_mask:
-        notes.append("explicit mask: the selection runs the PyTorch reference")
+    if has_mask:
+        where = ("dense SDPA under the mask, as are inputs the Triton kernels refuse"
+                 if dense_mask else "the PyTorch reference selection")
+        how = ("Triton's interpreter (float16/float32), else the PyTorch reference"
+               if config.kernel == "triton" and device.type != "cuda" else
+               "the Triton kernels" if dense_mask or config.kernel == "triton" else
+               "the PyTorch reference")
+        notes.append("explicit mask: read at run time (one pass over it per call, a host sync "
+                     "on CUDA; with gradients the backward runs the forward again): causal AND "
+                     f"padding runs PISA on its structure ({how}), any other mask {where}")
     return "; ".join(notes), window is None and not dense_mask
 
 

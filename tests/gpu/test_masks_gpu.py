@@ -287,3 +287,35 @@ def test_left_padding_computes_as_the_sequence_alone(llama):
         batch = f(ids, attention_mask=am, position_ids=pos).logits[1, N - L:]
     assert _stages() == {}, _stages()
     assert _close(batch, alone) < 5e-3, _close(batch, alone)
+
+
+def test_mask_read_at_run_time_with_the_reference_kernel_on_the_gpu():
+    """``kernel="reference"`` on CUDA reads an unproved causal AND left-padding mask at run time
+    too (before, only the Triton path did: the reference then selected under the raw mask,
+    without the dense tail or the padded row's alignment, as on the CPU until 5 December
+    2026). Lossy regime: the padded row equals its sequence alone, and the tail dense."""
+    import torch.nn.functional as F
+
+    from pisa_compile import PisaConfig, pisa_attention
+    from pisa_compile.kernels.geometry import dense_mask
+    g = torch.Generator(device="cuda").manual_seed(7)
+    n, left, tail = 512, 37, 64
+    q = torch.randn(2, 4, n, 64, device="cuda", generator=g)
+    k, v = (torch.randn(2, 2, n, 64, device="cuda", generator=g) for _ in range(2))
+    km = torch.arange(n, device="cuda")[None, :] >= torch.tensor([[left], [0]], device="cuda")
+    m = dense_mask(2, n, n, True, 0, km)
+    opts = dict(min_seq_len=0, block_size=16, top_k=2, query_tile=16, dense_tail=tail,
+                kernel="reference")
+
+    def f(q, k, v, m):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True)
+
+    torch._dynamo.reset()
+    counters.clear()
+    out = torch.compile(f, backend=lambda gm, ex: pisa_backend(gm, ex, options=opts))(q, k, v, m)
+    assert counters["pisa"]["runtime_mask_structured"] == 1, dict(counters["pisa"])
+    alone = pisa_attention(q[:1, :, left:], k[:1, :, left:], v[:1, :, left:], is_causal=True,
+                           enable_gqa=True, config=PisaConfig(**opts))
+    torch.testing.assert_close(out[:1, :, left:], alone, atol=1e-4, rtol=1e-4)
+    dense = f(q, k, v, m)
+    torch.testing.assert_close(out[:, :, -tail:], dense[:, :, -tail:], atol=1e-4, rtol=1e-4)

@@ -980,7 +980,9 @@ def _aligned(q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor, query_mask: Opti
     if T == 0:
         return out
     bound = T + TQ - 1  # the most rows a tail takes (_tail_rows)
-    R = torch.sym_min(N, bound)  # no guard on a symbolic N
+    # No guard on a symbolic N; a plain int takes min (Dynamo refuses sym_min's int result
+    # when it traces this function, as torch.compile of pisa_attention does).
+    R = torch.sym_min(N, bound) if isinstance(N, torch.SymInt) else min(N, bound)
     n = last - first + 1
     t = torch.where(n <= T, n, n - torch.div(n - T, TQ, rounding_mode="floor") * TQ)
     # The tail frame: position j holds token j - (N - 1 - last), the last real one at N - 1.

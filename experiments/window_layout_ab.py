@@ -7,6 +7,10 @@ The op bench measured 2 stages 10% faster than 3 on contiguous q/k/v at head dim
 against 4.14 ms per layer, ``profiles/window_tiles.json``), but the model, whose q/k/v are
 strided views, took 19.5 ms over 4 layers with 2 stages against 17.9 with 3.
 
+On the H200 (5 December 2026, ``profiles/window_layout_ab.json``) the committed layout was
+the fastest of the four in both rounds (44.4 / 44.6 ms; contiguous copies 45.4-46.2), against
+Inductor's 164.3.
+
     PYTHONPATH=. python -m experiments.window_layout_ab --json OUT.json
 """
 

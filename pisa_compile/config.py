@@ -321,7 +321,7 @@ class PisaConfig:
         fields over it); other keys are ignored here."""
         options = options or {}
         fields = {k: v for k, v in options.items() if k in cls.field_names()}
-        if "preset" in options:
+        if options.get("preset") is not None:  # None: the defaults, as for the other keys
             return cls.preset(options["preset"], **fields)
         return cls(**fields)
 

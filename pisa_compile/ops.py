@@ -472,7 +472,11 @@ def _check_inputs(q: Tensor, k: Tensor, v: Optional[Tensor], attn_mask: Optional
                 f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to "
                 f"[B, Hq, Nq, Nk] = {list(target)}")
         if is_causal:
-            raise ValueError("attn_mask and is_causal=True cannot both be set (as in SDPA)")
+            raise ValueError(
+                "attn_mask and is_causal=True cannot both be set: SDPA documents the pair as "
+                "an error (some of its kernels, the CPU's in torch 2.13, run it as causal AND "
+                "mask); pass padding as key_mask= with is_causal=True, or the causal mask "
+                "inside attn_mask")
     if is_causal and config.local_blocks < 1:  # also below min_seq_len: fails on short inputs
         raise ValueError("is_causal=True needs PisaConfig.local_blocks >= 1")
 

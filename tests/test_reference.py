@@ -398,6 +398,8 @@ def test_presets():
         PisaConfig.preset("turbo")
     with pytest.raises(ValueError, match="unknown preset \\['fast'\\]"):
         PisaConfig.from_options({"preset": ["fast"]})
+    # None is the defaults, as for the other keys (a new user got "unknown preset None").
+    assert PisaConfig.from_options({"preset": None, "top_k": 8}) == PisaConfig(top_k=8)
     hint = "unknown option\\(s\\) 'topk' \\(did you mean 'top_k'\\?\\); valid: block_size"
     with pytest.raises(TypeError, match="PisaConfig.preset: " + hint):
         PisaConfig.preset("fast", topk=8)

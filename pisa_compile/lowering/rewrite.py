@@ -593,7 +593,7 @@ def _check_shapes(plan: _Plan) -> tuple:
 def _dropout_reason(dp: Any) -> str:
     """Why a ``dropout_p`` that is not a literal 0 keeps the site dense."""
     if isinstance(dp, (int, float)):
-        return f"dropout active in training (dropout_p={dp})"
+        return f"dropout active (dropout_p={dp}; a module passes 0.0 in eval())"
     # e.g. Tensor.item: with dynamic=True Dynamo may pass a module's float as an input
     return (f"dropout_p is a value known only at run time ({P.describe(dp)}), so dropout "
             "cannot be ruled out; dynamic=False, or a literal 0.0, keeps it a constant")

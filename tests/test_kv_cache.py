@@ -129,6 +129,21 @@ def test_decode_attends_what_the_reference_attends(padded):
         assert int(bc.min()) >= 1  # every query attends at least its own leaf
 
 
+def test_decode_selects_a_negative_scale_as_the_negated_queries():
+    """The persistent pyramid's selection calls the Triton selection directly (no dispatch):
+    a negative scale is folded into the queries there too (``geometry.positive_scale``), so
+    a step selects as ``-q`` with ``|scale|`` (a review: the fold first sat in dispatch
+    alone, which these calls skip)."""
+    cache, q, k, v, n0, steps = _decode_case(padded=True, seed=3)
+    differs = 0
+    for s, n, qs, km in _decode_steps(cache, q, k, v, n0, steps):
+        got = cache.select(qs, scale=-0.25)
+        want = cache.select(-qs, scale=0.25)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), f"step {s}"
+        differs += not torch.equal(got[0], cache.select(qs, scale=0.25)[0])
+    assert differs  # the sign changes some step's blocks
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_decode_exact_regime_equals_dense(dtype):
     """top_k covering every leaf: the sparse decode is dense attention (GQA, left padding)."""

@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.fx.experimental.symbolic_shapes import guard_or_false, statically_known_true
 
 from .config import PisaConfig
 from .kernels import dispatch, persistent
@@ -883,12 +883,13 @@ def _rows_align(q: Tensor, k: Tensor, key_mask: Optional[Tensor],
     position whatever the tensors hold) or proved self-attention (the pass handed a
     ``query_mask``). The frames regroup rows and keys alike, so any such call keeps its
     semantics; only where the rows are one token sequence does the regrouping make a row
-    compute as its sequence alone. (No test on the length itself: a symbolic one, under
-    dynamic shapes, would fail it and silently skip the alignment.)"""
+    compute as its sequence alone. Under dynamic shapes the equal lengths are a guard, not a
+    proof: a recompiled graph gives q and k their own length symbols, and a proof then
+    failed and silently skipped the alignment (a review: a left-padded row 0.78 from its
+    sequence alone once a graph traced at 70 tokens was recompiled at 130)."""
     if key_mask is None or not (is_causal or query_mask is not None):
         return False
-    return (statically_known_true(causal_offset == 0)
-            and statically_known_true(q.shape[2] == k.shape[2]))
+    return guard_or_false(causal_offset == 0) and guard_or_false(q.shape[2] == k.shape[2])
 
 
 def _gather_rows(x: Tensor, index: Tensor) -> Tensor:

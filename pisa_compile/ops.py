@@ -680,11 +680,12 @@ def pisa_attention(
     head) attends to its forced blocks plus the ``top_k`` leaf blocks chosen coarse-to-fine
     over a key pyramid (PISA; DESIGN.md "The algorithm"). In the exact regime (every visible
     leaf selected, or ``Nk < min_seq_len``) the result equals SDPA within dtype tolerance.
-    An explicit ``attn_mask`` (bool; or float where no gradient is wanted), where the Triton
-    kernels take the inputs, is read at run time (:func:`mask_structure`, one host sync):
+    An explicit ``attn_mask`` (bool; or float where no gradient is wanted) is read at run
+    time (:func:`mask_structure`; a host sync on CUDA), except on CUDA with
+    ``kernel="auto"`` where the Triton kernels refuse the inputs (dense SDPA under it):
     causal AND padding runs the structured path; any other mask runs dense SDPA under it
-    (``kernel="auto"``) or the reference selection with the Triton kernels under it
-    (``kernel="triton"``) (:func:`plan` gives the reason). With gradients its backward runs
+    (``kernel="auto"`` on CUDA) or the reference selection and the kernels under it
+    (:func:`plan` gives the reason). With gradients its backward runs
     that forward again with autograd (no selection or ``lse`` is kept for it). The last
     ``config.dense_tail`` queries of a causal call, every call of that few queries, and a
     decode step (at most 16 queries, fewer than the keys, whatever ``dense_tail``:

@@ -333,6 +333,27 @@ def test_triton_window_compiles_past_one_query_tile(fresh_dynamo, dynamic):
                                    rtol=1e-5)
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("kernel", ["auto", "triton", "reference"])
+def test_the_note_for_an_unproved_mask_on_each_device_and_kernel(device, kernel):
+    """The report's note for an explicit mask the pass did not prove (no GPU needed: the note
+    is built from the device's type): read at run time everywhere; its other masks dense SDPA
+    only on CUDA with ``kernel='auto'``, the reference selection elsewhere; and which
+    kernels run the structure."""
+    from pisa_compile.lowering.rewrite import _note_and_selects
+    cfg = PisaConfig(min_seq_len=0, kernel=kernel)
+    note, selects = _note_and_selects(4096, True, cfg, torch.device(device))
+    assert "explicit mask: read at run time" in note, note
+    dense = device == "cuda" and kernel == "auto"
+    assert ("any other mask dense SDPA under the mask" in note) == dense, note
+    assert ("any other mask the PyTorch reference selection" in note) == (not dense), note
+    assert selects == (not dense)
+    runs = {("cpu", "triton"): "Triton's interpreter", ("cuda", "triton"): "where they take",
+            ("cuda", "auto"): "(the Triton kernels)"}.get((device, kernel),
+                                                        "(the PyTorch reference)")
+    assert runs in note, note
+
+
 @pytest.mark.parametrize("kernel", ["triton", "reference"])
 def test_report_says_where_an_unproved_mask_goes(fresh_dynamo, kernel):
     """A mask the pass cannot prove (a graph input): with ``kernel='triton'`` on the CPU the

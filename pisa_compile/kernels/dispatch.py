@@ -234,7 +234,9 @@ def plan(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal
         return Plan(None, SDPA, IN_DENSE_TAIL)
     if attn_mask is not None and mask_at_run_time and not selection_only:
         return Plan(None, RUNTIME_MASK, f"{EXPLICIT_MASK}: its structure is read at run time "
-                                        "(causal AND padding: PISA; else dense SDPA)")
+                                        "(causal AND padding: PISA; else dense SDPA on CUDA "
+                                        "with kernel='auto', the reference selection "
+                                        "elsewhere)")
     if attn_mask is not None and kernel == "auto" and q.device.type == "cuda" and (
             not selection_only):
         # Before the Triton checks: SDPA takes every dtype and head dim the reference would.

@@ -557,13 +557,9 @@ def test_a_recompiled_dynamic_graph_still_aligns_padded_rows():
     and recompiled at 130: the second graph gives q and k their own length symbols, and the
     alignment's test of equal lengths must guard, not demand a proof (a review: the
     left-padded row's rows 80-111 were 0.78 from eager, unaligned, in the second graph)."""
-    cfg = PisaConfig(min_seq_len=0, block_size=16, top_k=2, query_tile=16, dense_tail=16,
-                     kernel="reference")
-
-    def f(q, k, v, km):
-        return pisa_attention(q, k, v, is_causal=True, key_mask=km, config=cfg,
-                              enable_gqa=True)
-
+    import functools
+    f = functools.partial(pisa_attention, is_causal=True, enable_gqa=True, config=PisaConfig(
+        min_seq_len=0, block_size=16, top_k=2, query_tile=16, dense_tail=16, kernel="reference"))
     torch._dynamo.reset()
     g = torch.compile(f, fullgraph=True, dynamic=True, backend="eager")
     gen = torch.Generator().manual_seed(0)
@@ -571,9 +567,9 @@ def test_a_recompiled_dynamic_graph_still_aligns_padded_rows():
         q = torch.randn(2, 4, n, 16, generator=gen)
         k, v = (torch.randn(2, 2, n, 16, generator=gen) for _ in range(2))
         km = torch.arange(n)[None] >= torch.tensor([[0], [11]])
-        out = g(q, k, v, km)
-        torch.testing.assert_close(out, f(q, k, v, km), atol=1e-5, rtol=1e-5)
-        alone = f(q[1:, :, 11:], k[1:, :, 11:], v[1:, :, 11:], None)
+        out = g(q, k, v, key_mask=km)
+        torch.testing.assert_close(out, f(q, k, v, key_mask=km), atol=1e-5, rtol=1e-5)
+        alone = f(q[1:, :, 11:], k[1:, :, 11:], v[1:, :, 11:])
         torch.testing.assert_close(out[1:, :, 11:], alone, atol=1e-5, rtol=1e-5)
 
 

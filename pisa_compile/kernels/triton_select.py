@@ -833,11 +833,12 @@ def _rescore_tile(
         lim = Nk // C
         if CAUSAL:
             lim = tl.minimum(lim, (q_first + offset + 1) // C)
-        # qk_scale > 0 in fp32 too: a positive scale below fp32's range (or an fp8 factor
-        # flushed to 0) would make the lean score's first rescale (-inf) * 0 = NaN. (A
-        # scalar in a where: see _prioritise.)
+        # Only for qk_scale > 0 in fp32: the lean score's max on raw dots is wrong for a
+        # scale <= 0 or NaN, and a positive scale below fp32's range (or an fp8 factor
+        # flushed to 0) makes its first rescale (-inf) * 0 = NaN. (A scalar in a where: see
+        # _prioritise.)
         clean = ok & (ids < tl.where(qk_scale > 0, lim, 0))
-        if not LEAN:  # a scale <= 0 (or NaN): the lean score's max on raw dots is wrong
+        if not LEAN:  # RESCORE_TUNING["lean"] off: every leaf takes the general score
             clean = ok & (ids < 0)
         leaves = short_row
         slots = ws  # unused without a key mask: the visit order is the slot order
@@ -1557,6 +1558,6 @@ def _rescore(q, k, km, lcnt, short_idx, sel_idx, sel_counts, idx, counts, trace,
         CAUSAL=bool(is_causal), HAS_KEY_MASK=key_mask is not None,
         LOWP=q.dtype != torch.float32, TRACE=trace is not None, SPLIT=bool(split),
         FULL_BY_COUNT=bool(full_by_count), DEV_LEN=key_length is not None, FP8=fp8,
-        LEAN=bool(rt["lean"]) and float(scale) > 0, num_warps=rt["num_warps"],
+        LEAN=bool(rt["lean"]), num_warps=rt["num_warps"],
         **{key: rt[key] for key in ("num_stages", "maxnreg") if rt[key] is not None})
     return idx, counts

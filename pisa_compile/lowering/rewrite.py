@@ -1525,12 +1525,14 @@ def _note_and_selects(n_keys, has_mask: bool, config: PisaConfig, device: torch.
     if has_mask:
         where = ("dense SDPA under the mask, as are inputs the Triton kernels refuse"
                  if dense_mask else "the PyTorch reference selection")
-        how = ("Triton's interpreter (float16/float32), else the PyTorch reference"
-               if config.kernel == "triton" and device.type != "cuda" else
-               "the Triton kernels" if dense_mask else
-               "the Triton kernels where they take the inputs, else the PyTorch reference"
-               if config.kernel == "triton" else
-               "the PyTorch reference")
+        if dense_mask:
+            how = "the Triton kernels"
+        elif config.kernel != "triton":
+            how = "the PyTorch reference"
+        elif device.type == "cuda":
+            how = "the Triton kernels where they take the inputs, else the PyTorch reference"
+        else:
+            how = "Triton's interpreter (float16/float32), else the PyTorch reference"
         notes.append("explicit mask: read at run time (one pass over it per call, a host sync "
                      "on CUDA; with gradients the backward runs the forward again): causal AND "
                      f"padding runs PISA on its structure ({how}), any other mask {where}")

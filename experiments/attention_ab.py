@@ -50,6 +50,11 @@ def _cases(dev):
     win = dict(block_size=64, query_tile=WINDOW_QUERY_TILE, window=w)
     yield "window 4096, 32K, D=64, key mask ones", (q, k, v, bi, bc), dict(win, key_mask=ones)
     yield "window 4096, 32K, D=64, no key mask", (q, k, v, bi, bc), dict(win)
+    q, k, v = qkv(2, 32, 8, n, 64)
+    km = torch.ones(2, n, dtype=torch.bool, device=dev)
+    km[1, :3072] = False  # left padding: row 1's first windows hold masked keys
+    yield ("window 4096, 32K, B=2, D=64, left padding 0/3K", (q, k, v, bi.expand(2, -1, -1, -1),
+           bc.expand(2, -1, -1)), dict(win, key_mask=km))
 
     n, B = 16384, 4
     q, k, v = qkv(B, 32, 8, n, 64)

@@ -12,6 +12,12 @@ the fastest of the four in both rounds (44.4 / 44.6 ms; contiguous copies 45.4-4
 Inductor's 164.3.
 
     PYTHONPATH=. python -m experiments.window_layout_ab --json OUT.json
+
+``--baseline FILE`` (a copy of ``triton_attention.py``, as ``experiments.attention_ab``
+takes) compares the working tree's window kernels with that copy's instead of the layouts:
+
+    git show REV:pisa_compile/kernels/triton_attention.py > /tmp/attention_base.py
+    PYTHONPATH=. python -m experiments.window_layout_ab --baseline /tmp/attention_base.py
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ def main(argv=None) -> None:
     ap.add_argument("--n", type=int, default=32768)
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--baseline", default=None, help="a copy of triton_attention.py")
     args = ap.parse_args(argv)
     from benchmarks.bench_masks import _model, _time
     from pisa_compile.backend import pisa_backend
@@ -40,11 +47,13 @@ def main(argv=None) -> None:
     variant = {}
 
     def patched(q, k, v, *a, window=None, tuning=None, **kw):
+        fn = real
         if window is not None:
             if variant.get("contiguous"):
                 q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
             tuning = {**(tuning or {}), **variant.get("tuning", {})}
-        return real(q, k, v, *a, window=window, tuning=tuning or None, **kw)
+            fn = variant["module"].sparse_attention if "module" in variant else real
+        return fn(q, k, v, *a, window=window, tuning=tuning or None, **kw)
 
     ta.sparse_attention = patched
     rows = []
@@ -53,6 +62,9 @@ def main(argv=None) -> None:
                 ("contiguous, 3 stages", dict(contiguous=True)),
                 ("contiguous, 2 stages", dict(contiguous=True, tuning=dict(num_stages=2))),
                 ("strided, 2 stages", dict(tuning=dict(num_stages=2)))]
+    if args.baseline:
+        from experiments.attention_ab import _load
+        variants = [("working tree", {}), ("baseline", dict(module=_load(args.baseline)))]
     with torch.no_grad():
         f(ids, attention_mask=ones)
         for rnd in range(2):  # alternate, twice
@@ -64,9 +76,9 @@ def main(argv=None) -> None:
                 print(rows[-1], flush=True)
         variant.clear()
         out0 = f(ids, attention_mask=ones).last_hidden_state
-        variant.update(variants[2][1])
+        variant.update(variants[-1][1])
         diff = float((f(ids, attention_mask=ones).last_hidden_state - out0).abs().max())
-        rows.append(dict(check="contiguous 2 stages vs committed, max abs", value=diff))
+        rows.append(dict(check=f"{variants[-1][0]} vs {variants[0][0]}, max abs", value=diff))
         print(rows[-1], flush=True)
         if args.json:
             json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,

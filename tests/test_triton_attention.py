@@ -263,6 +263,36 @@ def test_decode_with_structure(Nq, n_splits):
     torch.testing.assert_close(lse, r_lse.float(), atol=1e-3, rtol=1e-3)
 
 
+@pytest.mark.parametrize("n_splits", [1, 3])
+def test_decode_window_under_a_key_mask_matches_dense(n_splits):
+    """Decode on the window path under a key mask: each (program, split) runs in exactly one
+    of the forward's two launches (no key-masked key in its leaves, or some), so the partials
+    cover every split once; out and lse equal dense attention under the window's mask."""
+    from pisa_compile.kernels.geometry import dense_mask
+    from pisa_compile.kernels.window import window_blocks
+
+    B, Hkv, G, Nq, Nk, D, W, C = 2, 2, 2, 3, 160, 16, 70, 16
+    q, k, v = _make(B, Hkv, G, Nq, Nk, D, D, torch.float32, seed=5)
+    km = torch.ones(B, Nk, dtype=torch.bool)
+    km[0, 10:13] = False    # row 0: masked keys outside the windows (a clean program)
+    km[1, :100] = False     # row 1: its windows' first leaves hold padding, the last do not
+    km = km.to(DEV)
+    off = Nk - Nq
+    bi, bc = window_blocks(Nq, Nk, W, off, C, 16, q.device)
+    bi = bi.expand(B, Hkv, *bi.shape).contiguous()
+    bc = bc.expand(B, Hkv, *bc.shape).contiguous()
+    out, lse = td.decode_attention(q, k, v, None, True, 0.25, bi, bc, block_size=C,
+                                   query_tile=16, key_mask=km, causal_offset=off, window=W,
+                                   n_splits=n_splits)
+    vis = dense_mask(B, Nq, Nk, True, off, km, window=W)
+    want = ref.dense_attention(q.double(), k.double(), v.double(), attn_mask=vis, scale=0.25)
+    torch.testing.assert_close(out.double(), want, **TOL[torch.float32])
+    s = torch.einsum("bhqd,bhkd->bhqk", q.double(),
+                     k.double().repeat_interleave(G, 1)) * 0.25
+    want_lse = torch.logsumexp(s.masked_fill(~vis, float("-inf")), -1)
+    torch.testing.assert_close(lse.double(), want_lse, **TOL[torch.float32])
+
+
 def test_errors_name_the_problem():
     q, k, v = _make(1, 1, 1, 16, 16, 16, 16, torch.float32)
     bi, bc = ref.select_blocks(q, k, None, False, 0.25, **CFG.selection_options())

@@ -143,7 +143,8 @@ def _tile_keys_live(kpos, kvalid, blk, k0, Nk, km_row, skmn, C: tl.constexpr,
     dependent load cost 2.5% (window 4096 at 32K, head dim 64, runs b and c), where without
     a window the flag and the scalar bounds together gave 1.21x (the "fast" preset's blocks,
     16K, left padding; ``profiles/attention_ab.json``);
-    the window's programs skip the key mask by a range check instead (:func:`_fwd_kernel`)."""
+    the window's programs whose leaves hold no masked key run in a launch of their own,
+    compiled without the key mask (:func:`_fwd_launches`)."""
     if C >= BLOCK_N and not (HAS_KEY_MASK and HAS_WINDOW):
         any_pad = k0 + BLOCK_N > Nk
         if HAS_KEY_MASK:
@@ -268,9 +269,9 @@ def _fwd_blocks(q, bi_row, e0, e1, Nk, k_base, v_base, skn, skd, svn, svd, offs_
 
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, Mask, KeyMask, KeyPart, BI, BC, Out, Lse, OPart, LPart,
+    Q, K, V, Mask, KeyMask, BI, BC, Out, Lse, OPart, LPart,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
-    smb, smh, smq, smk, skmb, skmn, skpb, sob, soh, son, sod, slb, slh, sln,
+    smb, smh, smq, smk, skmb, skmn, sob, soh, son, sod, slb, slh, sln,
     sib, sih, sit, scb, sch, sct,
     Hkv, Nq, Nk, q_offset, window, qk_scale, mask_thr, ENTRIES_PER_SPLIT, part_stride_o,
     part_stride_l,
@@ -279,13 +280,15 @@ def _fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     N_SUB: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
     HAS_KEY_MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr,
-    SPLIT: tl.constexpr,
+    SPLIT: tl.constexpr, KEY_MASK_PROGRAMS: tl.constexpr = 0,
 ):
     """One program: one row sub-block of one query tile of one (batch, KV head)[, one split].
 
     ``SPLIT``: write a partial (normalised out, base-2 lse) in fp32 for entries
     ``[split * ENTRIES_PER_SPLIT, (split + 1) * ENTRIES_PER_SPLIT)`` of the block list
-    (flash-decoding); else the final ``out``/``lse``.
+    (flash-decoding); else the final ``out``/``lse``. ``KEY_MASK_PROGRAMS``: 0 every
+    program; 1 or 2 one of the window path's two launches under a key mask
+    (:func:`_fwd_launches`).
     """
     # Inductor may pass Python floats as fp64 scalars; keep the math in fp32.
     qk_scale = tl.cast(qk_scale, tl.float32)
@@ -311,37 +314,22 @@ def _fwd_kernel(
     v_base = V + b64 * svb + hkv.to(tl.int64) * svh
     km_row = KeyMask + b64 * skmb
 
-    # Whether this program runs its loop without the key mask: a Python False (a constexpr:
-    # one loop is compiled) except on the window path under a key mask.
-    skip_key_mask = False
-    if HAS_KEY_MASK and HAS_WINDOW:
-        # Block lists are ascending (window_blocks), so [first, last] spans every listed leaf.
-        # A window program whose leaves [first, last] hold no key-masked key runs the loop
-        # without the key mask (attention_mask=ones; left padding's windows past the pad):
-        # 1.035x there, where the per-key read stays (see _tile_keys_live). Two copies of the
-        # loop cost elsewhere: 1.02x instead of 1.21x with left padding, 0.89x instead of
-        # 1.025x at head dim 128 (profiles/attention_ab.json, run d against c).
-        some = e1 > e0
-        first = tl.load(bi_row + e0, mask=some, other=0)
-        last = tl.load(bi_row + tl.maximum(e1 - 1, e0), mask=some, other=0)
-        kp_row = KeyPart + b64 * skpb
-        skip_key_mask = tl.load(kp_row + last + 1, mask=some, other=0) == tl.load(
-            kp_row + first, mask=some, other=0)
-    if skip_key_mask:
-        m_i, l_i, acc = _fwd_blocks(
-            q, bi_row, e0, e1, Nk, k_base, v_base, skn, skd, svn, svd, offs_d, offs_dv,
-            km_row, skmn, b, head, qi, row_ok, q_lo, q_hi, Mask, smb, smh, smq, smk,
-            mask_thr, q_offset, window, qk_scale, C, D, DV, BLOCK_M, BLOCK_N, HEAD_DIM_V,
-            IS_CAUSAL, HAS_MASK, MASK_BOOL, HAS_KEY_MASK=False, HAS_WINDOW=HAS_WINDOW,
-            DOT_PREC=DOT_PREC)
-    else:
-        m_i, l_i, acc = _fwd_blocks(
-            q, bi_row, e0, e1, Nk, k_base, v_base, skn, skd, svn, svd, offs_d, offs_dv,
-            km_row, skmn, b, head, qi, row_ok, q_lo, q_hi, Mask, smb, smh, smq, smk,
-            mask_thr, q_offset, window, qk_scale, C, D, DV, BLOCK_M, BLOCK_N, HEAD_DIM_V,
-            IS_CAUSAL, HAS_MASK, MASK_BOOL, HAS_KEY_MASK=HAS_KEY_MASK, HAS_WINDOW=HAS_WINDOW,
-            DOT_PREC=DOT_PREC)
+    m_i, l_i, acc = _fwd_blocks(
+        q, bi_row, e0, e1, Nk, k_base, v_base, skn, skd, svn, svd, offs_d, offs_dv,
+        km_row, skmn, b, head, qi, row_ok, q_lo, q_hi, Mask, smb, smh, smq, smk,
+        mask_thr, q_offset, window, qk_scale, C, D, DV, BLOCK_M, BLOCK_N, HEAD_DIM_V,
+        IS_CAUSAL, HAS_MASK, MASK_BOOL, HAS_KEY_MASK=HAS_KEY_MASK and KEY_MASK_PROGRAMS != 1,
+        HAS_WINDOW=HAS_WINDOW, DOT_PREC=DOT_PREC)
 
+    if KEY_MASK_PROGRAMS != 0:
+        # One of the window path's two launches under a key mask (_fwd_launches): a negative
+        # block count marks the other launch's program, whose loop was empty (the count
+        # bounds it) and whose rows are not stored. Masked here, after the loop: rows masked
+        # by a loaded value before it slowed the loop 7-11% (H100, window 4096, 32K, head dim
+        # 64: 3.67-3.71 ms against 3.35-3.41 for the loop alone; masked here, 3.14-3.19;
+        # profiles/window_key_mask_split.json). (As a vector: the interpreter makes
+        # bool-vector & bool-scalar int32.)
+        row_ok = row_ok & ((qi * 0 + (count >= 0).to(tl.int32)) != 0)
     # No visible key: zeros and lse = -inf, as SDPA. l_i is NaN (not 0) for a row that met a
     # NaN or +inf score, and that row stays NaN, as in SDPA.
     empty = l_i == 0.0
@@ -385,9 +373,9 @@ def _bwd_delta_kernel(O, DO, Delta, Hq, Nq,
 
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, Mask, KeyMask, KeyPart, BI, BC, DO, Lse, Delta, DQ,
+    Q, K, V, Mask, KeyMask, BI, BC, DO, Lse, Delta, DQ,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
-    smb, smh, smq, smk, skmb, skmn, skpb, sdob, sdoh, sdon, sdod, slb, slh, sln,
+    smb, smh, smq, smk, skmb, skmn, sdob, sdoh, sdon, sdod, slb, slh, sln,
     sdqb, sdqh, sdqn, sdqd, sib, sih, sit, scb, sch, sct,
     Hkv, Nq, Nk, q_offset, window, qk_scale, sm_scale, mask_thr,
     G: tl.constexpr, TQ: tl.constexpr, TQE: tl.constexpr, C: tl.constexpr,
@@ -450,10 +438,10 @@ def _bwd_dq_kernel(
 
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, Mask, KeyMask, KeyPart, Offsets, Tiles, Work, SlotBase, DO, Lse, Delta, dK, dV,
+    Q, K, V, Mask, KeyMask, Offsets, Tiles, Work, SlotBase, DO, Lse, Delta, dK, dV,
     PartK, PartV,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
-    smb, smh, smq, smk, skmb, skmn, skpb, sdob, sdoh, sdon, sdod, slb, slh, sln,
+    smb, smh, smq, smk, skmb, skmn, sdob, sdoh, sdon, sdod, slb, slh, sln,
     sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd,
     Hkv, Nq, Nk, q_offset, window, L, BHL, TM, SEG, qk_scale, sm_scale, mask_thr,
     G: tl.constexpr, TQ: tl.constexpr, TQE: tl.constexpr, C: tl.constexpr,
@@ -749,12 +737,12 @@ def _mask_args(attn_mask: Optional[Tensor], q: Tensor, Nk: int):
 
 def _key_mask_args(key_mask: Optional[Tensor], q: Tensor, Nk: int, block_size: int,
                    window: Optional[int] = None):
-    """``(tensor, part, (stride_b, stride_n, part_stride_b), has_key_mask)`` of a ``[B, Nk]``
-    key mask, read as bytes (``q`` stands in for an absent one: never read).
+    """``(tensor, part, (stride_b, stride_n), has_key_mask)`` of a ``[B, Nk]`` key mask, read
+    as bytes (``q`` stands in for an absent one: never read).
 
     ``part``: with a ``window``, int32 ``[B, L + 1]``, entry ``l`` the number of leaves
-    holding a masked key among leaves ``[0, l)``, so that a forward program on a window
-    tells in two loads whether its leaves hold any (else unused and not built).
+    holding a masked key among leaves ``[0, l)``, so that :func:`_fwd_launches` tells in two
+    gathers whether a window program's leaves hold any (else None).
 
     The tensor is ``[B, L * C + L]`` uint8 (``L = ceil(Nk / C)`` leaves of ``C`` keys): the
     mask, 1 for the keys past ``Nk``, then per leaf 1 if every key of it is live. The
@@ -763,7 +751,7 @@ def _key_mask_args(key_mask: Optional[Tensor], q: Tensor, Nk: int, block_size: i
     left padding ran 1.21x faster, ``profiles/attention_ab.json``). The batch is 1 or ``B``
     as the key mask's."""
     if key_mask is None:
-        return q, q, (0, 0, 0), False
+        return q, None, (0, 0), False
     if key_mask.dim() != 2 or key_mask.shape[1] != Nk or key_mask.shape[0] not in (1, q.shape[0]):
         raise ValueError(f"key_mask must be [B={q.shape[0]}, Nk={Nk}], got shape "
                          f"{tuple(key_mask.shape)}")
@@ -771,12 +759,12 @@ def _key_mask_args(key_mask: Optional[Tensor], q: Tensor, Nk: int, block_size: i
     km = torch.ones(Bk, n + n // block_size, dtype=torch.uint8, device=key_mask.device)
     km[:, :Nk] = key_mask  # a value cast (Inductor cannot lower bool->uint8 views)
     km[:, n:] = km[:, :n].view(Bk, n // block_size, block_size).amin(-1)
-    if window is None:  # read by the window path only
-        return km, km, (km.stride(0) if Bk > 1 else 0, km.stride(1), 0), True
+    strides = (km.stride(0) if Bk > 1 else 0, km.stride(1))
+    if window is None:  # used by the window path only
+        return km, None, strides, True
     part = torch.zeros(Bk, n // block_size + 1, dtype=torch.int32, device=key_mask.device)
     part[:, 1:] = torch.cumsum(1 - km[:, n:].to(torch.int32), dim=1, dtype=torch.int32)
-    return km, part, (km.stride(0) if Bk > 1 else 0, km.stride(1),
-                      part.stride(0) if Bk > 1 else 0), True
+    return km, part, strides, True
 
 
 def _common(q, k, v, attn_mask, is_causal, block_indices, block_counts, block_size, query_tile,
@@ -800,9 +788,37 @@ def _common(q, k, v, attn_mask, is_causal, block_indices, block_counts, block_si
     meta = dict(G=G, TQ=Tq, TQE=tqe, C=block_size, D=D, DV=Dv, IS_CAUSAL=bool(is_causal),
                 HAS_MASK=has_mask, MASK_BOOL=mask_bool, HAS_KEY_MASK=has_km,
                 HAS_WINDOW=window is not None, DOT_PREC=dot_precision(q.dtype), **tp)
-    # The key mask rides with the explicit mask: (mask, key mask, its partial leaves' prefix
-    # counts), strides of all.
-    return (B, Hq, Hkv, Nq, Nk, D, Dv, bi, bc, (mask, km, part), (*mstr, *kmstr), thr, meta)
+    # The key mask rides with the explicit mask: (mask, key mask), strides of both; its
+    # partial leaves' prefix counts (window path) come last, for _fwd_launches.
+    return (B, Hq, Hkv, Nq, Nk, D, Dv, bi, bc, (mask, km), (*mstr, *kmstr), thr, meta, part)
+
+
+def _fwd_launches(meta: dict, block_indices: Tensor, block_counts: Tensor,
+                  key_part: Tensor) -> list[tuple[int, Tensor]]:
+    """``(KEY_MASK_PROGRAMS, block_counts)`` of each launch of :func:`_fwd_kernel`.
+
+    On the window path under a key mask: one launch of the loop compiled without the key mask
+    for the programs whose leaves hold no key-masked key (``attention_mask=ones``, and left
+    padding's windows past the pad), one with it for the others, each with the other's
+    programs' counts set to -1 (not run, not stored). Programs are told apart here, by a few
+    small tensor ops on the block lists and the key mask's partial-leaf prefix counts
+    (``key_part``, :func:`_key_mask_args`), so the kernel reads no more than the count it
+    reads anyway. Against one kernel with a copy of the loop for each kind of program (H100,
+    window 4096, 32K, head dim 64): 1.26x with an all-ones key mask (3.14 ms; 3.37 without a
+    key mask), 1.24x with left padding (``profiles/window_key_mask_split.json``). Else one
+    launch of every program."""
+    if not (meta["HAS_KEY_MASK"] and meta["HAS_WINDOW"]):
+        return [(0, block_counts)]
+    # Block lists are ascending (window_blocks): [first, last] spans every listed leaf.
+    first = block_indices[..., 0].clamp(min=0).long()
+    last = block_indices.gather(-1, (block_counts - 1).clamp(min=0).long()[..., None])[..., 0]
+    B = block_indices.shape[0]
+    part = key_part.expand(B, -1).reshape(B, 1, -1).expand(-1, block_indices.shape[1], -1)
+    clean = (block_counts <= 0) | (part.gather(-1, last.clamp(min=0).long() + 1)
+                                   == part.gather(-1, first))
+    skip = torch.full_like(block_counts, -1)
+    return [(1, torch.where(clean, block_counts, skip)),
+            (2, torch.where(clean, skip, block_counts))]
 
 
 def sparse_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal: bool,
@@ -831,19 +847,20 @@ def sparse_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor
     Raises:
         ValueError: unsupported dtype, head dim > 256, or mismatched selection shape.
     """
-    B, Hq, Hkv, Nq, Nk, D, Dv, bi, bc, mask, mstr, thr, meta = _common(
+    B, Hq, Hkv, Nq, Nk, D, Dv, bi, bc, mask, mstr, thr, meta, part = _common(
         q, k, v, attn_mask, is_causal, block_indices, block_counts, block_size, query_tile,
         tuning, key_mask, window)
     out = torch.empty(B, Hq, Nq, Dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, Hq, Nq, dtype=torch.float32, device=q.device)
     T = bi.shape[2]
     grid = (T * meta["N_SUB"], B * Hkv, 1)
-    launcher(_fwd_kernel, q)[grid](
-        q, k, v, *mask, bi, bc, out, lse, out, lse,
-        *q.stride(), *k.stride(), *v.stride(), *mstr, *out.stride(), *lse.stride(),
-        *bi.stride()[:3], *bc.stride(),
-        Hkv, Nq, Nk, causal_offset, window or 0, float(scale) * LOG2E.value, thr, 0, 0, 0,
-        SPLIT=False, **meta)
+    for programs, counts in _fwd_launches(meta, bi, bc, part):
+        launcher(_fwd_kernel, q)[grid](
+            q, k, v, *mask, bi, counts, out, lse, out, lse,
+            *q.stride(), *k.stride(), *v.stride(), *mstr, *out.stride(), *lse.stride(),
+            *bi.stride()[:3], *counts.stride(),
+            Hkv, Nq, Nk, causal_offset, window or 0, float(scale) * LOG2E.value, thr, 0, 0, 0,
+            SPLIT=False, KEY_MASK_PROGRAMS=programs, **meta)
     return out, lse
 
 
@@ -863,7 +880,7 @@ def sparse_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor,
     Args: as :func:`sparse_attention`, plus ``grad_out [B, Hq, Nq, Dv]``, the forward's ``out``
     and ``lse`` (float32 ``[B, Hq, Nq]``).
     """
-    B, Hq, Hkv, Nq, Nk, D, Dv, bi, bc, mask, mstr, thr, meta = _common(
+    B, Hq, Hkv, Nq, Nk, D, Dv, bi, bc, mask, mstr, thr, meta, _ = _common(
         q, k, v, attn_mask, is_causal, block_indices, block_counts, block_size, query_tile,
         tuning, key_mask, window)
     T = bi.shape[2]

@@ -1046,7 +1046,7 @@ def _mask_checked_at_run_time(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor
             and statically_known_true(m.shape[1] == 1)
             # Only CUDA's kernel="auto" has an exact fallback (dense SDPA under the mask) where
             # Triton refuses; the reference selection elsewhere is better on the structure.
-            and (q.device.type != "cuda" or config.kernel != "auto"
+            and (not dispatch.unstructured_mask_runs_dense(q.device, config.kernel)
                  or dispatch.triton_refusal(q, v, config.kernel) is None))
 
 

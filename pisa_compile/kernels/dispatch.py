@@ -149,6 +149,15 @@ def _flex_refusal(q: Tensor, k: Tensor, v: Tensor, kernel: str) -> Optional[str]
     return None
 
 
+def unstructured_mask_runs_dense(device: torch.device, kernel: str) -> bool:
+    """Whether an explicit mask that is not causal AND padding runs dense SDPA under it
+    (exact, at dense speed) rather than the reference selection: on CUDA with
+    ``kernel="auto"``, where the fused selection reads no such mask and the reference
+    selection would be many times slower than dense. The plan, the run-time mask read
+    (``ops._mask_checked_at_run_time``) and the report's note all follow this rule."""
+    return device.type == "cuda" and kernel == "auto"
+
+
 def plan(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal: bool, *,
          kernel: str = "auto", min_seq_len: int = 0, local_blocks: int = 1,
          bound_block: int = 0, window: Optional[int] = None,
@@ -237,7 +246,7 @@ def plan(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal
                                         "(causal AND padding: PISA; else dense SDPA on CUDA "
                                         "with kernel='auto', the reference selection "
                                         "elsewhere)")
-    if attn_mask is not None and kernel == "auto" and q.device.type == "cuda" and (
+    if attn_mask is not None and unstructured_mask_runs_dense(q.device, kernel) and (
             not selection_only):
         # Before the Triton checks: SDPA takes every dtype and head dim the reference would.
         why = EXPLICIT_MASK

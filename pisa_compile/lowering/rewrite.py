@@ -26,6 +26,7 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols, statica
 from torch.utils._sympy.numbers import int_oo
 
 from ..config import PisaConfig
+from ..kernels.dispatch import unstructured_mask_runs_dense
 from ..ops import (check_causal_buffer, eager_empty_rows, is_decode_step, pisa_attention,
                    self_attention_query_mask)
 from . import masks as M
@@ -1521,7 +1522,7 @@ def _note_and_selects(n_keys, has_mask: bool, config: PisaConfig, device: torch.
                      "blocks (traced FlexAttention was wrong with padding)")
     # Every kernel reads an unproved mask at run time; only CUDA's kernel="auto" runs dense
     # SDPA under a mask that is not causal AND padding (and where Triton refuses the inputs).
-    dense_mask = has_mask and config.kernel == "auto" and device.type == "cuda"
+    dense_mask = has_mask and unstructured_mask_runs_dense(device, config.kernel)
     if has_mask:
         where = ("dense SDPA under the mask, as are inputs the Triton kernels refuse"
                  if dense_mask else "the PyTorch reference selection")

@@ -263,11 +263,38 @@ def test_decode_with_structure(Nq, n_splits):
     torch.testing.assert_close(lse, r_lse.float(), atol=1e-3, rtol=1e-3)
 
 
+@pytest.mark.parametrize("C", [16, 64])
+def test_window_per_row_key_masks_match_dense(C):
+    """The window path's two forward launches with a key mask per batch row (B=2, Hkv=2):
+    row 0's only masked key is its newest (the last listed leaf of the last tiles), row 1 is
+    left-padded (the first leaves of its first tiles). A program is counted in one launch by
+    the leaves [first, last] of its own row, so reading a neighbour leaf's prefix count, or
+    another row's, runs a masked program without its key mask."""
+    from pisa_compile.kernels.geometry import dense_mask
+    from pisa_compile.kernels.window import window_blocks
+
+    B, Hkv, G, N, D, W, Tq = 2, 2, 2, 200, 16, 40, 16
+    q, k, v = _make(B, Hkv, G, N, N, D, D, torch.float32, seed=11)
+    km = torch.ones(B, N, dtype=torch.bool)
+    km[0, -1] = False
+    km[1, :37] = False
+    km = km.to(DEV)
+    bi, bc = window_blocks(N, N, W, 0, C, Tq, q.device)
+    bi = bi.expand(B, Hkv, *bi.shape).contiguous()
+    bc = bc.expand(B, Hkv, *bc.shape).contiguous()
+    out, lse = ta.sparse_attention(q, k, v, None, True, 0.25, bi, bc, block_size=C,
+                                   query_tile=Tq, key_mask=km, window=W)
+    vis = dense_mask(B, N, N, True, 0, km, window=W)
+    want = ref.dense_attention(q.double(), k.double(), v.double(), attn_mask=vis, scale=0.25)
+    seen = vis.any(-1)[:, :, :, None].expand_as(want)  # rows with no key are 0 in both
+    torch.testing.assert_close(out.double()[seen], want[seen], **TOL[torch.float32])
+
+
 @pytest.mark.parametrize("n_splits", [1, 3])
 def test_decode_window_under_a_key_mask_matches_dense(n_splits):
-    """Decode on the window path under a key mask: each (program, split) runs in exactly one
-    of the forward's two launches (no key-masked key in its leaves, or some), so the partials
-    cover every split once; out and lse equal dense attention under the window's mask."""
+    """Decode on the window path under a key mask (one launch, the mask read per key), with
+    a program whose leaves hold no masked key beside one whose do, over one and three
+    splits: out and lse equal dense attention under the window's mask."""
     from pisa_compile.kernels.geometry import dense_mask
     from pisa_compile.kernels.window import window_blocks
 
@@ -276,6 +303,7 @@ def test_decode_window_under_a_key_mask_matches_dense(n_splits):
     km = torch.ones(B, Nk, dtype=torch.bool)
     km[0, 10:13] = False    # row 0: masked keys outside the windows (a clean program)
     km[1, :100] = False     # row 1: its windows' first leaves hold padding, the last do not
+    km[1, -1] = False       # and its newest key
     km = km.to(DEV)
     off = Nk - Nq
     bi, bc = window_blocks(Nq, Nk, W, off, C, 16, q.device)
@@ -308,7 +336,7 @@ def test_window_with_a_broadcast_key_mask_matches_dense(C, dtype):
     """The window path under a key mask of batch 1 broadcast to B=2: programs whose leaves
     hold no masked key (run without the key mask) beside programs that do, one and several
     key tiles per leaf; out, dq, dk, dv equal dense attention, and NaN in the masked keys
-    reaches nothing (a review's mutant: a batch stride on the partial-leaf counts)."""
+    reaches nothing (a review's mutant: every batch row given row 0's partial-leaf counts)."""
     from pisa_compile.kernels.geometry import dense_mask
     from pisa_compile.kernels.window import window_blocks
 

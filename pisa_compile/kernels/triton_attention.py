@@ -794,7 +794,7 @@ def _common(q, k, v, attn_mask, is_causal, block_indices, block_counts, block_si
 
 
 def _fwd_launches(meta: dict, block_indices: Tensor, block_counts: Tensor,
-                  key_part: Tensor) -> list[tuple[int, Tensor]]:
+                  key_part: Optional[Tensor]) -> list[tuple[int, Tensor]]:
     """``(KEY_MASK_PROGRAMS, block_counts)`` of each launch of :func:`_fwd_kernel`.
 
     On the window path under a key mask: one launch of the loop compiled without the key mask
@@ -805,8 +805,9 @@ def _fwd_launches(meta: dict, block_indices: Tensor, block_counts: Tensor,
     (``key_part``, :func:`_key_mask_args`), so the kernel reads no more than the count it
     reads anyway. Against one kernel with a copy of the loop for each kind of program (H100,
     window 4096, 32K, head dim 64): 1.26x with an all-ones key mask (3.14 ms; 3.37 without a
-    key mask), 1.24x with left padding (``profiles/window_key_mask_split.json``). Else one
-    launch of every program."""
+    key mask), 1.24x with left padding (``profiles/window_key_mask_split.json``). Else, and
+    in decode (:func:`~pisa_compile.kernels.triton_decode.decode_attention`, whose few rows
+    would not pay for these ops), one launch of every program."""
     if not (meta["HAS_KEY_MASK"] and meta["HAS_WINDOW"]):
         return [(0, block_counts)]
     # Block lists are ascending (window_blocks): [first, last] spans every listed leaf.

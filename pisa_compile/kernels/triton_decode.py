@@ -19,7 +19,7 @@ from torch import Tensor
 
 from .geometry import cdiv
 from .runtime import launcher
-from .triton_attention import _common, _fwd_kernel, _fwd_launches
+from .triton_attention import _common, _fwd_kernel
 from .triton_util import LN2, LOG2E
 
 __all__ = ["decode_attention", "num_splits"]
@@ -95,7 +95,7 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor
     Raises:
         ValueError: as :func:`pisa_compile.kernels.triton_attention.sparse_attention`.
     """
-    B, Hq, Hkv, Nq, Nk, D, Dv, bi, bc, mask, mstr, thr, meta, part = _common(
+    B, Hq, Hkv, Nq, Nk, D, Dv, bi, bc, mask, mstr, thr, meta, _ = _common(
         q, k, v, attn_mask, is_causal, block_indices, block_counts, block_size, query_tile,
         key_mask=key_mask, window=window)
     T, M = bi.shape[2], bi.shape[3]
@@ -112,14 +112,16 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor
     n_rows = B * Hq * Nq
     o_part = torch.empty(ns, n_rows, Dv, dtype=torch.float32, device=q.device)
     l_part = torch.empty(ns, n_rows, dtype=torch.float32, device=q.device)
-    for programs, counts in _fwd_launches(meta, bi, bc, part):
-        launcher(_fwd_kernel, q)[(T * meta["N_SUB"], B * Hkv, ns)](
-            q, k, v, *mask, bi, counts, out, lse, o_part, l_part,
-            *q.stride(), *k.stride(), *v.stride(), *mstr, *out.stride(), *lse.stride(),
-            *bi.stride()[:3], *counts.stride(),
-            Hkv, Nq, Nk, causal_offset, window or 0, float(scale) * LOG2E.value, thr,
-            per_split, n_rows * Dv, n_rows,
-            SPLIT=True, KEY_MASK_PROGRAMS=programs, **meta)
+    # One launch, also on the window path under a key mask (its keys' mask read per key):
+    # the prefill's two launches (_fwd_launches) would add their host-side ops to every step
+    # for a few rows of work (a review measured 100 us of them, eager, on an H100).
+    launcher(_fwd_kernel, q)[(T * meta["N_SUB"], B * Hkv, ns)](
+        q, k, v, *mask, bi, bc, out, lse, o_part, l_part,
+        *q.stride(), *k.stride(), *v.stride(), *mstr, *out.stride(), *lse.stride(),
+        *bi.stride()[:3], *bc.stride(),
+        Hkv, Nq, Nk, causal_offset, window or 0, float(scale) * LOG2E.value, thr, per_split,
+        n_rows * Dv, n_rows,
+        SPLIT=True, **meta)
     rows = 16
     launcher(_combine_kernel, q)[(triton.cdiv(n_rows, rows),)](
         o_part, l_part, out, lse, n_rows, ns, n_rows * Dv, n_rows,

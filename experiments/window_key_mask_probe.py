@@ -104,11 +104,11 @@ def main(argv=None) -> int:
     ab.append(dict(key_mask="none", plan="one launch", ms=round(do_bench(
         lambda: launch("split", None)), 4)))
     print(ab[-1], flush=True)
-    rows["plans"] = ab
+    record = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                  rows=dict(rows, plans=ab))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                           rows=rows), f, indent=1)
+            json.dump(record, f, indent=1)
     return 0
 
 

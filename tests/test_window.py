@@ -176,6 +176,28 @@ def test_report_note_says_where_a_window_runs_dense():
     assert _note(4096, False, cfg, torch.device("cpu")) == ""
 
 
+def test_a_window_triton_refuses_under_kernel_triton_warns_and_says_why(monkeypatch):
+    """``kernel="triton"`` asks for PISA's window kernels; inputs they refuse (bfloat16 in the
+    interpreter) run dense SDPA under the window's mask on the CPU, and the plan's reason and
+    a warning name Triton's refusal, as the report's note says (a new user's trial read
+    "Triton" in the report where dense SDPA ran, silently)."""
+    from pisa_compile.kernels import dispatch
+    from pisa_compile.lowering.rewrite import _note
+    monkeypatch.setattr(dispatch, "_warned", set())
+    cfg = PisaConfig(kernel="triton", min_seq_len=0)
+    q = torch.randn(2, 4, 70, 16, dtype=torch.bfloat16)
+    k = torch.randn(2, 2, 70, 16, dtype=torch.bfloat16)
+    km = torch.ones(2, 70, dtype=torch.bool)
+    km[0, :30] = False
+    why = dispatch.triton_refusal(q, k, "triton")
+    assert why is not None  # the premise: the interpreter refuses bfloat16
+    with pytest.warns(UserWarning, match="dense SDPA under the window's mask instead"):
+        how = plan(q, k, k, None, True, window=16, key_mask=km, config=cfg)
+    assert how.attention == "sdpa" and f"not Triton: {why}" in how.reason, how
+    assert "with a warning" in _note(70, False, cfg, torch.device("cpu"), window=16,
+                                     padded=True)
+
+
 def test_window_with_a_key_mask_under_compile_plans_dense_on_cuda(monkeypatch):
     """FlexAttention traced into a graph with a per-batch key mask gave wrong rows on the H200
     (``tests/gpu/test_masks_gpu.py``), its eager calls right: a traced window with a key

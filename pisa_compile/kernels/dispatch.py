@@ -222,19 +222,24 @@ def plan(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal
                   "padding; DESIGN.md)"
         # PISA's kernels where FlexAttention cannot run it (eager FlexAttention is right with
         # a key mask, and faster: profiles/bench_window.json), or where asked for.
-        if (why is not None or kernel == "triton") and triton_refusal(q, v, kernel) is None:
+        refusal = triton_refusal(q, v, kernel)
+        if (why is not None or kernel == "triton") and refusal is None:
             _count("triton_window")  # tests: the window path really ran
             return Plan(None, TRITON_WINDOW, f"sliding window({window}): exact windowed "
                         "attention (Triton), no selection" + (f"; not FlexAttention: {why}"
                                                               if why else ""))
+        instead = "dense SDPA under the window's mask" if why else "FlexAttention"
+        if kernel == "triton":  # asked for and refused: say so (a new user's report read
+            _warn_once(refusal, f"the window runs {instead} instead")  # "Triton" here)
+        not_triton = f"; not Triton: {refusal}" if refusal and (why or kernel == "triton") else ""
         if why is not None:
             if q.device.type == "cuda":  # per plan (one per trace); GPU tests assert 0
                 _count("window_sdpa")
             return Plan(None, SDPA, f"sliding window({window}): dense SDPA with the window's "
-                                    f"mask ({why})")
+                                    f"mask (not FlexAttention: {why}{not_triton})")
         _count("flex_window")  # tests: the window path really ran
         return Plan(None, WINDOW, f"sliding window({window}): exact windowed attention "
-                                  "(FlexAttention), no selection")
+                                  f"(FlexAttention), no selection{not_triton}")
     if decode and not selection_only:
         return Plan(None, SDPA, DECODE_STEP)
     n_sparse = q.shape[2] - dense_rows

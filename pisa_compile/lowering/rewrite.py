@@ -1514,9 +1514,14 @@ def _note_and_selects(n_keys, has_mask: bool, config: PisaConfig, device: torch.
     if not statically_known_true(n_keys >= config.min_seq_len):
         notes.append(f"plain SDPA while Nk={n_keys} < min_seq_len={config.min_seq_len}")
     if window is not None and config.kernel == "triton":
-        notes.append("window: PISA's Triton kernels over the window's blocks (kernel='triton')")
-    elif window is not None and (device.type != "cuda" or config.kernel == "reference"):
-        notes.append("window: dense SDPA under the window's mask (FlexAttention runs on CUDA)")
+        notes.append("window: PISA's Triton kernels over the window's blocks (kernel='triton'; "
+                     "inputs they refuse run FlexAttention or dense SDPA under the window's "
+                     "mask, with a warning)")
+    elif window is not None and config.kernel == "reference":
+        notes.append("window: dense SDPA under the window's mask (kernel='reference')")
+    elif window is not None and device.type != "cuda":
+        notes.append("window: dense SDPA under the window's mask (on CUDA: FlexAttention, or "
+                     "PISA's Triton kernels over the window's blocks with a key mask)")
     elif window is not None and padded:
         notes.append("window with a key mask: the Triton attention kernels over the window's "
                      "blocks (traced FlexAttention was wrong with padding)")

@@ -23,7 +23,7 @@ from torch.fx.experimental.symbolic_shapes import guard_or_false, statically_kno
 
 from .config import PisaConfig
 from .kernels import dispatch, persistent
-from .kernels.dispatch import Plan
+from .kernels.dispatch import Plan, unstructured_mask_runs_dense
 from .kernels.runtime import DECODE_MAX_QUERIES
 from .kernels.geometry import block_width, cdiv, dense_mask
 from .kernels.window import WINDOW_QUERY_TILE, window_blocks
@@ -1046,7 +1046,7 @@ def _mask_checked_at_run_time(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor
             and statically_known_true(m.shape[1] == 1)
             # Only CUDA's kernel="auto" has an exact fallback (dense SDPA under the mask) where
             # Triton refuses; the reference selection elsewhere is better on the structure.
-            and (not dispatch.unstructured_mask_runs_dense(q.device, config.kernel)
+            and (not unstructured_mask_runs_dense(q.device, config.kernel)
                  or dispatch.triton_refusal(q, v, config.kernel) is None))
 
 

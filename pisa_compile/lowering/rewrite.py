@@ -26,9 +26,8 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols, statica
 from torch.utils._sympy.numbers import int_oo
 
 from ..config import PisaConfig
-from ..kernels.dispatch import unstructured_mask_runs_dense
 from ..ops import (check_causal_buffer, eager_empty_rows, is_decode_step, pisa_attention,
-                   self_attention_query_mask)
+                   self_attention_query_mask, unstructured_mask_runs_dense)
 from . import masks as M
 from . import patterns as P
 from .mha import (ENCODER_LAYER_TARGET, MHA_SIGNATURE, MHA_TARGET,

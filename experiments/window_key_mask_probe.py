@@ -71,11 +71,11 @@ def main(argv=None) -> int:
     from pisa_compile.kernels.triton_util import LOG2E
 
     def launch(plan, key_mask):
-        B, Hq, Hkv, Nq, Nk, D, Dv, bi_, bc_, mask, mstr, thr, meta, part = ta._common(
+        B, Hq, Hkv, Nq, Nk, D, Dv, bi_, bc_, mask, mstr, thr, meta = ta._common(
             q, k, v, None, True, bi, bc, 64, WINDOW_QUERY_TILE, None, key_mask, w)
         out = torch.empty(B, Hq, Nq, Dv, dtype=q.dtype, device=q.device)
         lse = torch.empty(B, Hq, Nq, dtype=torch.float32, device=q.device)
-        launches = ta._fwd_launches(meta, bi_, bc_, part)
+        launches = ta._fwd_launches(meta, bi_, bc_, mask[1])
         if plan == "twice" and len(launches) == 2:
             launches = [(0, bc_), launches[1]]  # every program unmasked, then the masked again
         for programs, counts in launches:

@@ -41,6 +41,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -735,14 +736,9 @@ def _mask_args(attn_mask: Optional[Tensor], q: Tensor, Nk: int):
     return m, m.stride(), True, False, float(thr)
 
 
-def _key_mask_args(key_mask: Optional[Tensor], q: Tensor, Nk: int, block_size: int,
-                   window: Optional[int] = None):
-    """``(tensor, part, (stride_b, stride_n), has_key_mask)`` of a ``[B, Nk]`` key mask, read
-    as bytes (``q`` stands in for an absent one: never read).
-
-    ``part``: with a ``window``, int32 ``[B, L + 1]``, entry ``l`` the number of leaves
-    holding a masked key among leaves ``[0, l)``, so that :func:`_fwd_launches` tells in two
-    gathers whether a window program's leaves hold any (else None).
+def _key_mask_args(key_mask: Optional[Tensor], q: Tensor, Nk: int, block_size: int):
+    """``(tensor, (stride_b, stride_n), has_key_mask)`` of a ``[B, Nk]`` key mask, read as
+    bytes (``q`` stands in for an absent one: never read).
 
     The tensor is ``[B, L * C + L]`` uint8 (``L = ceil(Nk / C)`` leaves of ``C`` keys): the
     mask, 1 for the keys past ``Nk``, then per leaf 1 if every key of it is live. The
@@ -751,7 +747,7 @@ def _key_mask_args(key_mask: Optional[Tensor], q: Tensor, Nk: int, block_size: i
     left padding ran 1.21x faster, ``profiles/attention_ab.json``). The batch is 1 or ``B``
     as the key mask's."""
     if key_mask is None:
-        return q, None, (0, 0), False
+        return q, (0, 0), False
     if key_mask.dim() != 2 or key_mask.shape[1] != Nk or key_mask.shape[0] not in (1, q.shape[0]):
         raise ValueError(f"key_mask must be [B={q.shape[0]}, Nk={Nk}], got shape "
                          f"{tuple(key_mask.shape)}")
@@ -759,12 +755,7 @@ def _key_mask_args(key_mask: Optional[Tensor], q: Tensor, Nk: int, block_size: i
     km = torch.ones(Bk, n + n // block_size, dtype=torch.uint8, device=key_mask.device)
     km[:, :Nk] = key_mask  # a value cast (Inductor cannot lower bool->uint8 views)
     km[:, n:] = km[:, :n].view(Bk, n // block_size, block_size).amin(-1)
-    strides = (km.stride(0) if Bk > 1 else 0, km.stride(1))
-    if window is None:  # used by the window path only
-        return km, None, strides, True
-    part = torch.zeros(Bk, n // block_size + 1, dtype=torch.int32, device=key_mask.device)
-    part[:, 1:] = torch.cumsum(1 - km[:, n:].to(torch.int32), dim=1, dtype=torch.int32)
-    return km, part, strides, True
+    return km, (km.stride(0) if Bk > 1 else 0, km.stride(1)), True
 
 
 def _common(q, k, v, attn_mask, is_causal, block_indices, block_counts, block_size, query_tile,
@@ -782,39 +773,42 @@ def _common(q, k, v, attn_mask, is_causal, block_indices, block_counts, block_si
     tqe = min(Tq, triton.next_power_of_2(Nq))
     tp = tile_params(G, tqe, D, Dv, block_size, q.dtype, tuning)
     mask, mstr, has_mask, mask_bool, thr = _mask_args(attn_mask, q, Nk)
-    km, part, kmstr, has_km = _key_mask_args(key_mask, q, Nk, block_size, window)
+    km, kmstr, has_km = _key_mask_args(key_mask, q, Nk, block_size)
     bi = block_indices.contiguous()
     bc = block_counts.contiguous()
     meta = dict(G=G, TQ=Tq, TQE=tqe, C=block_size, D=D, DV=Dv, IS_CAUSAL=bool(is_causal),
                 HAS_MASK=has_mask, MASK_BOOL=mask_bool, HAS_KEY_MASK=has_km,
                 HAS_WINDOW=window is not None, DOT_PREC=dot_precision(q.dtype), **tp)
-    # The key mask rides with the explicit mask: (mask, key mask), strides of both; its
-    # partial leaves' prefix counts (window path) come last, for _fwd_launches.
-    return (B, Hq, Hkv, Nq, Nk, D, Dv, bi, bc, (mask, km), (*mstr, *kmstr), thr, meta, part)
+    # The key mask rides with the explicit mask: (mask, key mask), strides of both.
+    return (B, Hq, Hkv, Nq, Nk, D, Dv, bi, bc, (mask, km), (*mstr, *kmstr), thr, meta)
 
 
 def _fwd_launches(meta: dict, block_indices: Tensor, block_counts: Tensor,
-                  key_part: Optional[Tensor]) -> list[tuple[int, Tensor]]:
+                  key_mask_bytes: Tensor) -> list[tuple[int, Tensor]]:
     """``(KEY_MASK_PROGRAMS, block_counts)`` of each launch of :func:`_fwd_kernel`.
 
     On the window path under a key mask: one launch of the loop compiled without the key mask
     for the programs whose leaves hold no key-masked key (``attention_mask=ones``, and left
     padding's windows past the pad), one with it for the others, each with the other's
     programs' counts set to -1 (not run, not stored). Programs are told apart here, by a few
-    small tensor ops on the block lists and the key mask's partial-leaf prefix counts
-    (``key_part``, :func:`_key_mask_args`), so the kernel reads no more than the count it
-    reads anyway. Against one kernel with a copy of the loop for each kind of program (H100,
+    small tensor ops on the block lists and prefix counts of the leaves flagged as holding a
+    masked key (``key_mask_bytes``' per-leaf flags, :func:`_key_mask_args`), so the kernel
+    reads no more than the count it reads anyway. Against one kernel with a copy of the loop for each kind of program (H100,
     window 4096, 32K, head dim 64): 1.26x with an all-ones key mask (3.14 ms; 3.37 without a
     key mask), 1.24x with left padding (``profiles/window_key_mask_split.json``). Else, and
     in decode (:func:`~pisa_compile.kernels.triton_decode.decode_attention`, whose few rows
     would not pay for these ops), one launch of every program."""
     if not (meta["HAS_KEY_MASK"] and meta["HAS_WINDOW"]):
         return [(0, block_counts)]
+    # part[b, l]: leaves among [0, l) holding a masked key (the flags close the bytes).
+    n_leaves = key_mask_bytes.shape[1] // (meta["C"] + 1)
+    flags = key_mask_bytes[:, -n_leaves:].to(torch.int32)
+    part = F.pad(torch.cumsum(1 - flags, dim=1, dtype=torch.int32), (1, 0))
     # Block lists are ascending (window_blocks): [first, last] spans every listed leaf.
     first = block_indices[..., 0].clamp(min=0).long()
     last = block_indices.gather(-1, (block_counts - 1).clamp(min=0).long()[..., None])[..., 0]
     B = block_indices.shape[0]
-    part = key_part.expand(B, -1).reshape(B, 1, -1).expand(-1, block_indices.shape[1], -1)
+    part = part.expand(B, -1).reshape(B, 1, -1).expand(-1, block_indices.shape[1], -1)
     clean = (block_counts <= 0) | (part.gather(-1, last.clamp(min=0).long() + 1)
                                    == part.gather(-1, first))
     skip = torch.full_like(block_counts, -1)
@@ -848,14 +842,14 @@ def sparse_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor
     Raises:
         ValueError: unsupported dtype, head dim > 256, or mismatched selection shape.
     """
-    B, Hq, Hkv, Nq, Nk, D, Dv, bi, bc, mask, mstr, thr, meta, part = _common(
+    B, Hq, Hkv, Nq, Nk, D, Dv, bi, bc, mask, mstr, thr, meta = _common(
         q, k, v, attn_mask, is_causal, block_indices, block_counts, block_size, query_tile,
         tuning, key_mask, window)
     out = torch.empty(B, Hq, Nq, Dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, Hq, Nq, dtype=torch.float32, device=q.device)
     T = bi.shape[2]
     grid = (T * meta["N_SUB"], B * Hkv, 1)
-    for programs, counts in _fwd_launches(meta, bi, bc, part):
+    for programs, counts in _fwd_launches(meta, bi, bc, mask[1]):
         launcher(_fwd_kernel, q)[grid](
             q, k, v, *mask, bi, counts, out, lse, out, lse,
             *q.stride(), *k.stride(), *v.stride(), *mstr, *out.stride(), *lse.stride(),
@@ -881,7 +875,7 @@ def sparse_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor,
     Args: as :func:`sparse_attention`, plus ``grad_out [B, Hq, Nq, Dv]``, the forward's ``out``
     and ``lse`` (float32 ``[B, Hq, Nq]``).
     """
-    B, Hq, Hkv, Nq, Nk, D, Dv, bi, bc, mask, mstr, thr, meta, _ = _common(
+    B, Hq, Hkv, Nq, Nk, D, Dv, bi, bc, mask, mstr, thr, meta = _common(
         q, k, v, attn_mask, is_causal, block_indices, block_counts, block_size, query_tile,
         tuning, key_mask, window)
     T = bi.shape[2]

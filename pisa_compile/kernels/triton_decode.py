@@ -95,7 +95,7 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor
     Raises:
         ValueError: as :func:`pisa_compile.kernels.triton_attention.sparse_attention`.
     """
-    B, Hq, Hkv, Nq, Nk, D, Dv, bi, bc, mask, mstr, thr, meta, _ = _common(
+    B, Hq, Hkv, Nq, Nk, D, Dv, bi, bc, mask, mstr, thr, meta = _common(
         q, k, v, attn_mask, is_causal, block_indices, block_counts, block_size, query_tile,
         key_mask=key_mask, window=window)
     T, M = bi.shape[2], bi.shape[3]

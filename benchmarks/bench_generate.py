@@ -44,7 +44,8 @@ compiled with graphs, failed on the H200: ``profiles/generate_static.json``, rec
 
 ``--prefill-chunk C`` prefills in chunks of ``C`` tokens (transformers'
 ``prefill_chunk_size``), in both rows: a static cache's prefill mask is ``[B, 1, C,
-capacity]`` instead of ``[B, 1, N, capacity]`` (137 GB at 128K, B=8).
+capacity]`` instead of ``[B, 1, N, capacity]`` (137 GB at 128K, B=8 with left padding;
+without padding, transformers 5.17 passes no mask to an empty static cache's prefill).
 
 ``--device cpu --tiny`` runs a 2-layer toy model (the CPU smoke test).
 """
@@ -52,6 +53,7 @@ capacity]`` instead of ``[B, 1, N, capacity]`` (137 GB at 128K, B=8).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
@@ -121,6 +123,11 @@ def run(model, backend: str, n: int, batch: int, pad: int, new_tokens: int, reps
     from pisa_compile.backend import pisa_backend
     torch._dynamo.reset()
     counters.clear()
+    # The last row's cache and graph pools go before this row allocates (128K, B=8 needs
+    # most of an 80 GB card for its eager prefill alone).
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(3, model.config.vocab_size, (batch, n), generator=g).to(device)
     am = torch.ones(batch, n, dtype=torch.long, device=device)

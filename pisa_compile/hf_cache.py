@@ -25,7 +25,8 @@ import warnings
 from typing import Optional
 
 import torch
-from transformers.cache_utils import Cache, DynamicLayer, StaticCache, StaticLayer
+from transformers.cache_utils import (Cache, DynamicCache, DynamicLayer, StaticCache,
+                                      StaticLayer)
 
 from .config import PisaConfig
 from .kv_cache import PisaKVCache, PisaStaticKVCache, check_options
@@ -38,6 +39,7 @@ class PisaLayer(DynamicLayer):
     (its batch, heads, head dims, dtype and device), ``keys``/``values`` its filled views."""
 
     is_compileable = False  # its update breaks the graph (eager kernel launches)
+    is_croppable = False  # transformers checks this before assisted decoding; crop() raises
 
     def __init__(self, max_cache_len: int, config: Optional[PisaConfig] = None,
                  sparse_from: Optional[int] = None, on_init=None):
@@ -74,6 +76,13 @@ class PisaLayer(DynamicLayer):
         """
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        got, want = key_states.shape, self.cache.keys.shape
+        if key_states.dim() == 4 and (got[0], got[1], got[3]) != (want[0], want[1], want[3]):
+            raise ValueError(
+                f"PisaCache: this cache was built at its first update for batch {want[0]}, "
+                f"{want[1]} key heads of dim {want[3]}; it got keys {tuple(got)}. The batch "
+                f"is fixed (the buffers are preallocated), also after reset(): build a new "
+                f"PisaCache for another batch size")
         n = key_states.shape[2]
         if self.cache.length + n > self.max_cache_len:
             raise ValueError(
@@ -131,7 +140,10 @@ def _cache_len(max_cache_len, owner: str) -> int:
     takes them). Raises ValueError naming ``owner`` for a bool or a value below 1."""
     if not isinstance(max_cache_len, numbers.Integral) or isinstance(max_cache_len, bool) \
             or max_cache_len < 1:
-        raise ValueError(f"{owner}: max_cache_len must be an int >= 1, got {max_cache_len!r}")
+        # A model config passed here (arguments swapped) would print as pages of JSON.
+        got = (repr(max_cache_len) if isinstance(max_cache_len, (numbers.Number, str))
+               else f"a {type(max_cache_len).__name__}")
+        raise ValueError(f"{owner}: max_cache_len must be an int >= 1, got {got}")
     return int(max_cache_len)
 
 
@@ -144,6 +156,17 @@ class PisaCache(Cache):
             ``PisaConfig()``.
         sparse_from: keys from which a decode step is sparse; None: the cost model of
             :class:`PisaKVCache`.
+        model_config: the model's config (``model.config``), keyword only. With it, layers
+            that are not full attention (sliding windows, chunks) keep transformers' own
+            cache, as in ``DynamicCache(config=...)``: PISA does not select inside a window,
+            and a window's cache stays window-sized. Without it every layer keeps a pyramid;
+            a window layer's steps are then found out at run time (a step's mask hides a key
+            the cache held as real) and run dense from there, with a warning: exact, though
+            a window's first sparse step has already selected inside it.
+
+    The batch size, key heads and head dims are fixed at the first update (preallocated
+    buffers), also after ``reset()``. No crop (``is_croppable`` is False): assisted
+    decoding needs a ``DynamicCache``.
 
     Example::
 
@@ -160,8 +183,8 @@ class PisaCache(Cache):
 
     Raises:
         ValueError: ``max_cache_len`` < 1 or ``sparse_from`` < 0; at an update, more tokens
-            than ``max_cache_len``.
-        TypeError: ``config`` is not a PisaConfig.
+            than ``max_cache_len``, or another batch size or head shape than the first's.
+        TypeError: ``config`` is not a PisaConfig, or ``model_config`` not a model config.
 
     Warns:
         UserWarning: when it raises ``torch._dynamo.config.recompile_limit`` (to at least 64,
@@ -172,14 +195,25 @@ class PisaCache(Cache):
     """
 
     def __init__(self, max_cache_len: int, config: Optional[PisaConfig] = None,
-                 sparse_from: Optional[int] = None):
+                 sparse_from: Optional[int] = None, *, model_config=None):
         max_cache_len = _cache_len(max_cache_len, "PisaCache")
         check_options(config, sparse_from, "PisaCache")  # now, not at the first update
+        if model_config is not None and not hasattr(model_config, "get_text_config"):
+            raise TypeError(f"PisaCache: model_config must be the model's config (a "
+                            f"transformers PretrainedConfig, model.config), got "
+                            f"{type(model_config).__name__}")
         _raise_recompile_limit(_MIN_RECOMPILES)
         # A counter, not a bound method of the cache: the layers must not keep the cache
         # (and its preallocated buffers) alive in a reference cycle.
-        super().__init__(layer_class_to_replicate=functools.partial(
-            PisaLayer, max_cache_len, config, sparse_from, _LayerCount()))
+        make = functools.partial(PisaLayer, max_cache_len, config, sparse_from, _LayerCount())
+        if model_config is None:
+            super().__init__(layer_class_to_replicate=make)
+        else:
+            # transformers' own layers where DynamicCache(config=...) makes other than full
+            # attention (sliding windows, chunks): PISA does not select inside a window.
+            layers = [make() if type(layer) is DynamicLayer else layer
+                      for layer in DynamicCache(config=model_config).layers]
+            super().__init__(layers=layers)
 
 
 # Each decoder layer's code after the cache's graph break is compiled per layer (Dynamo
@@ -228,6 +262,11 @@ def _raise_recompile_limit(want: int, who: str = "PisaCache", why: str = _PISA_C
         warnings.warn(f"{who} raised torch._dynamo.config.recompile_limit from {limit}: {why}, "
                       f"and past the limit torch.compile would run them eagerly, silently. Set "
                       f"it higher yourself to silence this.", stacklevel=3)
+
+
+# StaticCache's own options, and the ones it takes and ignores (older transformers' names).
+_STATIC_CACHE_KWARGS = ("offloading", "offload_only_non_sliding", "max_batch_size", "device",
+                        "dtype", "layer_device_map")
 
 
 class PisaStaticLayer(StaticLayer):
@@ -335,10 +374,11 @@ class PisaStaticCache(StaticCache):
             update, more tokens at once than ``max_cache_len``, or, run eagerly, more than
             it has left (the message says to ``reset()`` before a new prompt). In a compiled
             step the length is on the device and an overflow fails ``index_copy_``'s bounds
-            check: a device-side assert on CUDA, and on the CPU under Inductor an uncaught
-            C++ error that ends the process, as for transformers' ``StaticCache``.
-        TypeError: ``config`` is not a model config, ``pisa_config`` is not a PisaConfig, or
-            a PisaConfig option is passed as a keyword.
+            check: a device-side assert on CUDA (as for transformers' ``StaticCache``), an
+            ``IndexError`` on the CPU.
+        TypeError: ``config`` is not a model config, ``pisa_config`` is not a PisaConfig, a
+            PisaConfig option is passed as a keyword, or a keyword is neither this class's nor
+            ``StaticCache``'s (which would drop it silently).
 
     Warns:
         UserWarning: when it raises ``torch._dynamo.config.recompile_limit`` (as
@@ -348,7 +388,7 @@ class PisaStaticCache(StaticCache):
     def __init__(self, config, max_cache_len: int, pisa_config: Optional[PisaConfig] = None,
                  sparse_from: Optional[int] = None, **kwargs):
         max_cache_len = _cache_len(max_cache_len, "PisaStaticCache")
-        check_options(pisa_config, sparse_from, "PisaStaticCache")
+        check_options(pisa_config, sparse_from, "PisaStaticCache", "pisa_config")
         if not hasattr(config, "get_text_config"):
             raise TypeError(f"PisaStaticCache: config must be the model's config (a "
                             f"transformers PretrainedConfig, model.config), got "
@@ -357,6 +397,16 @@ class PisaStaticCache(StaticCache):
         if misplaced:
             raise TypeError(f"PisaStaticCache: {misplaced} are PisaConfig options: pass "
                             f"pisa_config=PisaConfig({misplaced[0]}=...)")
+        # StaticCache takes any keyword and drops what it does not know: a misspelt
+        # sparse_from or pisa_config would be lost silently.
+        unknown = sorted(set(kwargs) - set(_STATIC_CACHE_KWARGS))
+        if unknown:
+            import difflib
+            known = ("pisa_config", "sparse_from") + _STATIC_CACHE_KWARGS
+            close = difflib.get_close_matches(unknown[0], known, n=1)
+            raise TypeError(f"PisaStaticCache: unknown argument {unknown[0]!r}"
+                            + (f" (did you mean {close[0]!r}?)" if close else "")
+                            + f"; it takes config, max_cache_len, {', '.join(known)}")
         if kwargs.get("offloading"):
             raise ValueError("PisaStaticCache: offloading is not supported (its prefetch "
                              "replaces the layers' key buffers, which the pyramid and the "

@@ -89,22 +89,37 @@ def sparse_worthy(keys: Tensor, values: Tensor, n_keys: int, step_config: PisaCo
 
 
 def check_options(config: Optional[PisaConfig], sparse_from: Optional[int],
-                  where: str) -> PisaConfig:
+                  where: str, config_name: str = "config") -> PisaConfig:
     """``config`` (default ``PisaConfig()``) once ``config`` and ``sparse_from`` are checked;
-    ``where`` names the caller in the errors.
+    ``where`` names the caller and ``config_name`` the config's argument in the errors.
 
     Raises:
         TypeError: ``config`` is not a PisaConfig.
-        ValueError: ``sparse_from`` is not None or an int >= 0.
+        ValueError: ``sparse_from`` is not None or an int >= 0 (numpy ints too).
     """
-    if sparse_from is not None and (not isinstance(sparse_from, int) or isinstance(
+    if sparse_from is not None and (not isinstance(sparse_from, numbers.Integral) or isinstance(
             sparse_from, bool) or sparse_from < 0):
         raise ValueError(f"{where}: sparse_from must be an int >= 0 or None, got "
                          f"{sparse_from!r}")
     config = PisaConfig() if config is None else config
     if not isinstance(config, PisaConfig):
-        raise TypeError(f"{where}: config must be a PisaConfig, got {type(config).__name__}")
+        hint = (f" (PisaConfig(**{config!r}))" if isinstance(config, dict) else "")
+        raise TypeError(f"{where}: {config_name} must be a PisaConfig{hint}, got "
+                        f"{type(config).__name__}")
     return config
+
+
+def _deepcopy_registered(self, memo):
+    """``copy.deepcopy`` of a cache: a copy (transformers' prompt reuse deep-copies a
+    prefilled cache) holds buffers of its own, registered, or its steps would miss the
+    registry and run dense."""
+    import copy
+    new = object.__new__(type(self))
+    memo[id(self)] = new
+    for name, val in self.__dict__.items():
+        setattr(new, name, copy.deepcopy(val, memo))
+    persistent.register(new.keys, new)
+    return new
 
 
 def _decode_refusal(cache, t: Tensor) -> Optional[str]:
@@ -201,9 +216,15 @@ class PisaKVCache:
             beam=config.effective_beam)
         self.length = 0
         self.pyramid_length = 0  # keys the pyramid is up to date for
+        # Set (a reason) once a step's mask hid a key the cache holds as real: not padding
+        # but a window or another structure, which PISA's selection does not run inside.
+        self.not_padding: Optional[str] = None
+        self._hid_real: Optional[Tensor] = None  # device bool: a step's mask hid a real key
         self._unread_steps = 0  # single-token appends since the pyramid was last read
         # Compiled models' decode steps find the pyramid through the keys they are handed.
         persistent.register(self.keys, self)
+
+    __deepcopy__ = _deepcopy_registered
 
     @property
     def view_length(self) -> int:
@@ -214,6 +235,7 @@ class PisaKVCache:
         """Empty the cache (the buffers are kept)."""
         self.length = self.pyramid_length = self._unread_steps = 0
         self.key_mask = None
+        self.not_padding, self._hid_real = None, None
         self.pyramid.clear()
 
     def nbytes(self) -> dict:
@@ -280,8 +302,10 @@ class PisaKVCache:
                 f"PisaKVCache: {self._unread_steps} decode steps were appended and no "
                 "attention read the pyramid, so the model's decode is not PISA's. With "
                 "transformers, compile model.forward with backend='pisa' (generate() on the "
-                "module torch.compile returns runs the original forward); with PisaKVCache "
-                "itself, call attend(). Said once.", stacklevel=4)
+                "module torch.compile returns runs the original forward), with a "
+                "min_seq_len option at most the cache's length (the default, 32768, leaves "
+                "shorter attention dense); with PisaKVCache itself, call attend(). Said "
+                "once.", stacklevel=4)
 
     def _key_mask_buffer(self) -> Tensor:
         """``key_mask`` (bool ``[B, max_len]``), allocated all real on first use."""
@@ -399,12 +423,14 @@ class PisaKVCache:
         caller found them by :func:`pisa_compile.kernels.persistent.lookup`); the queries
         must be the last ones (``causal_offset == length - Nq``). A cache that was told of
         no padding adopts ``key_mask`` at the first such call and rebuilds its pyramid once
-        (``O(length)``); later calls are assumed to bring the same padding. The sinks, the
-        exact scores and the attention read the call's ``key_mask``."""
+        (``O(length)``); a later mask that hides a key held as real (a sliding window) is no
+        padding, and the steps run dense from the first sparse step that sees it
+        (:meth:`mark_not_padding`; one host sync per sparse step with a mask). The sinks,
+        the exact scores and the attention read the call's ``key_mask``."""
         Nq = query.shape[2]
         if (value.data_ptr() != self.values.data_ptr() or value.shape[2] != self.length
                 or causal_offset != self.length - Nq or query.dtype != self.keys.dtype
-                or not self.decode_is_sparse(Nq, query)):
+                or self.not_padding is not None):
             return None
         if key_mask is not None and self.key_mask is None:
             # The first call that brings padding (transformers gives the cache none): the
@@ -412,7 +438,29 @@ class PisaKVCache:
             # steering the walk (later tokens are real).
             self._key_mask_buffer()[:, :self.length] = key_mask
             self.pyramid_length = 0
+        elif key_mask is not None:
+            # A mask that hides a key held as real is no padding: a sliding window's, whose
+            # start moves each step. Gathered on the device at every step, read (one sync)
+            # only where the step would be sparse.
+            hid = (self.key_mask[:, :self.length] & ~key_mask).any()
+            self._hid_real = hid if self._hid_real is None else self._hid_real | hid
+        if not self.decode_is_sparse(Nq, query):
+            return None
+        if self._hid_real is not None and bool(self._hid_real):
+            self.mark_not_padding("a step's mask hid keys the cache holds as real")
+            return None
         return self._sparse_decode(query, key, value, key_mask, float(scale))
+
+    def mark_not_padding(self, why: str) -> None:
+        """Run this cache's decode steps dense from now on (until :meth:`reset`): ``why``
+        says how a mask showed structure other than causal key padding (a sliding window:
+        PISA does not select inside windows, DESIGN.md). Warns once per process."""
+        self.not_padding = why
+        dispatch._warn_once(
+            f"{type(self).__name__}: {why}: not padding (a sliding window?), and PISA does "
+            f"not select inside windows", "this layer's decode steps run dense SDPA "
+            "under the mask (exact); with transformers, pass PisaCache(..., "
+            "model_config=model.config) so window layers keep transformers' own cache")
 
     def _sparse_decode(self, q: Tensor, k: Tensor, v: Tensor, km: Optional[Tensor],
                        scale: float) -> Tensor:
@@ -558,16 +606,7 @@ class PisaStaticKVCache:
         """The keys a compiled step is handed: the whole buffer."""
         return self.keys.shape[2]
 
-    def __deepcopy__(self, memo):
-        # A copy (transformers' prompt reuse deep-copies a prefilled cache) holds buffers of
-        # its own: registered, or its steps would miss the registry and run dense.
-        import copy
-        new = object.__new__(type(self))
-        memo[id(self)] = new
-        for name, val in self.__dict__.items():
-            setattr(new, name, copy.deepcopy(val, memo))
-        persistent.register(new.keys, new)
-        return new
+    __deepcopy__ = _deepcopy_registered
 
     def _sparse_worthy(self) -> bool:
         """Whether a one-query step is sparse (the Triton path, and the cost model at the

@@ -192,6 +192,11 @@ def _structured_from_mask(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor, sc
     found = None if capturing else mask_structure(attn_mask, q.shape[2], k.shape[2])
     if found is None:
         counters["pisa"]["runtime_mask_unstructured"] += 1
+        owner = None if capturing else persistent.lookup(k)
+        if owner is not None and hasattr(owner, "mark_not_padding"):
+            # A cache's prefill under a window (or any other structure): its decode steps
+            # must not take the mask for padding and select inside it.
+            owner.mark_not_padding("the prefill's mask is not causal key padding")
         # As planned without reading the mask; in a capture as kernel="auto" plans it (dense
         # SDPA under the mask: the reference selection would sync).
         if capturing:

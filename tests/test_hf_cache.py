@@ -179,3 +179,126 @@ def test_an_encoder_decoder_model_takes_it_inside_encoder_decoder_cache(fresh_dy
                                                                    DynamicCache(config=cfg)))
     assert torch.equal(out, ref)
     assert pisa.get_seq_length() == out.shape[1] - 1  # the decoder's own tokens, not 200
+
+
+def _tiny_mistral(window: int):
+    """A seeded random-init Mistral whose every layer has a ``window``-token sliding window
+    (2 layers, 4 query and 2 KV heads of 16, SDPA)."""
+    torch.manual_seed(0)
+    cfg = transformers.MistralConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                     num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, head_dim=16,
+                                     max_position_embeddings=512, pad_token_id=0,
+                                     bos_token_id=1, eos_token_id=2, sliding_window=window)
+    cfg._attn_implementation = "sdpa"
+    return transformers.MistralForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("prompt,model_config", [(100, False), (12, False), (100, True)])
+def test_window_layers_are_never_selected_inside(fresh_dynamo, prompt, model_config):
+    """A new user's finding: ``PisaCache`` took a sliding window's decode mask for padding and
+    selected inside the window (top_k=1: scores 0.25-0.74 from dense, other tokens). With
+    ``model_config`` the window layers are transformers' own; without it the prefill's
+    window mask (a prompt past the window) or a step's moved window start (a prompt inside
+    it, 30 tokens past it) turns the layer's steps dense before any sparse step selects
+    inside a window. ``top_k=1`` of 4-key blocks is lossy wherever it selects; the prompt
+    inside the window takes ``top_k=64`` (exact, sparse until the window's start first
+    moves: lengths 13 to 24, 12 steps a layer, then dense)."""
+    from torch._dynamo.utils import counters
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+    window, new = 24, (8 if prompt > 24 else 30)
+    m = _tiny_mistral(window)
+    ids = torch.randint(3, 128, (2, prompt), generator=torch.Generator().manual_seed(3))
+    am = torch.ones_like(ids)
+    am[1, :5] = 0
+    kw = dict(input_ids=ids, attention_mask=am, max_new_tokens=new, do_sample=False,
+              output_scores=True, return_dict_in_generate=True)
+    dense = m.generate(**kw)
+    inside = prompt < window and not model_config
+    pc = PisaConfig(block_size=4, top_k=64 if inside else 1, local_blocks=1, kernel="triton",
+                    min_seq_len=0)
+    m.forward = torch.compile(m.forward, backend="pisa", dynamic=True,
+                              options=dict(min_seq_len=0, kernel="triton", block_size=4))
+    cache = PisaCache(prompt + new, config=pc, sparse_from=0,
+                      model_config=m.config if model_config else None)
+    with torch._dynamo.config.patch(recompile_limit=64):
+        out = m.generate(**kw, past_key_values=cache)
+    assert torch.equal(out.sequences, dense.sequences)
+    for a, b in zip(out.scores, dense.scores):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert counters["pisa"]["sparse_decode"] == (12 * 2 if inside else 0)
+    if model_config:
+        assert all(type(layer) is DynamicSlidingWindowLayer for layer in cache.layers)
+    else:
+        assert all(layer.cache.not_padding for layer in cache.layers)
+
+
+def test_a_full_attention_model_with_model_config_keeps_pyramids(fresh_dynamo):
+    """``model_config`` of a model without windows: every layer a ``PisaLayer``, and every
+    step sparse and exact (the counter of the first test)."""
+    from torch._dynamo.utils import counters
+    from pisa_compile.hf_cache import PisaLayer
+    m = tiny_generation_llama()
+    ids = torch.randint(3, 128, (2, 33), generator=torch.Generator().manual_seed(2))
+    am = torch.ones_like(ids)
+    am[0, :5] = 0
+    new = 4
+    dense = m.generate(input_ids=ids, attention_mask=am, max_new_tokens=new, do_sample=False)
+    pc = PisaConfig(block_size=4, top_k=64, kernel="triton", min_seq_len=0)
+    m.forward = torch.compile(m.forward, backend="pisa", dynamic=True,
+                              options=dict(min_seq_len=0, kernel="triton"))
+    cache = PisaCache(33 + new, config=pc, sparse_from=0, model_config=m.config)
+    assert len(cache.layers) == 2 and all(type(x) is PisaLayer for x in cache.layers)
+    with torch._dynamo.config.patch(recompile_limit=64):
+        out = m.generate(input_ids=ids, attention_mask=am, max_new_tokens=new, do_sample=False,
+                         past_key_values=cache)
+    assert torch.equal(out, dense)
+    assert counters["pisa"]["sparse_decode"] == (new - 1) * 2
+
+
+def test_a_deep_copy_decodes_from_its_own_pyramid(fresh_dynamo):
+    """transformers' prompt reuse deep-copies a prefilled cache (a new user's finding: the
+    copy's buffers were not registered, so its steps ran dense, silently): the copy's
+    continuation decodes sparsely and equals the original's."""
+    import copy
+    from torch._dynamo.utils import counters
+    m = tiny_generation_llama()
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(4))
+    pc = PisaConfig(block_size=4, top_k=2, kernel="triton", min_seq_len=0)  # lossy: sparse
+    m.forward = torch.compile(m.forward, backend="pisa", dynamic=True,
+                              options=dict(min_seq_len=0, kernel="triton"))
+    cache = PisaCache(60, config=pc, sparse_from=0)
+    kw = dict(max_new_tokens=5, do_sample=False, output_scores=True,
+              return_dict_in_generate=True)
+    with torch._dynamo.config.patch(recompile_limit=64), torch.no_grad():
+        m(ids, past_key_values=cache)  # prefill the shared prompt
+        twin = copy.deepcopy(cache)
+        more = torch.cat([ids, torch.randint(3, 128, (1, 3))], dim=1)
+        counters.clear()
+        a = m.generate(input_ids=more, past_key_values=cache, **kw)
+        from_original = counters["pisa"]["sparse_decode"]
+        counters.clear()
+        b = m.generate(input_ids=more, past_key_values=twin, **kw)
+    assert from_original > 0 and counters["pisa"]["sparse_decode"] == from_original
+    assert torch.equal(a.sequences, b.sequences)
+    for x, y in zip(a.scores, b.scores):
+        torch.testing.assert_close(x, y)
+
+
+def test_pisa_cache_is_not_croppable_and_its_batch_is_fixed():
+    """A new user's findings: transformers checks ``is_croppable`` before assisted decoding
+    (then ``crop`` raised after the prefill), and a new batch size after ``reset()`` failed
+    with an internal class's shape message."""
+    cache = PisaCache(16, config=PisaConfig(kernel="reference"))
+    k = torch.randn(2, 2, 6, 4)
+    cache.update(k, k, 0)
+    assert cache.is_croppable is False
+    cache.reset()
+    with pytest.raises(ValueError, match="batch 2.*fixed"):
+        cache.update(k[:1], k[:1], 0)
+    with pytest.raises(ValueError, match="got a LlamaConfig"):
+        PisaCache(tiny_generation_llama().config, 8)
+    with pytest.raises(TypeError, match="model_config"):
+        PisaCache(8, model_config={"sliding_window": 4})
+    import numpy as np
+    PisaCache(8, sparse_from=np.int64(4))  # numpy ints, as max_cache_len takes them

@@ -285,6 +285,19 @@ def test_static_cache_refuses_misplaced_arguments_and_a_long_prompt():
         PisaStaticCache(PisaConfig(), 48)
     with pytest.raises(TypeError, match="PisaConfig options"):
         PisaStaticCache(m.config, 48, top_k=4)
+    # StaticCache drops keywords it does not know: a misspelt option was lost silently (a
+    # new user's finding). StaticCache's own and its legacy ones still pass.
+    with pytest.raises(TypeError, match="'sparse_form' .did you mean 'sparse_from'"):
+        PisaStaticCache(m.config, 48, sparse_form=0)
+    with pytest.raises(TypeError, match="'pisa_cfg' .did you mean 'pisa_config'"):
+        PisaStaticCache(m.config, 48, pisa_cfg=PisaConfig())
+    PisaStaticCache(m.config, 48, max_batch_size=1, offload_only_non_sliding=True)
+    with pytest.raises(TypeError, match="pisa_config must be a PisaConfig"):
+        PisaStaticCache(m.config, 48, pisa_config={"top_k": 2})
+    with pytest.raises(ValueError, match="got a LlamaConfig$"):  # swapped: no JSON dump
+        PisaStaticCache(8, m.config)
+    import numpy as np
+    PisaStaticCache(m.config, 48, sparse_from=np.int64(4))
     cache = PisaStaticCache(m.config, 8)
     k = torch.zeros(1, 2, 9, 16)
     with pytest.raises(ValueError, match="max_cache_len=8 is too small"):

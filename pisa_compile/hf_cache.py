@@ -42,10 +42,11 @@ class PisaLayer(DynamicLayer):
     is_croppable = False  # transformers checks this before assisted decoding; crop() raises
 
     def __init__(self, max_cache_len: int, config: Optional[PisaConfig] = None,
-                 sparse_from: Optional[int] = None, on_init=None):
+                 sparse_from: Optional[int] = None, on_init=None, full_attention: bool = False):
         super().__init__()
         self.max_cache_len, self.pisa_config, self.sparse_from = (max_cache_len, config,
                                                                   sparse_from)
+        self.full_attention = full_attention  # known from the model's config: no window check
         self.cache: Optional[PisaKVCache] = None
         self._on_init = on_init  # called once, at the first update
 
@@ -54,6 +55,7 @@ class PisaLayer(DynamicLayer):
         self.cache = PisaKVCache(B, H, self.max_cache_len, D, value_dim=value_states.shape[3],
                                  dtype=key_states.dtype, device=key_states.device,
                                  config=self.pisa_config, sparse_from=self.sparse_from)
+        self.cache.full_attention = self.full_attention
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
         self._views()
@@ -120,8 +122,11 @@ class PisaLayer(DynamicLayer):
         v = self.cache.values[:, :, :n].index_select(0, beam_idx.to(self.device))
         km = None if self.cache.key_mask is None else self.cache.key_mask[:, :n].index_select(
             0, beam_idx.to(self.device))
+        # A window found before stays found: transformers reorders after every forward.
+        flags = self.cache.not_padding, self.cache._hid_real, self.cache._mask_known
         self.cache.reset()
         self.cache.append(k, v, km)
+        self.cache.not_padding, self.cache._hid_real, self.cache._mask_known = flags
         self._views()
 
     def crop(self, *args, **kwargs) -> None:
@@ -159,10 +164,13 @@ class PisaCache(Cache):
         model_config: the model's config (``model.config``), keyword only. With it, layers
             that are not full attention (sliding windows, chunks) keep transformers' own
             cache, as in ``DynamicCache(config=...)``: PISA does not select inside a window,
-            and a window's cache stays window-sized. Without it every layer keeps a pyramid;
-            a window layer's steps are then found out at run time (a step's mask hides a key
-            the cache held as real) and run dense from there, with a warning: exact, though
-            a window's first sparse step has already selected inside it.
+            and a window's cache stays window-sized; the other layers skip the run-time
+            window check (one host sync per sparse step with a mask). Without it every layer
+            keeps a pyramid, and a window is found at run time: from the prefill's mask when
+            it is read at run time (a compiled prefill after this cache's graph break), else
+            at the first step whose window start has moved past a key the cache holds as
+            real. The layer's steps then run dense, with a warning. A prompt longer than the
+            window whose prefill mask was not read gets one sparse step inside the window.
 
     The batch size, key heads and head dims are fixed at the first update (preallocated
     buffers), also after ``reset()``. No crop (``is_croppable`` is False): assisted
@@ -211,7 +219,7 @@ class PisaCache(Cache):
         else:
             # transformers' own layers where DynamicCache(config=...) makes other than full
             # attention (sliding windows, chunks): PISA does not select inside a window.
-            layers = [make() if type(layer) is DynamicLayer else layer
+            layers = [make(full_attention=True) if type(layer) is DynamicLayer else layer
                       for layer in DynamicCache(config=model_config).layers]
             super().__init__(layers=layers)
 

@@ -203,7 +203,8 @@ class PisaKVCache:
         if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise ValueError(f"PisaKVCache: dtype must be a floating dtype, got {dtype!r}")
         config = check_options(config, sparse_from, "PisaKVCache")
-        self.config, self.sparse_from, self.cuda_graph = config, sparse_from, bool(cuda_graph)
+        self.sparse_from = None if sparse_from is None else int(sparse_from)
+        self.config, self.cuda_graph = config, bool(cuda_graph)
         self.decode_config = decode_config(config)
         self.keys = torch.zeros(batch_size, num_kv_heads, max_len, head_dim, dtype=dtype,
                                 device=device)
@@ -220,6 +221,10 @@ class PisaKVCache:
         # but a window or another structure, which PISA's selection does not run inside.
         self.not_padding: Optional[str] = None
         self._hid_real: Optional[Tensor] = None  # device bool: a step's mask hid a real key
+        self._mask_known = 0  # keys whose padding the cache was told (the rest: assumed real)
+        # Set by a caller that knows the layer is full attention (PisaCache's model_config):
+        # no window to look for, so no per-step check and its sync.
+        self.full_attention = False
         self._unread_steps = 0  # single-token appends since the pyramid was last read
         # Compiled models' decode steps find the pyramid through the keys they are handed.
         persistent.register(self.keys, self)
@@ -235,7 +240,7 @@ class PisaKVCache:
         """Empty the cache (the buffers are kept)."""
         self.length = self.pyramid_length = self._unread_steps = 0
         self.key_mask = None
-        self.not_padding, self._hid_real = None, None
+        self.not_padding, self._hid_real, self._mask_known = None, None, 0
         self.pyramid.clear()
 
     def nbytes(self) -> dict:
@@ -278,6 +283,8 @@ class PisaKVCache:
                 raise ValueError(f"PisaKVCache.append: key_padding_mask must be [B={B}, n={n}],"
                                  f" got {tuple(key_padding_mask.shape)}")
             self._key_mask_buffer()[:, start:end] = key_padding_mask != 0
+            if start <= self._mask_known:
+                self._mask_known = end
         elif self.key_mask is not None:
             self.key_mask[:, start:end] = True
         self.keys[:, :, start:end] = key
@@ -423,10 +430,12 @@ class PisaKVCache:
         caller found them by :func:`pisa_compile.kernels.persistent.lookup`); the queries
         must be the last ones (``causal_offset == length - Nq``). A cache that was told of
         no padding adopts ``key_mask`` at the first such call and rebuilds its pyramid once
-        (``O(length)``); a later mask that hides a key held as real (a sliding window) is no
-        padding, and the steps run dense from the first sparse step that sees it
-        (:meth:`mark_not_padding`; one host sync per sparse step with a mask). The sinks,
-        the exact scores and the attention read the call's ``key_mask``."""
+        (``O(length)``), and a later call that follows keys appended since (another
+        ``generate()``'s prompt) adopts their padding the same way. A later mask that hides a
+        key held as real (a sliding window) is no padding: the steps run dense from the first
+        sparse step that sees it (:meth:`mark_not_padding`; one host sync per sparse step
+        with a mask, none where ``full_attention`` is set or inside a CUDA-graph capture).
+        The sinks, the exact scores and the attention read the call's ``key_mask``."""
         Nq = query.shape[2]
         if (value.data_ptr() != self.values.data_ptr() or value.shape[2] != self.length
                 or causal_offset != self.length - Nq or query.dtype != self.keys.dtype
@@ -439,14 +448,25 @@ class PisaKVCache:
             self._key_mask_buffer()[:, :self.length] = key_mask
             self.pyramid_length = 0
         elif key_mask is not None:
-            # A mask that hides a key held as real is no padding: a sliding window's, whose
-            # start moves each step. Gathered on the device at every step, read (one sync)
-            # only where the step would be sparse.
-            hid = (self.key_mask[:, :self.length] & ~key_mask).any()
-            self._hid_real = hid if self._hid_real is None else self._hid_real | hid
+            known = self._mask_known
+            if self.length - known > Nq:
+                # Keys appended since the last call with a mask, beyond this step's own: a
+                # later generate()'s prompt, whose padding is this call's mask.
+                self.key_mask[:, known:self.length] = key_mask[:, known:]
+                self.pyramid_length = min(self.pyramid_length, known)
+            elif not self.full_attention:
+                # A mask that hides a key held as real is no padding: a sliding window's,
+                # whose start moves each step. Gathered on the device at every step, read
+                # (one sync) only where the step would be sparse.
+                hid = (self.key_mask[:, :known] & ~key_mask[:, :known]).any()
+                self._hid_real = hid if self._hid_real is None else self._hid_real | hid
+        if key_mask is not None:
+            self._mask_known = self.length
         if not self.decode_is_sparse(Nq, query):
             return None
-        if self._hid_real is not None and bool(self._hid_real):
+        if self._hid_real is not None and not (
+                query.is_cuda and torch.cuda.is_current_stream_capturing()) and bool(
+                self._hid_real):
             self.mark_not_padding("a step's mask hid keys the cache holds as real")
             return None
         return self._sparse_decode(query, key, value, key_mask, float(scale))
@@ -454,7 +474,7 @@ class PisaKVCache:
     def mark_not_padding(self, why: str) -> None:
         """Run this cache's decode steps dense from now on (until :meth:`reset`): ``why``
         says how a mask showed structure other than causal key padding (a sliding window:
-        PISA does not select inside windows, DESIGN.md). Warns once per process."""
+        PISA does not select inside windows, DESIGN.md). Warns once per process and reason."""
         self.not_padding = why
         dispatch._warn_once(
             f"{type(self).__name__}: {why}: not padding (a sliding window?), and PISA does "
@@ -581,7 +601,8 @@ class PisaStaticKVCache:
                              f"{keys.device}, got {tuple(length.shape)} {length.dtype} on "
                              f"{length.device}")
         config = check_options(config, sparse_from, "PisaStaticKVCache")
-        self.config, self.sparse_from, self.cuda_graph = config, sparse_from, bool(cuda_graph)
+        self.sparse_from = None if sparse_from is None else int(sparse_from)
+        self.config, self.cuda_graph = config, bool(cuda_graph)
         self.decode_config = decode_config(config)
         self.keys, self.values, self.length = keys, values, length
         # ``length`` as the host knows it, while ``_known_exact``: eager appends advance it,

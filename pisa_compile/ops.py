@@ -193,10 +193,12 @@ def _structured_from_mask(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor, sc
     if found is None:
         counters["pisa"]["runtime_mask_unstructured"] += 1
         owner = None if capturing else persistent.lookup(k)
-        if owner is not None and hasattr(owner, "mark_not_padding"):
-            # A cache's prefill under a window (or any other structure): its decode steps
-            # must not take the mask for padding and select inside it.
-            owner.mark_not_padding("the prefill's mask is not causal key padding")
+        if owner is not None and hasattr(owner, "mark_not_padding") and _hides_seen_keys(
+                attn_mask):
+            # A cache's prefill under a window: its decode steps must not take the window's
+            # mask for padding and select inside it.
+            owner.mark_not_padding("the prefill's mask hides from its last query keys that "
+                                   "earlier queries see")
         # As planned without reading the mask; in a capture as kernel="auto" plans it (dense
         # SDPA under the mask: the reference selection would sync).
         if capturing:
@@ -210,6 +212,16 @@ def _structured_from_mask(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor, sc
     return pisa_attention(q, k, v, is_causal=True, causal_offset=offset,
                           key_mask=key_mask.expand(q.shape[0], k.shape[2]), scale=scale,
                           enable_gqa=True, config=cfg).contiguous()
+
+
+def _hides_seen_keys(attn_mask: Tensor) -> bool:
+    """Whether a mask's last query row hides a key some earlier row sees (one host sync): a
+    sliding window's does; causal padding, a prefix-LM's bidirectional prefix and image
+    blocks do not (their decode rows are causal padding). A float mask's entries at or
+    below ``finfo.min / 2`` count as hidden (``-inf`` and transformers' finite fills)."""
+    live = (attn_mask if attn_mask.dtype == torch.bool
+            else attn_mask > torch.finfo(attn_mask.dtype).min / 2)
+    return bool((live.any(dim=-2) & ~live[..., -1, :]).any())
 
 
 @_structured_from_mask_op.register_fake

@@ -18,7 +18,7 @@ if int(transformers.__version__.split(".")[0]) < 5:
     pytest.skip("PisaCache needs transformers >= 5", allow_module_level=True)
 
 from pisa_compile import PisaConfig  # noqa: E402
-from pisa_compile.hf_cache import PisaCache  # noqa: E402
+from pisa_compile.hf_cache import PisaCache, PisaLayer  # noqa: E402
 from tests.hf_models import tiny_generation_llama  # noqa: E402
 
 pytestmark = [pytest.mark.filterwarnings("ignore::RuntimeWarning"),
@@ -194,8 +194,9 @@ def _tiny_mistral(window: int):
     return transformers.MistralForCausalLM(cfg).eval()
 
 
-@pytest.mark.parametrize("prompt,model_config", [(100, False), (12, False), (100, True)])
-def test_window_layers_are_never_selected_inside(fresh_dynamo, prompt, model_config):
+@pytest.mark.parametrize("prompt,model_config,beams",
+                         [(100, False, 1), (12, False, 1), (100, True, 1), (100, False, 2)])
+def test_window_layers_are_never_selected_inside(fresh_dynamo, prompt, model_config, beams):
     """A new user's finding: ``PisaCache`` took a sliding window's decode mask for padding and
     selected inside the window (top_k=1: scores 0.25-0.74 from dense, other tokens). With
     ``model_config`` the window layers are transformers' own; without it the prefill's
@@ -203,7 +204,8 @@ def test_window_layers_are_never_selected_inside(fresh_dynamo, prompt, model_con
     it, 30 tokens past it) turns the layer's steps dense before any sparse step selects
     inside a window. ``top_k=1`` of 4-key blocks is lossy wherever it selects; the prompt
     inside the window takes ``top_k=64`` (exact, sparse until the window's start first
-    moves: lengths 13 to 24, 12 steps a layer, then dense)."""
+    moves: lengths 13 to 24, 12 steps a layer, then dense). Beam search (a review's
+    finding) reorders the cache after every forward: the window found stays found."""
     from torch._dynamo.utils import counters
     from transformers.cache_utils import DynamicSlidingWindowLayer
     window, new = 24, (8 if prompt > 24 else 30)
@@ -212,7 +214,7 @@ def test_window_layers_are_never_selected_inside(fresh_dynamo, prompt, model_con
     am = torch.ones_like(ids)
     am[1, :5] = 0
     kw = dict(input_ids=ids, attention_mask=am, max_new_tokens=new, do_sample=False,
-              output_scores=True, return_dict_in_generate=True)
+              output_scores=True, return_dict_in_generate=True, num_beams=beams)
     dense = m.generate(**kw)
     inside = prompt < window and not model_config
     pc = PisaConfig(block_size=4, top_k=64 if inside else 1, local_blocks=1, kernel="triton",
@@ -237,7 +239,6 @@ def test_a_full_attention_model_with_model_config_keeps_pyramids(fresh_dynamo):
     """``model_config`` of a model without windows: every layer a ``PisaLayer``, and every
     step sparse and exact (the counter of the first test)."""
     from torch._dynamo.utils import counters
-    from pisa_compile.hf_cache import PisaLayer
     m = tiny_generation_llama()
     ids = torch.randint(3, 128, (2, 33), generator=torch.Generator().manual_seed(2))
     am = torch.ones_like(ids)
@@ -302,3 +303,84 @@ def test_pisa_cache_is_not_croppable_and_its_batch_is_fixed():
         PisaCache(8, model_config={"sliding_window": 4})
     import numpy as np
     PisaCache(8, sparse_from=np.int64(4))  # numpy ints, as max_cache_len takes them
+
+
+def _layer_step(layer, mask, window=None):
+    """One decode step on a bare ``PisaLayer``: append a token, decode one query under
+    ``mask`` extended by the new key (or under the last ``window`` keys). Returns the
+    extended mask and the sparse output (None: the step ran dense)."""
+    c = layer.cache
+    B, H, _, D = c.keys.shape
+    kk = torch.randn(B, H, 1, D)
+    layer.update(kk, kk)
+    n = c.length
+    if window is not None:
+        mask = (torch.arange(n) >= n - window).expand(B, n)
+    else:
+        mask = torch.cat([mask, torch.ones(B, 1, dtype=torch.bool)], 1)
+    out = c.decode(torch.randn(B, H, 1, D), c.keys[:, :, :n], c.values[:, :, :n], mask, n - 1,
+                   D ** -0.5)
+    return mask, out
+
+
+def test_a_second_prompt_with_padding_of_its_own_stays_sparse():
+    """A review's finding: a second generate() on the same cache with a new left-padded
+    segment per row (batched multi-turn) hid keys the cache had taken as real, and the layer
+    went dense for good ("a sliding window?"). The segment's padding is now adopted from the
+    next step's mask, and the pyramid rebuilt over it."""
+    torch.manual_seed(0)
+    B, H, D = 2, 1, 16
+    layer = PisaLayer(64, PisaConfig(block_size=4, top_k=64, kernel="triton", min_seq_len=0),
+                      0)
+    am = torch.ones(B, 20, dtype=torch.bool)
+    am[1, :5] = False
+    k = torch.randn(B, H, 20, D)
+    layer.update(k, k)
+    for _ in range(3):
+        am, out = _layer_step(layer, am)
+        assert out is not None
+    seg = torch.ones(B, 4, dtype=torch.bool)
+    seg[0, :2] = False  # the new prompt's own left padding
+    k = torch.randn(B, H, 4, D)
+    layer.update(k, k)
+    for _ in range(2):
+        am, out = _layer_step(layer, torch.cat([am, seg], 1) if seg is not None else am)
+        seg = None
+        assert out is not None and layer.cache.not_padding is None
+    torch.testing.assert_close(layer.cache.key_mask[:, :am.shape[1]], am)
+
+
+def test_beam_reordering_keeps_a_window_found():
+    """A review's finding: transformers reorders the cache after every forward under beam
+    search, and the reorder's reset forgot a window found at the prefill, so the next step
+    selected inside it."""
+    torch.manual_seed(0)
+    B, H, D = 2, 1, 16
+    layer = PisaLayer(64, PisaConfig(block_size=4, top_k=1, local_blocks=1, kernel="triton",
+                                     min_seq_len=0), 0)
+    k = torch.randn(B, H, 20, D)
+    layer.update(k, k)
+    layer.cache.mark_not_padding("a window (test)")
+    assert _layer_step(layer, None, window=8)[1] is None
+    layer.reorder_cache(torch.arange(B))
+    assert layer.cache.not_padding == "a window (test)"
+    assert _layer_step(layer, None, window=8)[1] is None
+
+
+def test_only_a_window_like_prefill_mask_marks_a_cache():
+    """A review's finding: any mask read at run time that was not causal padding marked the
+    cache, so a prefix-LM's bidirectional prefix or image blocks (their decode rows are
+    causal padding) lost sparse decode. Only a last row that hides a key an earlier row
+    sees (a window) marks it."""
+    from pisa_compile.ops import _hides_seen_keys
+    n = 12
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    causal = j <= i
+    prefix = causal | (j < 5)  # bidirectional over a 5-token prefix
+    window = causal & (j > i - 4)
+    assert not _hides_seen_keys(causal[None, None])
+    assert not _hides_seen_keys(prefix[None, None])
+    assert _hides_seen_keys(window[None, None])
+    fill = torch.finfo(torch.float32).min
+    assert _hides_seen_keys(torch.zeros(1, 1, n, n).masked_fill(~window, fill))
+    assert not _hides_seen_keys(torch.zeros(1, 1, n, n).masked_fill(~prefix, float("-inf")))

@@ -52,10 +52,12 @@ def test_generate_with_pisa_cache_decodes_sparsely_and_exactly(fresh_dynamo, den
     assert cache.get_seq_length() == 40 + new - 1
 
 
-@pytest.mark.parametrize("padded", [False, True])
-def test_every_decode_step_reads_the_pyramid(fresh_dynamo, padded):
+@pytest.mark.parametrize("padded,model_config", [(False, False), (True, False), (True, True)])
+def test_every_decode_step_reads_the_pyramid(fresh_dynamo, padded, model_config):
     """Unpadded (transformers passes no mask for one query) and left-padded batches, B equal
-    to the KV heads (a symbol of its own would hide the GQA ratio): every step sparse."""
+    to the KV heads (a symbol of its own would hide the GQA ratio): every step sparse. With
+    ``model_config`` of a model without windows every layer is a ``PisaLayer`` that skips
+    the window check."""
     from torch._dynamo.utils import counters
     m = tiny_generation_llama()
     ids = torch.randint(3, 128, (2, 33), generator=torch.Generator().manual_seed(2))
@@ -67,9 +69,14 @@ def test_every_decode_step_reads_the_pyramid(fresh_dynamo, padded):
     pc = PisaConfig(block_size=4, top_k=64, kernel="triton", min_seq_len=0)
     m.forward = torch.compile(m.forward, backend="pisa", dynamic=True,
                               options=dict(min_seq_len=0, kernel="triton"))
+    cache = PisaCache(33 + new, config=pc, sparse_from=0,
+                      model_config=m.config if model_config else None)
+    if model_config:
+        assert len(cache.layers) == 2 and all(type(x) is PisaLayer for x in cache.layers)
     with torch._dynamo.config.patch(recompile_limit=64):
         out = m.generate(input_ids=ids, attention_mask=am, max_new_tokens=new, do_sample=False,
-                         past_key_values=PisaCache(33 + new, config=pc, sparse_from=0))
+                         past_key_values=cache)
+    assert all(x.cache.full_attention == model_config for x in cache.layers)
     assert torch.equal(out, dense)
     assert counters["pisa"]["sparse_decode"] == (new - 1) * 2
     assert counters["pisa"]["left_dense"] == 0
@@ -233,28 +240,6 @@ def test_window_layers_are_never_selected_inside(fresh_dynamo, prompt, model_con
         assert all(type(layer) is DynamicSlidingWindowLayer for layer in cache.layers)
     else:
         assert all(layer.cache.not_padding for layer in cache.layers)
-
-
-def test_a_full_attention_model_with_model_config_keeps_pyramids(fresh_dynamo):
-    """``model_config`` of a model without windows: every layer a ``PisaLayer``, and every
-    step sparse and exact (the counter of the first test)."""
-    from torch._dynamo.utils import counters
-    m = tiny_generation_llama()
-    ids = torch.randint(3, 128, (2, 33), generator=torch.Generator().manual_seed(2))
-    am = torch.ones_like(ids)
-    am[0, :5] = 0
-    new = 4
-    dense = m.generate(input_ids=ids, attention_mask=am, max_new_tokens=new, do_sample=False)
-    pc = PisaConfig(block_size=4, top_k=64, kernel="triton", min_seq_len=0)
-    m.forward = torch.compile(m.forward, backend="pisa", dynamic=True,
-                              options=dict(min_seq_len=0, kernel="triton"))
-    cache = PisaCache(33 + new, config=pc, sparse_from=0, model_config=m.config)
-    assert len(cache.layers) == 2 and all(type(x) is PisaLayer for x in cache.layers)
-    with torch._dynamo.config.patch(recompile_limit=64):
-        out = m.generate(input_ids=ids, attention_mask=am, max_new_tokens=new, do_sample=False,
-                         past_key_values=cache)
-    assert torch.equal(out, dense)
-    assert counters["pisa"]["sparse_decode"] == (new - 1) * 2
 
 
 def test_a_deep_copy_decodes_from_its_own_pyramid(fresh_dynamo):

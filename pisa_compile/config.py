@@ -55,10 +55,11 @@ def _caller_level() -> int:
     return level
 
 
-def _unknown_options(where: str, names) -> TypeError:
-    """The error for option names that are not fields: each with its closest field."""
+def _unknown_options(where: str, names, valid=None) -> TypeError:
+    """The error for option names that are not in ``valid`` (default: PisaConfig's fields):
+    each with its closest valid name."""
     import difflib
-    valid = PisaConfig.field_names()
+    valid = PisaConfig.field_names() if valid is None else list(valid)
     hints = [f"{n!r}" + (f" (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(
         n, valid, n=1)) else "") for n in sorted(names)]
     return TypeError(f"{where}: unknown option(s) {', '.join(hints)}; valid: {', '.join(valid)}")

@@ -28,7 +28,7 @@ import torch
 from transformers.cache_utils import (Cache, DynamicCache, DynamicLayer, StaticCache,
                                       StaticLayer)
 
-from .config import PisaConfig
+from .config import PisaConfig, _unknown_options
 from .kv_cache import PisaKVCache, PisaStaticKVCache, check_options
 
 __all__ = ["PisaCache", "PisaLayer", "PisaStaticCache", "PisaStaticLayer"]
@@ -78,13 +78,6 @@ class PisaLayer(DynamicLayer):
         """
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        got, want = key_states.shape, self.cache.keys.shape
-        if key_states.dim() == 4 and (got[0], got[1], got[3]) != (want[0], want[1], want[3]):
-            raise ValueError(
-                f"PisaCache: this cache was built at its first update for batch {want[0]}, "
-                f"{want[1]} key heads of dim {want[3]}; it got keys {tuple(got)}. The batch "
-                f"is fixed (the buffers are preallocated), also after reset(): build a new "
-                f"PisaCache for another batch size")
         n = key_states.shape[2]
         if self.cache.length + n > self.max_cache_len:
             raise ValueError(
@@ -117,16 +110,7 @@ class PisaLayer(DynamicLayer):
         rebuilt over them."""
         if self.cache is None:
             return
-        n = self.cache.length
-        k = self.cache.keys[:, :, :n].index_select(0, beam_idx.to(self.device))
-        v = self.cache.values[:, :, :n].index_select(0, beam_idx.to(self.device))
-        km = None if self.cache.key_mask is None else self.cache.key_mask[:, :n].index_select(
-            0, beam_idx.to(self.device))
-        # A window found before stays found: transformers reorders after every forward.
-        flags = self.cache.not_padding, self.cache._hid_real, self.cache._mask_known
-        self.cache.reset()
-        self.cache.append(k, v, km)
-        self.cache.not_padding, self.cache._hid_real, self.cache._mask_known = flags
+        self.cache.reorder_batch(beam_idx)
         self._views()
 
     def crop(self, *args, **kwargs) -> None:
@@ -407,14 +391,10 @@ class PisaStaticCache(StaticCache):
                             f"pisa_config=PisaConfig({misplaced[0]}=...)")
         # StaticCache takes any keyword and drops what it does not know: a misspelt
         # sparse_from or pisa_config would be lost silently.
-        unknown = sorted(set(kwargs) - set(_STATIC_CACHE_KWARGS))
+        unknown = set(kwargs) - set(_STATIC_CACHE_KWARGS)
         if unknown:
-            import difflib
-            known = ("pisa_config", "sparse_from") + _STATIC_CACHE_KWARGS
-            close = difflib.get_close_matches(unknown[0], known, n=1)
-            raise TypeError(f"PisaStaticCache: unknown argument {unknown[0]!r}"
-                            + (f" (did you mean {close[0]!r}?)" if close else "")
-                            + f"; it takes config, max_cache_len, {', '.join(known)}")
+            raise _unknown_options("PisaStaticCache", unknown, (
+                "config", "max_cache_len", "pisa_config", "sparse_from") + _STATIC_CACHE_KWARGS)
         if kwargs.get("offloading"):
             raise ValueError("PisaStaticCache: offloading is not supported (its prefetch "
                              "replaces the layers' key buffers, which the pyramid and the "

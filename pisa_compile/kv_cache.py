@@ -243,6 +243,20 @@ class PisaKVCache:
         self.not_padding, self._hid_real, self._mask_known = None, None, 0
         self.pyramid.clear()
 
+    def reorder_batch(self, index: Tensor) -> None:
+        """Gather the batch rows ``index`` (int ``[B]``, beam search) of the keys, values and
+        key mask, and rebuild the pyramid over them (``O(length)``). What the masks showed
+        (:meth:`mark_not_padding`, the window check) is kept: transformers reorders after
+        every forward."""
+        n, index = self.length, index.to(self.keys.device)
+        k = self.keys[:, :, :n].index_select(0, index)
+        v = self.values[:, :, :n].index_select(0, index)
+        km = None if self.key_mask is None else self.key_mask[:, :n].index_select(0, index)
+        found = self.not_padding, self._hid_real, self._mask_known
+        self.reset()
+        self.append(k, v, km)
+        self.not_padding, self._hid_real, self._mask_known = found
+
     def nbytes(self) -> dict:
         """``{"kv": bytes of K and V, "pyramid": bytes of the pyramid}`` (allocated)."""
         return {"kv": self.keys.numel() * self.keys.element_size()
@@ -264,7 +278,9 @@ class PisaKVCache:
         B, Hkv, cap, D = self.keys.shape
         if key.dim() != 4 or (key.shape[0], key.shape[1], key.shape[3]) != (B, Hkv, D):
             raise ValueError(f"PisaKVCache.append: key must be [B={B}, Hkv={Hkv}, n, D={D}], "
-                             f"got {tuple(key.shape)}")
+                             f"got {tuple(key.shape)}: the cache holds batch {B}, {Hkv} key "
+                             f"heads of dim {D}, fixed by its preallocated buffers (also "
+                             f"after reset()); build a new cache for another batch size")
         n = key.shape[2]
         for name, t in (("key", key), ("value", value)):
             if t.dtype != self.keys.dtype or t.device != self.keys.device:
@@ -441,18 +457,14 @@ class PisaKVCache:
                 or causal_offset != self.length - Nq or query.dtype != self.keys.dtype
                 or self.not_padding is not None):
             return None
-        if key_mask is not None and self.key_mask is None:
-            # The first call that brings padding (transformers gives the cache none): the
-            # cache adopts it and rebuilds its pyramid once, so that padded keys stop
-            # steering the walk (later tokens are real).
-            self._key_mask_buffer()[:, :self.length] = key_mask
-            self.pyramid_length = 0
-        elif key_mask is not None:
-            known = self._mask_known
-            if self.length - known > Nq:
-                # Keys appended since the last call with a mask, beyond this step's own: a
-                # later generate()'s prompt, whose padding is this call's mask.
-                self.key_mask[:, known:self.length] = key_mask[:, known:]
+        if key_mask is not None:
+            known = self._mask_known  # 0 while the cache has no key mask
+            if self.key_mask is None or self.length - known > Nq:
+                # Keys no call's mask has covered, beyond this step's own (the prompt, which
+                # transformers gives the cache no padding for; a later generate()'s prompt):
+                # their padding is this call's, and the pyramid is rebuilt over them, so that
+                # padded keys stop steering the walk (later tokens are real).
+                self._key_mask_buffer()[:, known:self.length] = key_mask[:, known:]
                 self.pyramid_length = min(self.pyramid_length, known)
             elif not self.full_attention:
                 # A mask that hides a key held as real is no padding: a sliding window's,
@@ -460,7 +472,6 @@ class PisaKVCache:
                 # (one sync) only where the step would be sparse.
                 hid = (self.key_mask[:, :known] & ~key_mask[:, :known]).any()
                 self._hid_real = hid if self._hid_real is None else self._hid_real | hid
-        if key_mask is not None:
             self._mask_known = self.length
         if not self.decode_is_sparse(Nq, query):
             return None
